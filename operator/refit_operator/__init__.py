@@ -1,0 +1,1 @@
+"""The Refit operator: reconciles WeightRefit resources over a vLLM fleet."""

@@ -1,0 +1,275 @@
+"""The wire contract between the Refit operator and the refit_worker vLLM plugin.
+
+Both packages import this module, so it depends on the standard library alone. It names
+the RPC methods the operator calls through vLLM's ``/collective_rpc``, the capability
+names the plugin reports, and the two public file formats a trainer writes next to a
+checkpoint: ``refit-manifest.json`` and ``refit-probe.json``. Changing anything here is a
+change of a public format: bump the matching ``*_FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# --- Kubernetes-facing names shared by the operator, the chart and the example fleet ---
+API_GROUP = "refit.rollout.dev"
+READINESS_GATE = f"{API_GROUP}/weights-ready"
+
+# --- RPC methods of refit_worker.extension.RefitWorkerExtension (via /collective_rpc) ---
+RPC_INFO = "refit_info"
+RPC_PREFLIGHT = "refit_preflight"
+RPC_LOAD = "refit_load"
+RPC_PROBE_REFERENCE = "refit_probe_reference"
+
+# --- Files a trainer writes into a checkpoint directory ---
+MANIFEST_FILE = "refit-manifest.json"
+PROBE_FILE = "refit-probe.json"
+MANIFEST_FORMAT_VERSION = 1
+PROBE_FORMAT_VERSION = 1
+
+# --- Capabilities refit_info reports (each is a reload-safety property of the image) ---
+CAP_FLASHINFER_BMM_SCALES = "flashinfer-bmm-scales-per-forward"
+CAP_ATTENTION_O_SCALE_RESET = "attention-o-scale-reset-on-load"
+CAP_TRTLLM_DECODE_DEVICE_SCALES = "trtllm-decode-device-scales-under-capture"
+CAP_MLA_DECODE_SCALES = "mla-decode-scales-per-forward"
+CAP_FLASHINFER_SINKS_IN_PLACE = "flashinfer-sinks-in-place"
+CAP_MLA_WEIGHTS_IN_PLACE = "mla-w-uv-w-uk-t-in-place"
+CAP_VERIFIED_RELOAD = "verified-reload"
+CAP_ADMIN_GUARD = "admin-guard"
+# What an image must report before the operator refits it (unless the spec allows it).
+REQUIRED_CAPABILITIES: tuple[str, ...] = (
+    CAP_FLASHINFER_BMM_SCALES,
+    CAP_ATTENTION_O_SCALE_RESET,
+    CAP_TRTLLM_DECODE_DEVICE_SCALES,
+    CAP_MLA_DECODE_SCALES,
+    CAP_FLASHINFER_SINKS_IN_PLACE,
+    CAP_MLA_WEIGHTS_IN_PLACE,
+    CAP_VERIFIED_RELOAD,
+)
+
+
+class ContractError(ValueError):
+    """A document does not follow this contract; the message names the field."""
+
+
+def _require(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise ContractError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ContractError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _check_version(doc: dict[str, Any], expected: int, where: str) -> None:
+    version = _require(doc, "formatVersion", int, where)
+    if version != expected:
+        raise ContractError(f"{where}: formatVersion {version} is not supported (want {expected})")
+
+
+# ---------------------------------------------------------------------------------------
+# refit-manifest.json
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ManifestFile:
+    name: str  # relative to the checkpoint directory, no '/' or '..'
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ManifestTensor:
+    file: str
+    dtype: str  # safetensors dtype name: F32, BF16, F16, F8_E4M3, ...
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    files: tuple[ManifestFile, ...]
+    tensors: dict[str, ManifestTensor]
+    format: str = "safetensors"
+    formatVersion: int = MANIFEST_FORMAT_VERSION
+
+    def to_json_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["tensors"] = {
+            name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
+            for name, t in sorted(self.tensors.items())
+        }
+        return doc
+
+    @classmethod
+    def from_json_dict(cls, doc: Any) -> Manifest:
+        where = MANIFEST_FILE
+        if not isinstance(doc, dict):
+            raise ContractError(f"{where}: not a JSON object")
+        _check_version(doc, MANIFEST_FORMAT_VERSION, where)
+        fmt = _require(doc, "format", str, where)
+        files = []
+        for i, f in enumerate(_require(doc, "files", list, where)):
+            w = f"{where}: files[{i}]"
+            if not isinstance(f, dict):
+                raise ContractError(f"{w}: not an object")
+            name = _require(f, "name", str, w)
+            if not name or "/" in name or name in (".", ".."):
+                raise ContractError(f"{w}: name {name!r} must be a plain file name")
+            files.append(ManifestFile(name, _require(f, "size", int, w), _require(f, "sha256", str, w)))
+        tensors = {}
+        for name, t in _require(doc, "tensors", dict, where).items():
+            w = f"{where}: tensors[{name!r}]"
+            if not isinstance(t, dict):
+                raise ContractError(f"{w}: not an object")
+            shape = _require(t, "shape", list, w)
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ContractError(f"{w}: shape must be a list of non-negative integers")
+            tensors[name] = ManifestTensor(
+                _require(t, "file", str, w), _require(t, "dtype", str, w), tuple(shape)
+            )
+        return cls(files=tuple(files), tensors=tensors, format=fmt)
+
+
+# ---------------------------------------------------------------------------------------
+# refit-probe.json: what the trainer's own model computes on fixed token ids
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProbePrompt:
+    token_ids: tuple[int, ...]
+    # logprobs[i] is the reference log-probability of token_ids[i] given token_ids[:i];
+    # logprobs[0] is None (nothing to condition on), as in vLLM's prompt_logprobs.
+    logprobs: tuple[float | None, ...]
+
+    @property
+    def nll(self) -> float:
+        """Mean negative log-likelihood of the scored tokens (all but the first)."""
+        scored = [lp for lp in self.logprobs[1:] if lp is not None]
+        return -sum(scored) / len(scored) if scored else math.nan
+
+
+@dataclass(frozen=True)
+class ProbeReference:
+    version: str  # the checkpoint version this reference was computed for
+    dtype: str  # dtype the reference was computed in: float32, bfloat16, ...
+    prompts: tuple[ProbePrompt, ...]
+    formatVersion: int = PROBE_FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the tool that wrote it
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "formatVersion": self.formatVersion,
+            "version": self.version,
+            "dtype": self.dtype,
+            "prompts": [
+                {"tokenIds": list(p.token_ids), "logprobs": list(p.logprobs), "nll": p.nll}
+                for p in self.prompts
+            ],
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json_dict(cls, doc: Any) -> ProbeReference:
+        where = PROBE_FILE
+        if not isinstance(doc, dict):
+            raise ContractError(f"{where}: not a JSON object")
+        _check_version(doc, PROBE_FORMAT_VERSION, where)
+        prompts = []
+        raw_prompts = _require(doc, "prompts", list, where)
+        if not raw_prompts:
+            raise ContractError(f"{where}: prompts is empty")
+        for i, p in enumerate(raw_prompts):
+            w = f"{where}: prompts[{i}]"
+            if not isinstance(p, dict):
+                raise ContractError(f"{w}: not an object")
+            ids = _require(p, "tokenIds", list, w)
+            lps = _require(p, "logprobs", list, w)
+            if len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ContractError(f"{w}: tokenIds must hold at least 2 non-negative integers")
+            if len(lps) != len(ids):
+                raise ContractError(f"{w}: logprobs has {len(lps)} entries for {len(ids)} tokens")
+            if not all(lp is None or isinstance(lp, int | float) for lp in lps):
+                raise ContractError(f"{w}: logprobs must be numbers (or null)")
+            prompts.append(ProbePrompt(tuple(ids), tuple(lps)))
+        return cls(
+            version=_require(doc, "version", str, where),
+            dtype=_require(doc, "dtype", str, where),
+            prompts=tuple(prompts),
+            extra=doc.get("extra") or {},
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# RPC results (JSON-able dicts on the wire; these classes give them names and types)
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RefitInfo:
+    vllm_version: str
+    attention_backend: str
+    kv_cache_dtype: str
+    cudagraph_mode: str
+    capabilities: tuple[str, ...]
+    # Reasons this pod's configuration is not reload-safe under full CUDA graphs (seed 000's
+    # "not covered" paths). Empty means safe.
+    unsafe_reasons: tuple[str, ...]
+    weight_version: str
+    model: str
+    allowed_root: str
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, doc: Any) -> RefitInfo:
+        where = RPC_INFO
+        if not isinstance(doc, dict):
+            raise ContractError(f"{where}: not a JSON object")
+        return cls(
+            vllm_version=_require(doc, "vllm_version", str, where),
+            attention_backend=_require(doc, "attention_backend", str, where),
+            kv_cache_dtype=_require(doc, "kv_cache_dtype", str, where),
+            cudagraph_mode=_require(doc, "cudagraph_mode", str, where),
+            capabilities=tuple(_require(doc, "capabilities", list, where)),
+            unsafe_reasons=tuple(_require(doc, "unsafe_reasons", list, where)),
+            weight_version=_require(doc, "weight_version", str, where),
+            model=_require(doc, "model", str, where),
+            allowed_root=_require(doc, "allowed_root", str, where),
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Errors: a refit RPC that refuses raises RefitRejected; vLLM's /collective_rpc turns it
+# into HTTP 500 whose body carries str(exc). The operator reads the code back with
+# parse_rejection() and reports it as the pod's reason.
+# ---------------------------------------------------------------------------------------
+REJECTION_PREFIX = "refit-rejected"
+REJECTION_CODES = (
+    "PathNotAllowed",  # outside the allowed root, '..', or a symlink escape
+    "CheckpointMissing",  # directory or manifest absent
+    "ManifestInvalid",  # manifest unreadable or not of this contract
+    "ManifestMismatch",  # files on disk differ from the manifest (size, sha256, extra/missing)
+    "TensorMismatch",  # a parameter the model loads is absent, or shape/dtype incompatible
+    "ProbeReferenceInvalid",  # refit-probe.json missing or malformed
+    "LoadFailed",  # vLLM's reload raised after preflight passed
+)
+
+
+class RefitRejected(RuntimeError):
+    def __init__(self, code: str, detail: str) -> None:
+        if code not in REJECTION_CODES:
+            raise ValueError(f"unknown rejection code {code!r}")
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{REJECTION_PREFIX}: {code}: {detail}")
+
+
+def parse_rejection(text: str) -> tuple[str, str] | None:
+    """Find '<prefix>: <Code>: <detail>' anywhere in an error body; None if absent."""
+    at = text.find(REJECTION_PREFIX + ": ")
+    if at < 0:
+        return None
+    rest = text[at + len(REJECTION_PREFIX) + 2 :]
+    code, _, detail = rest.partition(": ")
+    if code not in REJECTION_CODES:
+        return None
+    return code, detail.strip().strip('"}').strip()
