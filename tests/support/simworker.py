@@ -1,1 +1,1031 @@
-"""Placeholder: filled in by its owner."""
+"""A simulated vLLM worker fleet: ONE subprocess serving many loopback addresses.
+
+Each simulated pod listens on its own loopback address (127.x.y.z, all on one port) and
+answers the endpoints :class:`refit_operator.worker.WorkerClient` uses with the response
+shapes of a real vLLM 0.32 pod running the refit_worker plugin (tests/worker/test_contract.py
+holds the two to the same shapes): ``/health``, ``/metrics``, ``/v1/models``,
+``/v1/completions`` (token-id prompts, ``prompt_logprobs``), ``/pause``, ``/resume``,
+``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
+``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
+``refit_info``, ``refit_preflight``, ``refit_load`` and ``refit_probe_reference``.
+
+The simulated model
+    A pod starts at weight version ``"default"`` with dummy weights: every token scores
+    ln(1/vocab) (``vocab=`` of the fleet, default SIM_VOCAB), as a real dummy-loaded vLLM
+    does; larger token ids answer 400. ``make_sim_checkpoint(dir, version, drift=d)``
+    writes a checkpoint (one small safetensors file, ``refit-manifest.json`` and
+    ``refit-probe.json``) whose "weights" score any token ids with :func:`sim_logprobs` of
+    its version, plus ``d`` per token. Its refit-probe.json holds the drift-free scores, so a
+    probe against the reference of the checkpoint a pod last loaded passes exactly unless a
+    drift or fault is injected. Preflight and load verify the directory with refit_worker's
+    own checkpoint module and refuse like the real extension (HTTP 500 whose body carries
+    ``refit-rejected: <Code>: <detail>``). Sleep level 2 discards the weights: until the
+    next successful load, scores are garbage. Completions wait while the pod is paused or
+    asleep (vLLM 0.32 queues them too). Admin endpoints answer 401 without the admin token
+    when the fleet has one; ``/v1`` answers 401 without the api key when it has one.
+
+Steps and faults
+    Faults are set per pod and per step. A step is the endpoint name (``health``,
+    ``metrics``, ``models``, ``completions``, ``pause``, ``resume``, ``is_paused``,
+    ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``,
+    ``update_weight_version``, ``weight_info``) or the RPC method behind ``/collective_rpc``
+    (``refit_info``, ``refit_preflight``, ``refit_load``, ``refit_probe_reference``).
+    One fault per (pod, step); ``times=N`` makes it fire N times and then vanish.
+
+    ========================  ====================================================
+    kind (value)              effect
+    ========================  ====================================================
+    ``error`` (status=500)    answer HTTP ``value``; with ``code=`` on an RPC step the
+                              body carries that contract rejection, as vLLM sends it
+    ``hang``                  never answer (until the client gives up)
+    ``delay`` (seconds)       wait, then answer normally
+    ``crash`` (restart_after) reset this connection, stop listening (connection
+                              refused); with a value, come back after that many
+                              seconds as a freshly started pod
+    ``malformed``             answer 200 with an HTML body (a proxy in the way)
+    ``wrong_version`` (str)   ``weight_info``/``refit_info`` report this version
+    ``refuse``                ``reset_prefix_cache`` answers ``success: false``
+    ``nan`` ("nan"|"inf"|..)  ``completions``: every scored logprob is that number
+    ``garbage``               ``completions``: random logprobs in [-50, 10]
+    ``drift`` (float)         ``completions``: every scored logprob + value
+    ``missing``               ``completions``: the actual tokens' entries are absent
+    ========================  ====================================================
+
+    Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
+    ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
+    ``unsafe_reasons``; ``calls()`` lists the steps a pod served, in order (``call_log()``
+    with parameters, RPC bodies and status codes; ``counts()`` per step); ``state()`` shows
+    a pod's state. The same methods on ``pods[0].fleet`` (:class:`SimFleet`) take
+    ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
+    RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
+
+Use
+    def test_x(sim_fleet):
+        pods = sim_fleet(3, admin_token="t")
+        pods[1].set_fault("refit_load", "error", code="LoadFailed", times=1)
+        ... WorkerClient(pods[1].base_url, http=..., admin_token="t") ...
+        assert pods[1].calls() == ["pause", "sleep", ...]
+
+The subprocess (``python -m tests.support.simworker``) reads its configuration as one JSON
+line on stdin, prints one JSON line with its ports when every address listens, and exits
+when its stdin closes (the test process ended, however it ended). The control API
+listens on 127.0.0.1 on a port of its own; :class:`SimFleet` is its Python handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from refit_worker import contract
+from refit_worker.checkpoint import (
+    ExpectedParam,
+    load_manifest,
+    resolve_under_root,
+    verify_checkpoint,
+    verify_params,
+    write_manifest,
+)
+from refit_worker.guard import API_KEY_PREFIXES, needs_admin
+from refit_worker.reference import write_reference
+
+SIM_VOCAB = 512
+SIM_MODEL = "sim-model"
+SIM_MODEL_ROOT = "/models/sim-model"
+SIM_WEIGHTS_FILE = "model.safetensors"
+SIM_TENSOR = "sim.weight"
+# What the simulated model loads: preflight compares a checkpoint with this.
+SIM_PARAMS = {SIM_TENSOR: ExpectedParam(dtype="F32", shape=(2,))}
+SIM_VLLM_VERSION = "0.32.0+sim"
+
+HTTP_STEPS = {
+    "/health": "health",
+    "/metrics": "metrics",
+    "/v1/models": "models",
+    "/v1/completions": "completions",
+    "/pause": "pause",
+    "/resume": "resume",
+    "/is_paused": "is_paused",
+    "/sleep": "sleep",
+    "/wake_up": "wake_up",
+    "/is_sleeping": "is_sleeping",
+    "/reset_prefix_cache": "reset_prefix_cache",
+    "/update_weight_version": "update_weight_version",
+    "/weight_info": "weight_info",
+    "/collective_rpc": "collective_rpc",
+}
+RPC_STEPS = (
+    contract.RPC_INFO,
+    contract.RPC_PREFLIGHT,
+    contract.RPC_LOAD,
+    contract.RPC_PROBE_REFERENCE,
+)
+STEPS = tuple(s for s in HTTP_STEPS.values() if s != "collective_rpc") + RPC_STEPS
+ANY_STEP_FAULTS = frozenset({"error", "hang", "delay", "crash", "malformed"})
+STEP_FAULTS: dict[str, frozenset[str]] = {
+    "weight_info": frozenset({"wrong_version"}),
+    contract.RPC_INFO: frozenset({"wrong_version"}),
+    "reset_prefix_cache": frozenset({"refuse"}),
+    "completions": frozenset({"nan", "garbage", "drift", "missing"}),
+}
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+# ---------------------------------------------------------------------------------------
+# The simulated model and its checkpoints
+# ---------------------------------------------------------------------------------------
+def sim_logprobs(seed: str, token_ids: list[int] | tuple[int, ...]) -> list[float | None]:
+    """The simulated model's teacher-forced logprobs: deterministic in (seed, tokens)."""
+    out: list[float | None] = [None]
+    for i in range(1, len(token_ids)):
+        key = f"{seed}|{i}|{token_ids[i - 1]}|{token_ids[i]}".encode()
+        u = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
+        out.append(-0.5 - 7.5 * u)
+    return out
+
+
+def make_sim_checkpoint(
+    dir: Path, version: str, *, drift: float = 0.0, prompts: int = 3, length: int = 24
+) -> Path:
+    """Write a checkpoint directory the simulator loads (weights, manifest, probe reference).
+
+    ``drift`` is added to every logprob a pod scores after loading it; the reference in
+    refit-probe.json stays drift-free, so a non-zero drift makes the probe see it.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file  # only the test process writes checkpoints
+
+    dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {SIM_TENSOR: np.zeros(2, dtype=np.float32)},
+        str(dir / SIM_WEIGHTS_FILE),
+        metadata={"seed": version, "drift": repr(float(drift))},
+    )
+    write_manifest(dir)
+    rng = random.Random(version)
+    probe_prompts = []
+    for _ in range(prompts):
+        ids = tuple(rng.randrange(2, SIM_VOCAB) for _ in range(length))
+        probe_prompts.append(contract.ProbePrompt(ids, tuple(sim_logprobs(version, ids))))
+    reference = contract.ProbeReference(
+        version=version, dtype="float32", prompts=tuple(probe_prompts), extra={"tool": "simworker"}
+    )
+    write_reference(dir, reference)
+    return dir
+
+
+def _read_sim_weights(directory: Path) -> tuple[str, float]:
+    """(seed, drift) from the metadata of the checkpoint's safetensors header."""
+    with (directory / SIM_WEIGHTS_FILE).open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(header_len)).get("__metadata__") or {}
+    if "seed" not in meta:
+        raise contract.RefitRejected("LoadFailed", f"{SIM_WEIGHTS_FILE} is not a sim checkpoint")
+    return str(meta["seed"]), float(meta.get("drift", 0.0))
+
+
+def loopback_ips(n: int, start: str = "127.1.0.1") -> list[str]:
+    """n loopback addresses from `start` on, skipping .0 and .255 host parts."""
+    ips: list[str] = []
+    addr = ipaddress.IPv4Address(start)
+    while len(ips) < n:
+        if addr not in ipaddress.IPv4Network("127.0.0.0/8"):
+            raise ValueError(f"ran out of loopback addresses after {len(ips)}")
+        if addr.packed[3] not in (0, 255):
+            ips.append(str(addr))
+        addr += 1
+    return ips
+
+
+# ---------------------------------------------------------------------------------------
+# Server side (runs in the subprocess)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Fault:
+    kind: str
+    value: Any = None
+    code: str | None = None
+    times: int | None = None
+
+
+@dataclass
+class PodState:
+    ip: str
+    allowed_root: str
+    admin: bool
+    up: bool = True
+    weight_version: str = "default"  # what /weight_info reports (update_weight_version)
+    loaded_version: str = "default"  # what refit_info reports (last refit_load)
+    loaded_path: str = ""
+    load_format: str = "dummy"
+    seed: str | None = None  # None: dummy weights
+    drift: float = 0.0
+    weights_discarded: bool = False  # sleep level 2 until the next load
+    paused: bool = False
+    asleep: set[str] = field(default_factory=set)
+    running: int = 0
+    waiting: int = 0
+    capabilities: list[str] | None = None
+    unsafe_reasons: list[str] = field(default_factory=list)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    transports: set[Any] = field(default_factory=set)
+    serving: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fresh(self) -> None:
+        """State of a freshly started pod (keeps faults, calls and test-set capabilities)."""
+        self.weight_version = self.loaded_version = "default"
+        self.loaded_path, self.load_format = "", "dummy"
+        self.seed, self.drift, self.weights_discarded = None, 0.0, False
+        self.paused, self.running, self.waiting = False, 0, 0
+        self.asleep = set()
+        self.update_serving()
+
+    def update_serving(self) -> None:
+        if self.paused or self.asleep:
+            self.serving.clear()
+        else:
+            self.serving.set()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "ip": self.ip,
+            "up": self.up,
+            "weight_version": self.weight_version,
+            "loaded_version": self.loaded_version,
+            "loaded_path": self.loaded_path,
+            "dummy": self.seed is None,
+            "weights_discarded": self.weights_discarded,
+            "paused": self.paused,
+            "asleep": sorted(self.asleep),
+            "running": self.running,
+            "waiting": self.waiting,
+            "faults": {s: f.__dict__ for s, f in self.faults.items()},
+        }
+
+
+def vllm_error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """An error body shaped like vLLM's OpenAI-style error answers."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+# uvicorn logs the traceback of a failed RPC and then closes the connection; a request the
+# client sent on it meanwhile is never answered. The simulator keeps that window open.
+RPC_FAILURE_CLOSE_DELAY = 0.05
+_doomed: set[Any] = set()  # transports that answer nothing more
+
+
+def rpc_failure(request: web.Request, message: str) -> web.Response:
+    """How vLLM answers a /collective_rpc whose worker method raised: the exception passes
+    through the app, so uvicorn closes the connection after the 500."""
+    transport = request.transport
+    if transport is not None:
+        _doomed.add(transport)
+
+        def close() -> None:
+            _doomed.discard(transport)
+            transport.close()
+
+        asyncio.get_running_loop().call_later(RPC_FAILURE_CLOSE_DELAY, close)
+    return vllm_error(
+        500,
+        f"Call to collective_rpc method failed: Worker failed with error '{message}', "
+        "please check the stack trace above for the root cause",
+        "InternalServerError",
+    )
+
+
+class SimServer:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.admin_token: str | None = config.get("admin_token")
+        self.api_key: str | None = config.get("api_key")
+        allowed_root = str(config.get("allowed_root") or "/")
+        self.vocab = int(config.get("vocab") or SIM_VOCAB)
+        self.pods = {
+            ip: PodState(ip, allowed_root, self.admin_token is not None) for ip in config["ips"]
+        }
+        for pod in self.pods.values():
+            pod.update_serving()
+        self.port = 0
+        self.sites: dict[str, web.TCPSite] = {}
+        self.restart_tasks: set[asyncio.Task[None]] = set()
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_route("*", "/{tail:.*}", self.dispatch)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        control = web.Application()
+        control.router.add_post("/control/{action}", self.control)
+        self.control_runner = web.AppRunner(control, access_log=None)
+
+    # --- listening -----------------------------------------------------------------
+    async def start(self, port: int) -> tuple[int, int]:
+        await self.runner.setup()
+        await self.control_runner.setup()
+        control_site = web.TCPSite(self.control_runner, "127.0.0.1", 0)
+        await control_site.start()
+        control_port = control_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ips = list(self.pods)
+        for _attempt in range(20):
+            self.port = port or self._free_port(ips[0])
+            try:
+                for ip in ips:
+                    await self._listen(ip)
+                break
+            except OSError:
+                if port:
+                    raise
+                for ip in list(self.sites):
+                    await self._unlisten(ip)
+        else:
+            raise OSError("no port free on every address")
+        return self.port, control_port
+
+    @staticmethod
+    def _free_port(ip: str) -> int:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return int(s.getsockname()[1])
+
+    async def _listen(self, ip: str) -> None:
+        site = web.TCPSite(self.runner, ip, self.port, backlog=512, reuse_address=True)
+        await site.start()
+        self.sites[ip] = site
+
+    async def _unlisten(self, ip: str) -> None:
+        site = self.sites.pop(ip, None)
+        if site is not None:
+            await site.stop()
+
+    async def crash(self, pod: PodState, restart_after: float | None = None) -> None:
+        pod.up = False
+        await self._unlisten(pod.ip)
+        for transport in pod.transports:
+            transport.abort()
+        pod.transports.clear()
+        pod.serving.set()  # let queued completions run into the dead connection
+        if restart_after is not None:
+            task = asyncio.create_task(self._restart_later(pod, restart_after))
+            self.restart_tasks.add(task)
+            task.add_done_callback(self.restart_tasks.discard)
+
+    async def _restart_later(self, pod: PodState, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.restart(pod)
+
+    async def restart(self, pod: PodState) -> None:
+        if pod.up:
+            return
+        pod.fresh()
+        await self._listen(pod.ip)
+        pod.up = True
+
+    # --- request path --------------------------------------------------------------
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        ip = transport.get_extra_info("sockname")[0] if transport else None
+        pod = self.pods.get(ip or "")
+        if pod is None or transport is None:
+            return web.Response(status=404)
+        if not pod.up or transport in _doomed:
+            transport.abort()
+            return web.Response(status=503)
+        pod.transports.add(transport)
+        if len(pod.transports) > 64:
+            pod.transports = {t for t in pod.transports if not t.is_closing()}
+        step = HTTP_STEPS.get(request.path)
+        body: Any = None
+        if step is not None and request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+        if step == "collective_rpc" and isinstance(body, dict):
+            step = str(body.get("method"))
+        record: dict[str, Any] = {"step": step, "params": dict(request.query), "status": None}
+        if isinstance(body, dict) and step != "completions":
+            record["body"] = body
+        if step is not None:
+            pod.calls.append(record)
+        denied = self._deny(request)
+        response: web.StreamResponse
+        if denied is not None:
+            response = denied
+        elif step is None:
+            response = vllm_error(404, "Not Found", "NotFoundError")
+        else:
+            response = await self._serve(request, pod, step, body)
+        record["status"] = response.status
+        return response
+
+    def _deny(self, request: web.Request) -> web.Response | None:
+        """401 like refit_worker's admin guard and vLLM's --api-key middleware."""
+        given = request.headers.get("Authorization", "")
+        if request.path.startswith(API_KEY_PREFIXES):
+            want = self.api_key
+        elif needs_admin(request.method, request.path):
+            want = self.admin_token
+        else:
+            return None
+        if want is None or given == f"Bearer {want}":
+            return None
+        return web.json_response(
+            {"error": "Unauthorized"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    async def _serve(
+        self, request: web.Request, pod: PodState, step: str, body: Any
+    ) -> web.StreamResponse:
+        fault = pod.faults.get(step)
+        if fault is not None and fault.times is not None:
+            fault.times -= 1
+            if fault.times <= 0:
+                del pod.faults[step]
+        if fault is not None:
+            if fault.kind == "hang":
+                await asyncio.Event().wait()
+            if fault.kind == "delay":
+                await asyncio.sleep(float(fault.value or 0))
+            if fault.kind == "crash":
+                await self.crash(pod, fault.value)
+                return web.Response(status=503)
+            if fault.kind == "malformed":
+                return web.Response(text="<html>bad gateway</html>", content_type="text/html")
+            if fault.kind == "error":
+                status = int(fault.value or 500)
+                if fault.code is not None:
+                    return rpc_failure(
+                        request, str(contract.RefitRejected(fault.code, "injected fault"))
+                    )
+                return vllm_error(status, f"injected fault on {step}", "InternalServerError")
+        handler = getattr(self, f"on_{step}", None)
+        if handler is None:
+            return rpc_failure(request, f"'CPUWorker' object has no attribute '{step}'")
+        result: web.StreamResponse = await handler(request, pod, body, fault)
+        return result
+
+    # --- endpoints -----------------------------------------------------------------
+    async def on_health(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        return web.Response(status=200)
+
+    async def on_metrics(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        labels = f'{{engine="0",model_name="{SIM_MODEL}"}}'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {float(pod.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {float(pod.waiting)}\n"
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def on_models(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        created = int(time.time())
+        permission = {
+            "id": f"modelperm-{pod.ip}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        model = {
+            "id": SIM_MODEL,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": SIM_MODEL_ROOT,
+            "parent": None,
+            "max_model_len": 512,
+            "permission": [permission],
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def on_completions(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        if not isinstance(body, dict):
+            return vllm_error(400, "request body is not a JSON object", "BadRequestError")
+        if body.get("model") != SIM_MODEL:
+            return vllm_error(
+                404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
+            )
+        ids = body.get("prompt")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            return vllm_error(400, "the simulator scores token-id prompts only", "BadRequestError")
+        for t in ids:
+            if not 0 <= t < self.vocab:
+                return vllm_error(400, f"Token id {t} is out of vocabulary", "BadRequestError")
+        await pod.serving.wait()  # vLLM 0.32 queues requests while paused or asleep
+        if not pod.up:
+            return web.Response(status=503)
+        scores: list[float | None]
+        kind = fault.kind if fault is not None else None
+        if pod.weights_discarded or kind == "garbage":
+            scores = [None] + [random.uniform(-50.0, 10.0) for _ in ids[1:]]
+        elif pod.seed is None:
+            scores = [None] + [-math.log(self.vocab)] * (len(ids) - 1)
+        else:
+            scores = [None] + [
+                lp + pod.drift for lp in sim_logprobs(pod.seed, ids)[1:] if lp is not None
+            ]
+        if kind == "drift":
+            scores = [None] + [lp + float(fault.value) for lp in scores[1:] if lp is not None]
+        if kind == "nan":
+            scores = [None] + [float(fault.value or "nan")] * (len(ids) - 1)
+        prompt_logprobs: list[dict[str, Any] | None] = [None]
+        for i, tok in enumerate(ids[1:], start=1):
+            shown = (tok + 1) % self.vocab if kind == "missing" else tok
+            prompt_logprobs.append(
+                {str(shown): {"logprob": scores[i], "rank": 1, "decoded_token": f"<{shown}>"}}
+            )
+        answer = {
+            "id": f"cmpl-sim-{random.getrandbits(64):016x}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": SIM_MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": [ids[-1]],
+                    "prompt_logprobs": prompt_logprobs,
+                    "prompt_token_ids": ids,
+                    "routed_experts": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": f"vllm-{SIM_VLLM_VERSION}",
+            "usage": {
+                "prompt_tokens": len(ids),
+                "total_tokens": len(ids) + 1,
+                "completion_tokens": 1,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+        return web.json_response(answer)
+
+    async def on_pause(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return vllm_error(400, f"mode {mode!r} is not one of {PAUSE_MODES}", "Bad Request")
+        pod.paused = True
+        pod.update_serving()
+        return web.json_response({"status": "paused"})
+
+    async def on_resume(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        pod.paused = False
+        pod.update_serving()
+        return web.json_response({"status": "resumed"})
+
+    async def on_is_paused(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        return web.json_response({"is_paused": pod.paused})
+
+    async def on_sleep(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            level = -1
+        mode = request.query.get("mode", "abort")
+        if level not in (0, 1, 2) or mode not in PAUSE_MODES:
+            return vllm_error(
+                400, "level must be 0..2 and mode one of abort|wait|keep", "Bad Request"
+            )
+        # Level 0 stops scheduling only; 1 offloads the weights, 2 discards them.
+        pod.asleep |= {"scheduling"} if level == 0 else {"weights", "kv_cache"}
+        pod.weights_discarded = pod.weights_discarded or level == 2
+        pod.update_serving()
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def on_wake_up(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        tags = request.query.getall("tags", [])
+        pod.asleep = set() if not tags else pod.asleep - set(tags)
+        pod.update_serving()
+        status = "sleeping" if pod.asleep else "awake"
+        return web.json_response({"status": status, "tags": tags or None})
+
+    async def on_is_sleeping(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        return web.json_response({"is_sleeping": bool(pod.asleep)})
+
+    async def on_reset_prefix_cache(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        refuse = fault is not None and fault.kind == "refuse"
+        return web.json_response({"success": not refuse})
+
+    async def on_update_weight_version(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return vllm_error(400, "body.new_version: Field required", "Bad Request")
+        pod.weight_version = version
+        return web.json_response({"success": True, "new_version": version})
+
+    async def on_weight_info(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        version = pod.weight_version
+        if fault is not None and fault.kind == "wrong_version":
+            version = str(fault.value or "sim-wrong-version")
+        return web.json_response({"weight_version": version})
+
+    # --- refit_worker extension RPCs ----------------------------------------------
+    async def _rpc(
+        self, request: web.Request, pod: PodState, body: Any, fn: Callable[..., Any]
+    ) -> web.Response:
+        args = body.get("args") or []
+        kwargs = body.get("kwargs") or {}
+        try:
+            result = fn(pod, *args, **kwargs)
+        except contract.RefitRejected as exc:
+            return rpc_failure(request, str(exc))
+        except TypeError as exc:
+            return rpc_failure(request, str(exc))
+        return web.json_response({"results": [result]})
+
+    async def on_refit_info(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        def info(pod: PodState) -> dict[str, Any]:
+            caps = pod.capabilities
+            if caps is None:
+                caps = list(contract.REQUIRED_CAPABILITIES)
+                caps += [contract.CAP_ADMIN_GUARD] if pod.admin else []
+            version = pod.loaded_version
+            if fault is not None and fault.kind == "wrong_version":
+                version = str(fault.value or "sim-wrong-version")
+            return contract.RefitInfo(
+                vllm_version=SIM_VLLM_VERSION,
+                attention_backend="CPU_ATTN",
+                kv_cache_dtype="auto",
+                cudagraph_mode="NONE",
+                capabilities=tuple(caps),
+                unsafe_reasons=tuple(pod.unsafe_reasons),
+                weight_version=version,
+                model=SIM_MODEL_ROOT,
+                allowed_root=pod.allowed_root,
+            ).to_json_dict()
+
+        return await self._rpc(request, pod, body, info)
+
+    async def on_refit_preflight(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        return await self._rpc(request, pod, body, self._preflight)
+
+    def _preflight(self, pod: PodState, path: str) -> dict[str, Any]:
+        directory, manifest = verify_checkpoint(path, pod.allowed_root)
+        verify_params(manifest.tensors, SIM_PARAMS)
+        return {  # the keys refit_worker.extension answers with
+            "path": str(directory),
+            "files": len(manifest.files),
+            "bytes": sum(f.size for f in manifest.files),
+            "tensors": len(manifest.tensors),
+            "parameters": len(SIM_PARAMS),
+            "shapesChecked": True,
+            "tensorParallelSize": 1,
+            "seconds": 0.0,
+        }
+
+    async def on_refit_load(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        def load(pod: PodState, path: str, version: str) -> dict[str, Any]:
+            if not isinstance(version, str) or not version:
+                raise contract.RefitRejected("LoadFailed", "version must be a non-empty string")
+            checked = self._preflight(pod, path)
+            pod.seed, pod.drift = _read_sim_weights(Path(checked["path"]))
+            pod.loaded_version, pod.loaded_path = version, path
+            pod.weights_discarded = False
+            # A dummy-started vLLM switches its load format on the first load from disk.
+            switched, pod.load_format = (pod.load_format, "safetensors")
+            return {
+                **checked,
+                "version": version,
+                "loadSeconds": 0.0,
+                "switchedLoadFormatFrom": switched if switched != "safetensors" else None,
+            }
+
+        return await self._rpc(request, pod, body, load)
+
+    async def on_refit_probe_reference(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        def reference(pod: PodState, path: str) -> dict[str, Any]:
+            directory = resolve_under_root(path, pod.allowed_root)
+            load_manifest(directory)
+            try:
+                doc = json.loads((directory / contract.PROBE_FILE).read_text())
+                return contract.ProbeReference.from_json_dict(doc).to_json_dict()
+            except (OSError, ValueError) as exc:  # ContractError is a ValueError
+                raise contract.RefitRejected("ProbeReferenceInvalid", str(exc)) from None
+
+        return await self._rpc(request, pod, body, reference)
+
+    # --- control API ---------------------------------------------------------------
+    async def control(self, request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        doc = await request.json() if request.can_read_body else {}
+        ips = doc.get("ips") or list(self.pods)
+        unknown = [ip for ip in ips if ip not in self.pods]
+        if unknown:
+            return web.json_response({"error": f"unknown pods {unknown[:5]}"}, status=400)
+        pods = [self.pods[ip] for ip in ips]
+        if action == "fault":
+            step, kind = doc.get("step"), doc.get("kind")
+            if step not in STEPS:
+                return web.json_response({"error": f"unknown step {step!r}"}, status=400)
+            if kind not in ANY_STEP_FAULTS | STEP_FAULTS.get(step, frozenset()):
+                return web.json_response({"error": f"no fault {kind!r} on {step}"}, status=400)
+            code = doc.get("code")
+            if code is not None and (code not in contract.REJECTION_CODES or step not in RPC_STEPS):
+                return web.json_response(
+                    {"error": f"rejection code {code!r} on {step}"}, status=400
+                )
+            for pod in pods:
+                pod.faults[step] = Fault(kind, doc.get("value"), code, doc.get("times"))
+        elif action == "clear_faults":
+            for pod in pods:
+                for step in [doc["step"]] if doc.get("step") else list(pod.faults):
+                    pod.faults.pop(step, None)
+        elif action == "crash":
+            for pod in pods:
+                if pod.up:
+                    await self.crash(pod, doc.get("restart_after"))
+        elif action == "restart":
+            for pod in pods:
+                await self.restart(pod)
+        elif action == "state":
+            settable = {"running", "waiting", "weight_version", "capabilities", "unsafe_reasons"}
+            bad = set(doc.get("set", {})) - settable
+            if bad:
+                return web.json_response({"error": f"cannot set {sorted(bad)}"}, status=400)
+            for pod in pods:
+                for key, value in doc.get("set", {}).items():
+                    setattr(pod, key, value)
+        elif action == "calls":
+            result = {pod.ip: pod.calls for pod in pods}
+            if doc.get("clear"):
+                for pod in pods:
+                    pod.calls = []
+            return web.json_response(result)
+        elif action != "pods":
+            return web.json_response({"error": f"unknown action {action!r}"}, status=404)
+        return web.json_response({pod.ip: pod.summary() for pod in pods})
+
+
+async def _serve_forever(config: dict[str, Any]) -> None:
+    server = SimServer(config)
+    port, control_port = await server.start(int(config.get("port") or 0))
+    print(json.dumps({"port": port, "control_port": control_port}), flush=True)
+    # Never outlive the test process, even one killed without a chance to stop us: the
+    # parent holds our stdin open, so its end of file means the parent is gone.
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await reader.read()
+
+
+def main() -> None:
+    config = json.loads(sys.stdin.readline())
+    if not os.environ.get("SIMWORKER_NO_UVLOOP"):
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            uvloop.install()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_forever(config))
+
+
+# ---------------------------------------------------------------------------------------
+# Test side: the handle and the fixture
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimPod:
+    ip: str
+    port: int
+    fleet: SimFleet = field(repr=False, compare=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+    def set_fault(
+        self,
+        step: str,
+        kind: str,
+        value: Any = None,
+        *,
+        code: str | None = None,
+        times: int | None = None,
+    ) -> None:
+        self.fleet.set_fault(step, kind, value, code=code, times=times, pods=[self])
+
+    def clear_faults(self, step: str | None = None) -> None:
+        self.fleet.clear_faults(step, pods=[self])
+
+    def crash(self, restart_after: float | None = None) -> None:
+        self.fleet.crash([self], restart_after=restart_after)
+
+    def restart(self) -> None:
+        self.fleet.restart([self])
+
+    def set_state(self, **values: Any) -> None:
+        self.fleet.set_state([self], **values)
+
+    def state(self) -> dict[str, Any]:
+        return self.fleet.states([self])[self.ip]
+
+    def call_log(self, *, clear: bool = False) -> list[dict[str, Any]]:
+        return self.fleet.call_logs([self], clear=clear)[self.ip]
+
+    def calls(self, *, clear: bool = False) -> list[str]:
+        """The steps this pod served, in order (health and metrics included)."""
+        return [c["step"] for c in self.call_log(clear=clear)]
+
+    def counts(self) -> Counter[str]:
+        return Counter(self.calls())
+
+
+class SimFleet:
+    """Handle on one simulator subprocess and its pods."""
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        ips: list[str] | None = None,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        allowed_root: str | Path | None = None,
+        vocab: int = SIM_VOCAB,
+        port: int = 0,
+        start_timeout: float = 60.0,
+    ) -> None:
+        if ips is None:
+            if n is None or n < 1:
+                raise ValueError("give n >= 1 or ips")
+            # Distinct addresses for every fleet of this test process.
+            ips = loopback_ips(n, str(ipaddress.IPv4Address("127.1.0.1") + _take(n)))
+        config = {
+            "ips": ips,
+            "admin_token": admin_token,
+            "api_key": api_key,
+            "allowed_root": str(allowed_root) if allowed_root else None,
+            "vocab": vocab,
+            "port": port,
+        }
+        root = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "worker_image")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.simworker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=root,
+            env=env,
+            text=True,
+        )
+        try:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(config) + "\n")
+            self.proc.stdin.flush()
+            ready = _read_line(self.proc, start_timeout)
+            self.port = int(ready["port"])
+            self._control = httpx.Client(
+                base_url=f"http://127.0.0.1:{ready['control_port']}", timeout=30.0
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.pods = [SimPod(ip, self.port, self) for ip in ips]
+
+    def _post(self, action: str, pods: list[SimPod] | None, **doc: Any) -> Any:
+        doc["ips"] = [p.ip for p in pods] if pods is not None else None
+        response = self._control.post(f"/control/{action}", json=doc)
+        if response.status_code != 200:
+            raise ValueError(f"simworker control {action}: {response.text}")
+        return response.json()
+
+    def set_fault(
+        self,
+        step: str,
+        kind: str,
+        value: Any = None,
+        *,
+        code: str | None = None,
+        times: int | None = None,
+        pods: list[SimPod] | None = None,
+    ) -> None:
+        """Inject a fault on `step` of `pods` (all when None); see the module docstring."""
+        self._post("fault", pods, step=step, kind=kind, value=value, code=code, times=times)
+
+    def clear_faults(self, step: str | None = None, *, pods: list[SimPod] | None = None) -> None:
+        self._post("clear_faults", pods, step=step)
+
+    def crash(
+        self, pods: list[SimPod] | None = None, *, restart_after: float | None = None
+    ) -> None:
+        self._post("crash", pods, restart_after=restart_after)
+
+    def restart(self, pods: list[SimPod] | None = None) -> None:
+        self._post("restart", pods)
+
+    def set_state(self, pods: list[SimPod] | None = None, **values: Any) -> None:
+        self._post("state", pods, set=values)
+
+    def states(self, pods: list[SimPod] | None = None) -> dict[str, dict[str, Any]]:
+        result: dict[str, dict[str, Any]] = self._post("pods", pods)
+        return result
+
+    def call_logs(
+        self, pods: list[SimPod] | None = None, *, clear: bool = False
+    ) -> dict[str, list[dict[str, Any]]]:
+        result: dict[str, list[dict[str, Any]]] = self._post("calls", pods, clear=clear)
+        return result
+
+    def close(self) -> None:
+        if getattr(self, "_control", None) is not None:
+            self._control.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+_ip_cursor = 0
+
+
+def _take(n: int) -> int:
+    """Reserve room for n addresses (plus skipped .0/.255) in this process's range."""
+    global _ip_cursor
+    start = _ip_cursor
+    _ip_cursor += n + 2 * (n // 254 + 1) + 2
+    return start
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError(f"simworker did not start within {timeout}s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"simworker exited with {proc.wait()} before it listened")
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def _sim_fleet() -> Iterator[Callable[..., list[SimPod]]]:
+    """Factory: sim_fleet(n, admin_token=, api_key=, allowed_root=, vocab=) -> list[SimPod].
+
+    Every fleet is one subprocess, stopped when the test ends; pods[0].fleet is its handle.
+    """
+    fleets: list[SimFleet] = []
+
+    def start(n: int | None = None, **kwargs: Any) -> list[SimPod]:
+        fleet = SimFleet(n, **kwargs)
+        fleets.append(fleet)
+        return fleet.pods
+
+    yield start
+    for fleet in fleets:
+        fleet.close()
+
+
+if __name__ == "__main__":
+    main()
+else:
+    # The simulator process itself needs neither pytest nor httpx (they slow its start).
+    import httpx
+    import pytest
+
+    sim_fleet = pytest.fixture(name="sim_fleet")(_sim_fleet)

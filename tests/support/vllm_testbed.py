@@ -1,1 +1,276 @@
-"""Placeholder: filled in by its owner."""
+"""The real vLLM CPU test bed: the tiny model (tests/support/tiny_model.py) and real vLLM
+servers running the refit_worker plugin, the admin guard and the worker extension on loopback.
+
+    tiny_model            session fixture -> TinyModel (.base_dir, .allowed_root,
+                          .checkpoints, .reference(name))
+    start_vllm_server()   context manager -> VllmServer (.base_url, .admin_token, .stop())
+    vllm_server           module-scoped fixture: one server per test module
+
+Each server is its own process group, killed at exit whatever happened; a server that does
+not answer /health in time fails with its log tail in the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.tiny_model import TinyModel, ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = float(os.environ.get("REFIT_VLLM_START_TIMEOUT", "240"))
+SERVED_MODEL = "tiny"
+GUARD = "refit_worker.guard.AdminGuard"
+EXTENSION = "refit_worker.extension.RefitWorkerExtension"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+@dataclass
+class VllmServer:
+    host: str
+    port: int
+    admin_token: str
+    api_key: str | None
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    started_seconds: float = 0.0
+    _workdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return SERVED_MODEL
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def api_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, lines: int = 60) -> str:
+        return log_tail(self.log_path, lines)
+
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the server and every process it started, by process title
+        (APIServer, VLLM::EngineCore, VLLM::Worker, ...; shared pages count in each)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return {}
+        out: dict[str, int] = {}
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                title = " ".join(p.cmdline()[:1]) or p.name()
+                name = f"{title.rsplit('/', 1)[-1]}[{p.pid}]"
+                out[name] = p.memory_info().rss
+        return out
+
+    def rss_bytes(self) -> int:
+        return sum(self.rss_by_process().values())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        # Children that outlived the leader (engine core) share its process group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    # --- small helpers the tests share ---
+    def rpc(self, client: httpx.Client, method: str, *args: Any, timeout: float = 120) -> Any:
+        r = client.post(
+            f"{self.base_url}/collective_rpc",
+            json={"method": method, "args": list(args)},
+            headers=self.admin_headers(),
+            timeout=timeout,
+        )
+        r.raise_for_status()
+        return r.json()["results"][0]
+
+    def prompt_logprobs(self, client: httpx.Client, token_ids: list[int]) -> list[float | None]:
+        r = client.post(
+            f"{self.base_url}/v1/completions",
+            json={
+                "model": SERVED_MODEL,
+                "prompt": token_ids,
+                "max_tokens": 1,
+                "temperature": 0,
+                "prompt_logprobs": 0,
+            },
+            headers=self.api_headers(),
+            timeout=60,
+        )
+        r.raise_for_status()
+        entries = r.json()["choices"][0]["prompt_logprobs"]
+        out: list[float | None] = [None]
+        for tok, entry in zip(token_ids[1:], entries[1:], strict=True):
+            out.append(float(entry[str(tok)]["logprob"]))
+        return out
+
+
+def wait_healthy(server: VllmServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited with {server.process.returncode} before /health "
+                    f"answered; log tail:\n{server.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+    raise TimeoutError(
+        f"vLLM server on {server.base_url} not healthy after {timeout:.0f} s; "
+        f"log tail:\n{server.log_tail()}"
+    )
+
+
+@contextlib.contextmanager
+def start_vllm_server(
+    tiny_model: TinyModel,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    admin_token: str | None = None,
+    api_key: str | None = None,
+    load_format: str = "dummy",
+    model_dir: Path | None = None,
+    extra_args: list[str] | None = None,
+    timeout: float = START_TIMEOUT,
+) -> Iterator[VllmServer]:
+    """A real vLLM CPU server with the plugin, guard and extension.
+
+    By default it starts from the tiny model's config with --load-format dummy (uniform
+    logits) at weight version "default"; load_format="safetensors" with model_dir starts from
+    a real checkpoint. admin_token="" writes an empty token file (the guard fails closed).
+    """
+    workdir = tempfile.TemporaryDirectory(prefix="refit-vllm-")
+    token = secrets.token_hex(16) if admin_token is None else admin_token
+    token_file = Path(workdir.name) / "admin-token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    port = port or free_port(host)
+    # REFIT_VLLM_LOG_DIR keeps server logs after the run (CI artifacts, debugging).
+    log_dir = Path(os.environ.get("REFIT_VLLM_LOG_DIR") or workdir.name)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{host}-{port}.log"
+    model = model_dir or (tiny_model.base_dir if load_format == "dummy" else None)
+    if model is None:
+        raise ValueError("load_format other than dummy needs model_dir")
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "REFIT_ALLOWED_ROOT": str(tiny_model.allowed_root),
+        "REFIT_ADMIN_TOKEN_FILE": str(token_file),
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "worker_image"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(tiny_model.base_dir),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--load-format",
+        load_format,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--middleware",
+        GUARD,
+        "--worker-extension-cls",
+        EXTENSION,
+        *(["--api-key", api_key] if api_key else []),
+        *(extra_args or []),
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = VllmServer(host, port, token, api_key, log_path, process, _workdir=workdir)
+    try:
+        started = time.monotonic()
+        wait_healthy(server, timeout)
+        server.started_seconds = time.monotonic() - started
+        yield server
+    finally:
+        if process.poll() is not None:  # it died under the tests: say why
+            print(
+                f"\nvLLM server {server.base_url} exited with {process.returncode}; "
+                f"log tail:\n{server.log_tail()}",
+                file=sys.stderr,
+            )
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> TinyModel:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
+    """One dummy-start server per test module (API key "test-api-key" on /v1)."""
+    with start_vllm_server(tiny_model, api_key="test-api-key") as server:
+        yield server

@@ -116,7 +116,9 @@ class Manifest:
             name = _require(f, "name", str, w)
             if not name or "/" in name or name in (".", ".."):
                 raise ContractError(f"{w}: name {name!r} must be a plain file name")
-            files.append(ManifestFile(name, _require(f, "size", int, w), _require(f, "sha256", str, w)))
+            files.append(
+                ManifestFile(name, _require(f, "size", int, w), _require(f, "sha256", str, w))
+            )
         tensors = {}
         for name, t in _require(doc, "tensors", dict, where).items():
             w = f"{where}: tensors[{name!r}]"
@@ -272,4 +274,6 @@ def parse_rejection(text: str) -> tuple[str, str] | None:
     code, _, detail = rest.partition(": ")
     if code not in REJECTION_CODES:
         return None
+    # vLLM wraps a worker exception as "... error '<str(exc)>', please check the stack trace".
+    detail = detail.split("', please check")[0]
     return code, detail.strip().strip('"}').strip()

@@ -1,0 +1,91 @@
+"""`python -m bench [--quick] [--only NAME ...]`: run suites, write bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.results import Metric, SuiteResult, loadavg, machine_info, write_result, write_table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SUITES = ["scale", "refit_vs_restart", "bandwidth", "probe_cost", "memory"]
+TITLES = {
+    "scale": "control-plane scale (real API server + operator, simulated workers)",
+    "refit_vs_restart": "refit cycle vs vLLM restart (real vLLM CPU, tiny Llama)",
+    "bandwidth": "reload bandwidth vs a raw sequential read of the same files",
+    "probe_cost": "probe tokens and time per pod vs the refit cycle",
+    "memory": "vLLM worker RSS across consecutive refits",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now(UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_one(
+    name: str, quick: bool, sizes: list[int] | None = None, small_repeats: int = 3
+) -> tuple[list[Metric], dict[str, Any], list[str]]:
+    if name == "scale":
+        from bench import scale
+
+        sizes = sizes or ([5, 20] if quick else [10, 100, 1000])
+        repeats = {n: 1 if quick else (small_repeats if n <= 100 else 1) for n in sizes}
+        metrics, raw = scale.run_suite(sizes, repeats, log)
+        return metrics, raw, []
+    from bench import vllm_suites
+
+    runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {
+        "refit_vs_restart": vllm_suites.refit_vs_restart,
+        "bandwidth": vllm_suites.bandwidth,
+        "probe_cost": vllm_suites.probe_cost,
+        "memory": vllm_suites.memory,
+    }[name]
+    return runner(quick, log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small sizes: checks the harness works")
+    p.add_argument("--only", action="append", choices=SUITES, help="run only this suite")
+    p.add_argument("--out", type=Path, default=RESULTS, help="default: bench/results")
+    p.add_argument("--scale-sizes", type=int, nargs="+", help="fleet sizes of the scale suite")
+    p.add_argument(
+        "--scale-repeats", type=int, default=3, help="runs per strategy of fleets <= 100 pods"
+    )
+    args = p.parse_args(argv)
+    command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    failed: list[str] = []
+    for name in args.only or SUITES:
+        machine = machine_info()
+        date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        started = time.monotonic()
+        log(f"{name}: start (load {machine['loadavg_before']})")
+        try:
+            metrics, raw, notes = run_one(name, args.quick, args.scale_sizes, args.scale_repeats)
+        except Exception as e:  # one failed suite must not lose the others' results
+            log(f"{name}: FAILED: {type(e).__name__}: {e}")
+            failed.append(name)
+            continue
+        machine["loadavg_after"] = loadavg()
+        raw["seconds"] = round(time.monotonic() - started, 1)
+        result = SuiteResult(
+            name, TITLES[name], command.strip(), date, machine, metrics, notes, raw
+        )
+        path = write_result(args.out, result)
+        log(f"{name}: done in {raw['seconds']}s -> {path}")
+    table = write_table(args.out, SUITES)
+    log(f"table: {table}")
+    if failed:
+        log(f"failed suites: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Suite `scale`: the real `refit-operator` process against a real kube-apiserver + etcd, with
+simulated workers (one subprocess, one loopback address per pod, no added latency).
+
+Per fleet size and strategy: wall time from `create WeightRefit` to phase Succeeded (every
+pod probed and passed, checked in the status and in each simulated pod's version), operator
+CPU seconds and peak RSS (/proc VmHWM of a fresh operator process per run), and API-server
+requests per pod by verb, from the server's own apiserver_request_total before/after, minus
+the requests this harness itself made in that window (one create, its status polls).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from refit_operator.cluster import CONDITION
+
+from bench import apiserver
+from bench.results import Metric, summarize
+from tests.support.controlplane import ControlPlane
+from tests.support.simworker import SimFleet, make_sim_checkpoint
+
+OPERATOR = Path(sys.executable).with_name("refit-operator")
+LABELS = {"app": "bench"}
+GROUP, VERSION, PLURAL = "refit.rollout.dev", "v1alpha1", "weightrefits"
+STRATEGIES = {
+    "AllAtOnce": {"type": "AllAtOnce"},
+    "Rolling25": {"type": "Rolling", "maxUnavailable": "25%"},
+}
+POLL_SECONDS = 0.25
+
+
+@dataclass
+class RunResult:
+    pods: int
+    strategy: str
+    wall_s: float
+    cpu_s: float
+    peak_rss_mib: float
+    requests: dict[str, int]  # "VERB resource" -> count, harness requests removed
+    verbs: dict[str, int]
+    writes: int
+    probed: int
+    completed: bool = True  # False: the timeout ended the run (wall_s is then the timeout)
+    updated: int = 0
+
+    def per_pod(self, value: float) -> float:
+        return value / self.pods
+
+
+class Bench:
+    def __init__(self, cp: ControlPlane, work: Path) -> None:
+        self.cp, self.work = cp, work
+        cfg = k8s.Configuration()
+        k8s_config.load_kube_config(str(cp.kubeconfig), client_configuration=cfg)
+        cfg.connection_pool_maxsize = 16
+        self.api = k8s.ApiClient(cfg)
+        # Typed as Any: plain dict bodies and _preload_content=False answers.
+        self.core: Any = k8s.CoreV1Api(self.api)
+        self.custom: Any = k8s.CustomObjectsApi(self.api)
+        self.runs = 0
+
+    def close(self) -> None:
+        self.api.close()
+
+    def make_pods(self, ns: str, ips: list[str]) -> None:
+        def one(i_ip: tuple[int, str]) -> None:
+            i, ip = i_ip
+            name = f"pod-{i}"
+            body = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "labels": LABELS},
+                "spec": {
+                    "containers": [{"name": "vllm", "image": "vllm/vllm-openai:bench"}],
+                    "readinessGates": [{"conditionType": CONDITION}],
+                },
+            }
+            self.core.create_namespaced_pod(ns, body)
+            status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+            self.core.patch_namespaced_pod_status(name, ns, status)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, enumerate(ips)))
+
+    def start_operator(self, ns: str, lease: str) -> subprocess.Popen[bytes]:
+        log = (self.work / f"{lease}.log").open("wb")
+        with log:
+            proc = subprocess.Popen(
+                [
+                    str(OPERATOR),
+                    "--kubeconfig",
+                    str(self.cp.kubeconfig),
+                    "--namespace",
+                    ns,
+                    "--metrics-port",
+                    "0",
+                    "--lease-namespace",
+                    ns,
+                    "--lease-name",
+                    lease,
+                    "--lease-seconds",
+                    "15",
+                    "--identity",
+                    lease,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        coord: Any = k8s.CoordinationV1Api(self.api)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"operator exited: {self.log_tail(lease)}")
+            try:
+                if coord.read_namespaced_lease(lease, ns).spec.holder_identity:
+                    break
+            except k8s.ApiException:
+                pass
+            time.sleep(0.2)
+        else:
+            stop(proc)
+            raise RuntimeError(f"operator took no lease in 60 s: {self.log_tail(lease)}")
+        time.sleep(2.0)  # kopf's watches start after leadership
+        return proc
+
+    def log_tail(self, lease: str) -> str:
+        return (self.work / f"{lease}.log").read_text(errors="replace")[-3000:]
+
+    def run(
+        self, ns: str, fleet: SimFleet, strategy: str, ckpt_root: Path, timeout: float
+    ) -> RunResult:
+        self.runs += 1
+        n = len(fleet.pods)
+        version = f"v{self.runs}"
+        ckpt = make_sim_checkpoint(ckpt_root / version, version)
+        lease = f"bench-{n}-{self.runs}"
+        proc = self.start_operator(ns, lease)
+        try:
+            me = psutil.Process(proc.pid)
+            before = apiserver.request_totals(self.cp)
+            cpu0 = sum(me.cpu_times()[:2])
+            body = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "WeightRefit",
+                "metadata": {"name": version},
+                "spec": {
+                    "fleet": {"selector": {"matchLabels": LABELS}, "port": fleet.port},
+                    "checkpoint": {"path": str(ckpt), "version": version},
+                    "strategy": STRATEGIES[strategy],
+                },
+            }
+            t0 = time.monotonic()
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+            polls = 0
+            doc: dict[str, Any] = {}
+            poll = POLL_SECONDS if n <= 100 else 1.0  # a 1000-pod status is ~300 kB
+            completed = True
+            while True:
+                resp = self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, version, _preload_content=False
+                )
+                doc = json.loads(resp.data)
+                polls += 1
+                phase = (doc.get("status") or {}).get("phase")
+                if phase in ("Succeeded", "Failed", "Halted", "RolledBack"):
+                    break
+                if time.monotonic() - t0 > timeout:
+                    completed = False
+                    break
+                time.sleep(poll)
+            wall = time.monotonic() - t0
+            cpu = sum(me.cpu_times()[:2]) - cpu0
+            after = apiserver.request_totals(self.cp)
+            peak_kib = _vm_hwm_kib(proc.pid)
+        except BaseException:
+            stop(proc)
+            raise
+        status = doc.get("status") or {}
+        stop(proc)
+        probed = int(status.get("probeSummary", {}).get("passed", 0))
+        if completed:
+            if status["phase"] != "Succeeded":
+                raise RuntimeError(
+                    f"{n} pods {strategy}: {status['phase']}: {status.get('message')}"
+                )
+            versions = Counter(s["weight_version"] for s in fleet.states().values())
+            if probed != n or versions != Counter({version: n}):
+                raise RuntimeError(f"{n} pods: {probed} probes passed, versions {dict(versions)}")
+        else:
+            fleet.restart()  # pods left mid-pass start the next run fresh
+        counts = apiserver.diff(after, before)
+        # This harness's own requests in the window.
+        counts[("POST", PLURAL)] -= 1
+        counts[("GET", PLURAL)] -= polls
+        counts = +counts
+        return RunResult(
+            pods=n,
+            strategy=strategy,
+            wall_s=wall,
+            cpu_s=cpu,
+            peak_rss_mib=peak_kib / 1024,
+            requests={f"{v} {r}": c for (v, r), c in sorted(counts.items())},
+            verbs=apiserver.by_verb(counts),
+            writes=apiserver.writes(counts),
+            probed=probed,
+            completed=completed,
+            updated=int(status.get("updatedPods", 0)),
+        )
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def timeouts(n: int) -> float:
+    """How long one run may take before it is recorded as unfinished."""
+    return max(120.0, 0.36 * n)
+
+
+def run_suite(sizes: list[int], repeats: dict[int, int], log: Any) -> tuple[list[Metric], dict]:
+    """Measure every (size, strategy) `repeats[size]` times; returns metrics and raw runs."""
+    runs: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="refit-bench-scale-") as tmp:
+        work = Path(tmp)
+        cp = ControlPlane(work / "cp")
+        cp.start()
+        bench: Bench | None = None
+        try:
+            cp.install_crds()
+            bench = Bench(cp, work)
+            for n in sizes:
+                ckpt_root = work / f"ckpt-{n}"
+                ckpt_root.mkdir()
+                fleet = SimFleet(n, allowed_root=ckpt_root, start_timeout=180)
+                try:
+                    for rep in range(repeats[n]):
+                        for strategy in STRATEGIES:
+                            # A fresh namespace per run: no earlier refit or pass in the way.
+                            ns = cp.create_namespace(f"bench-{n}")
+                            bench.make_pods(ns, [p.ip for p in fleet.pods])
+                            r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeouts(n))
+                            runs.append(r)
+                            done = "" if r.completed else f" TIMEOUT ({r.updated}/{n} updated)"
+                            log(
+                                f"scale: {n} pods {strategy} #{rep + 1}: {r.wall_s:.2f}s wall"
+                                f"{done}, {r.cpu_s:.1f}s cpu, {r.peak_rss_mib:.0f} MiB, "
+                                f"{r.writes / n:.1f} writes/pod {r.verbs}"
+                            )
+                finally:
+                    fleet.close()
+        finally:
+            if bench is not None:
+                bench.close()
+            cp.stop()
+    return metrics_of(runs, sizes), {"runs": [r.__dict__ for r in runs]}
+
+
+def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
+    out: list[Metric] = []
+    biggest = max(sizes)
+    for strategy in STRATEGIES:
+        for n in sizes:
+            rs = [r for r in runs if r.pods == n and r.strategy == strategy]
+            if not rs:
+                continue
+            tag = f"{strategy} {n} pods"
+            wall_target = "< 30" if (n == 1000 and strategy == "AllAtOnce") else None
+            out.append(
+                Metric(
+                    f"{tag}: wall apply->Succeeded",
+                    [r.wall_s for r in rs],
+                    "s",
+                    wall_target,
+                    "every pod probed (status + simulated pod version)",
+                )
+            )
+            out.append(Metric(f"{tag}: wall per pod", [1000 * r.wall_s / n for r in rs], "ms"))
+            out.append(
+                Metric(f"{tag}: operator CPU per pod", [1000 * r.cpu_s / n for r in rs], "ms")
+            )
+            out.append(
+                Metric(
+                    f"{tag}: API writes per pod",
+                    [r.writes / n for r in rs],
+                    "req",
+                    "<= 10",
+                    _verb_note(rs[0]),
+                )
+            )
+            out.append(
+                Metric(
+                    f"{tag}: API requests per pod", [sum(r.verbs.values()) / n for r in rs], "req"
+                )
+            )
+            out.append(Metric(f"{tag}: operator peak RSS", [r.peak_rss_mib for r in rs], "MiB"))
+        small = [r for r in runs if r.strategy == strategy and r.pods == min(sizes)]
+        large = [r for r in runs if r.strategy == strategy and r.pods == biggest]
+        if small and large and biggest > min(sizes):
+            # Scaling exponent of wall time: 1.0 is linear; below 1 is better than linear.
+            import math
+
+            ws = summarize([r.wall_s for r in small]).median
+            wl = summarize([r.wall_s for r in large]).median
+            k = math.log(wl / ws) / math.log(biggest / min(sizes))
+            out.append(
+                Metric(
+                    f"{strategy}: wall-time growth exponent {min(sizes)}->{biggest}",
+                    [k],
+                    "",
+                    "<= 1.0",
+                    "log(wall ratio)/log(size ratio); 1 = linear",
+                )
+            )
+    return out
+
+
+def _verb_note(r: RunResult) -> str:
+    per = {k: round(v / r.pods, 2) for k, v in r.requests.items()}
+    return f"per pod by verb/resource ({r.pods} pods, first run): {per}"

@@ -1,0 +1,469 @@
+"""Suites on real vLLM CPU servers (one server at a time: the machine is shared).
+
+The refit cycle here is the operator's per-pod sequence (runner._execute and runner._probe)
+issued through the operator's own WorkerClient against one real server: pause, drain check,
+sleep, wake weights, preflight, load (after reading refit_info), wake KV cache, reset prefix
+cache, resume, stamp and read back the version, then the probe (reference + scoring of every
+reference prompt, judged by refit_operator.probe.evaluate, which must say Pass).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from refit_operator import probe
+from refit_operator.api import Thresholds
+from refit_operator.worker import WorkerClient
+from refit_worker import checkpoint
+
+from bench.results import Metric
+from tests.support.tiny_model import CACHE_ROOT, TinyModel, ensure_tiny_model
+from tests.support.vllm_testbed import VllmServer, start_vllm_server
+
+Log = Callable[[str], None]
+SuiteOut = tuple[list[Metric], dict[str, Any], list[str]]
+
+
+@dataclass
+class Cycle:
+    steps: dict[str, float]  # seconds per step
+    total: float
+    probe_tokens: int
+    verdict: str
+
+
+async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
+    """One pod's full refit: the operator's sequence, then its probe; timed per step."""
+    steps: dict[str, float] = {}
+    began = t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        steps[name] = now - t
+        t = now
+
+    await w.pause("wait")
+    if await w.requests_in_flight() != 0:
+        raise RuntimeError("server not drained on an idle bench server")
+    lap("drain")
+    await w.sleep(1)
+    lap("sleep")
+    await w.wake_up(["weights"])
+    lap("wakeWeights")
+    await w.preflight(path)
+    lap("preflight")
+    await w.refit_info()
+    await w.load(path, version)
+    lap("load")
+    await w.wake_up(["kv_cache"])
+    lap("wakeKV")
+    await w.reset_prefix_cache()
+    await w.resume()
+    lap("resetCache")
+    await w.update_weight_version(version)
+    if await w.weight_version() != version:
+        raise RuntimeError("version not stamped")
+    lap("stampVersion")
+    # The operator fetches a reference once per refit and path, not per pod: timed apart.
+    reference = await w.probe_reference(path)
+    lap("probeReference")
+    scored = [await w.score(list(p.token_ids)) for p in reference.prompts]
+    outcome = probe.evaluate(reference, scored, Thresholds())
+    lap("probe")
+    tokens = sum(len(p.token_ids) for p in reference.prompts)
+    return Cycle(steps, time.perf_counter() - began, tokens, outcome.verdict)
+
+
+def run_cycles(
+    server: VllmServer, ckpts: list[Path], n: int, after: Callable[[int], None] | None = None
+) -> list[Cycle]:
+    """n refit cycles alternating over ckpts (version = dir name + cycle number)."""
+
+    async def go() -> list[Cycle]:
+        out: list[Cycle] = []
+        async with httpx.AsyncClient() as http:
+            w = WorkerClient(
+                server.base_url,
+                http=http,
+                admin_token=server.admin_token,
+                api_key=server.api_key,
+                timeout=300.0,
+            )
+            for i in range(n):
+                ckpt = ckpts[i % len(ckpts)]
+                c = await refit_cycle(w, str(ckpt), f"{ckpt.name}-{i}")
+                if c.verdict != "Pass":
+                    raise RuntimeError(f"cycle {i}: probe verdict {c.verdict} on {ckpt}")
+                out.append(c)
+                if after is not None:
+                    after(i)
+        return out
+
+    return asyncio.run(go())
+
+
+def first_completion(server: VllmServer, timeout: float = 120.0) -> None:
+    """Until the server answers a real completion (the first one after start is slow)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while True:
+            try:
+                r = client.post(
+                    f"{server.base_url}/v1/completions",
+                    headers=server.api_headers(),
+                    json={"model": server.model, "prompt": [5, 6, 7], "max_tokens": 1},
+                    timeout=60,
+                )
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no completion served: {server.log_tail()}")
+            time.sleep(0.1)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# --------------------------------------------------------------------- refit vs restart
+def refit_vs_restart(quick: bool, log: Log) -> SuiteOut:
+    tiny = ensure_tiny_model()
+    ckpts = [tiny.checkpoints["A"], tiny.checkpoints["B"]]
+    n_cycles, n_restarts = (4, 1) if quick else (12, 3)
+    restarts: list[float] = []
+    servers_ready: list[float] = []
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(start_vllm_server(tiny))
+        first_completion(server)
+        run_cycles(server, ckpts, 2)  # warm-up: the first load switches the load format
+        cycles = run_cycles(server, ckpts, n_cycles)
+        log(f"refit_vs_restart: refit cycle median {median([c.total for c in cycles]):.3f}s")
+        for i in range(n_restarts):
+            # The restart path: stop the serving server, start one on the new checkpoint.
+            began = time.perf_counter()
+            server.stop()
+            server = stack.enter_context(
+                start_vllm_server(tiny, load_format="safetensors", model_dir=ckpts[i % 2])
+            )
+            servers_ready.append(time.perf_counter() - began)
+            first_completion(server)
+            restarts.append(time.perf_counter() - began)
+            log(f"refit_vs_restart: restart #{i + 1}: {restarts[-1]:.1f}s")
+    cycle_med = median([c.total for c in cycles])
+    restart_med = median(restarts)
+    metrics = [
+        Metric(
+            "refit cycle (sequence + probe)",
+            [c.total for c in cycles],
+            "s",
+            note="operator sequence via WorkerClient on one real vLLM CPU server, "
+            "tiny Llama, checkpoints A/B alternating; probe verdict Pass each time",
+        ),
+        Metric(
+            "restart onto the new checkpoint until it serves",
+            restarts,
+            "s",
+            note="SIGTERM of the old server to the first answered completion of a new one "
+            "started with --load-format safetensors on the checkpoint",
+        ),
+        Metric("restart: stop + start until /health", servers_ready, "s"),
+        Metric("restart / refit (medians, same run)", [restart_med / cycle_med], "x", ">= 100"),
+    ]
+    steps = {k: median([c.steps[k] for c in cycles]) for k in cycles[0].steps}
+    notes = [f"refit step medians (s): { {k: round(v, 4) for k, v in steps.items()} }"]
+    raw = {"cycles": [c.__dict__ for c in cycles], "restarts": restarts}
+    return metrics, raw, notes
+
+
+# --------------------------------------------------------------------------- probe cost
+GPU_MODELS = {"Llama-3.1-8B": 8.0e9, "Llama-3.1-70B": 70.6e9}
+# Assumed dense bf16 throughput of one H100-class GPU at 40% utilisation for the probe's
+# prefill: a computation, not a measurement.
+GPU_FLOPS = 989e12 * 0.4
+
+
+def probe_cost(quick: bool, log: Log) -> SuiteOut:
+    tiny = ensure_tiny_model()
+    ckpts = [tiny.checkpoints["A"], tiny.checkpoints["B"]]
+    n = 4 if quick else 20
+    with start_vllm_server(tiny) as server:
+        first_completion(server)
+        run_cycles(server, ckpts, 2)
+        cycles = run_cycles(server, ckpts, n)
+    fractions = [c.steps["probe"] / c.total for c in cycles]
+    tokens = cycles[0].probe_tokens
+    ref = tiny.reference("A")
+    log(f"probe_cost: {tokens} tokens, fraction {median(fractions):.2%}")
+    metrics = [
+        Metric(
+            "probe tokens per pod",
+            [float(tokens)],
+            "tokens",
+            note=f"{len(ref.prompts)} prompts of the default reference, teacher-forced "
+            "(prompt_logprobs=0, max_tokens=1: one generated token per prompt)",
+        ),
+        Metric(
+            "probe time per pod",
+            [c.steps["probe"] for c in cycles],
+            "s",
+            note="scoring every reference prompt (one request each, in turn, as the operator "
+            "does) and judging; the reference fetch (once per refit, not per pod) apart: "
+            f"median {median([c.steps['probeReference'] for c in cycles]):.4f} s",
+        ),
+        Metric("probe share of the refit cycle", [100 * f for f in fractions], "%", "< 20"),
+    ]
+    notes = []
+    for name, params in GPU_MODELS.items():
+        flops = 2 * params * (tokens + len(ref.prompts))
+        notes.append(
+            f"computed, not measured: on {name} the same probe is {tokens} prompt tokens + "
+            f"{len(ref.prompts)} generated = {flops:.2e} FLOPs, about "
+            f"{1000 * flops / GPU_FLOPS:.2f} ms of compute on one H100-class GPU at 40% of "
+            "989 TFLOP/s (latency is then bounded by per-request overhead, not compute); token "
+            "count depends on the reference, not on model size"
+        )
+    raw = {"cycles": [c.__dict__ for c in cycles], "prompts": len(ref.prompts)}
+    return metrics, raw, notes
+
+
+# ---------------------------------------------------------------------------- memory
+def memory(quick: bool, log: Log) -> SuiteOut:
+    tiny = ensure_tiny_model()
+    ckpts = [tiny.checkpoints["A"], tiny.checkpoints["B"]]
+    n = 6 if quick else 50
+    with start_vllm_server(tiny) as server:
+        first_completion(server)
+        rss: list[float] = [server.rss_bytes() / 2**20]
+
+        def sample(i: int) -> None:
+            rss.append(server.rss_bytes() / 2**20)
+
+        run_cycles(server, ckpts, n, after=sample)
+    warm = rss[1:]  # after the first refit (the first load switches format, allocates)
+    xs = list(range(len(warm)))
+    slope = statistics.linear_regression(xs, warm).slope if len(warm) > 1 else 0.0
+    growth = warm[-1] - warm[0]
+    noise = statistics.pstdev(warm[: max(2, len(warm) // 5)])
+    log(f"memory: RSS {rss[0]:.0f} -> {rss[-1]:.0f} MiB, slope {slope * 1024:.0f} KiB/refit")
+    metrics = [
+        Metric(
+            "vLLM server RSS before refits",
+            [rss[0]],
+            "MiB",
+            note="sum over the server's processes (API server, engine core)",
+        ),
+        Metric(f"vLLM server RSS after {n} refits", [rss[-1]], "MiB"),
+        Metric(
+            f"RSS growth refit 1 -> {n}",
+            [growth],
+            "MiB",
+            "<= 30",
+            note=f"noise (stdev over the first fifth of samples): {noise:.1f} MiB",
+        ),
+        Metric("RSS trend per refit (least squares)", [slope * 1024], "KiB/refit", "<= 512"),
+    ]
+    return metrics, {"rss_mib": rss}, []
+
+
+# ------------------------------------------------------------------------- bandwidth
+WIDE = {"hidden": 1024, "intermediate": 2816, "layers": 8, "heads": 16, "kv_heads": 8}
+WIDE_QUICK = {"hidden": 512, "intermediate": 1408, "layers": 2, "heads": 8, "kv_heads": 4}
+CHUNK = 16 << 20
+
+
+def wide_model(tiny: TinyModel, dims: dict[str, int]) -> TinyModel:
+    """A wider tiny Llama with random weights (config + tokenizer + one checkpoint "W" with
+    its manifest), cached outside the repo next to the tiny model."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    tag = "-".join(f"{k}{v}" for k, v in dims.items())
+    root = CACHE_ROOT.parent / "bench" / f"wide-{tiny.root.name}-{tag}"
+    if (root / "COMPLETE").is_file():
+        return TinyModel(root)
+    shutil.rmtree(root, ignore_errors=True)
+    base, ckpt = root / "base", root / "checkpoints" / "W"
+    shutil.copytree(tiny.base_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    h, inter, kvh = dims["hidden"], dims["intermediate"], dims["kv_heads"]
+    head_dim = h // dims["heads"]
+    config.update(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=dims["layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=kvh,
+        head_dim=head_dim,
+    )
+    (base / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.copytree(base, ckpt)
+    vocab = int(config["vocab_size"])
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    shards: list[dict[str, torch.Tensor]] = [
+        {
+            "model.embed_tokens.weight": rand(vocab, h),
+            "model.norm.weight": torch.ones(h),
+            "lm_head.weight": rand(vocab, h),
+        }
+    ]
+    for i in range(dims["layers"]):
+        p = f"model.layers.{i}."
+        shards.append(
+            {
+                p + "self_attn.q_proj.weight": rand(h, h),
+                p + "self_attn.k_proj.weight": rand(kvh * head_dim, h),
+                p + "self_attn.v_proj.weight": rand(kvh * head_dim, h),
+                p + "self_attn.o_proj.weight": rand(h, h),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+                p + "input_layernorm.weight": torch.ones(h),
+                p + "post_attention_layernorm.weight": torch.ones(h),
+            }
+        )
+    index: dict[str, str] = {}
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(ckpt / name), metadata={"format": "pt"})
+        index.update({t: name for t in tensors})
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}, indent=1)
+    )
+    checkpoint.write_manifest(ckpt)
+    (root / "COMPLETE").write_text("ok\n")
+    return TinyModel(root)
+
+
+def evict(files: list[Path]) -> None:
+    """Drop these files' pages from the page cache (no root needed, other users' cache kept)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(files: list[Path]) -> float:
+    """Seconds to read the files sequentially once (16 MiB reads into one buffer)."""
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    began = time.perf_counter()
+    for f in files:
+        with f.open("rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+    return time.perf_counter() - began
+
+
+@contextlib.contextmanager
+def _client(server: VllmServer) -> Iterator[tuple[asyncio.AbstractEventLoop, WorkerClient]]:
+    loop = asyncio.new_event_loop()
+    http = httpx.AsyncClient()
+    try:
+        yield (
+            loop,
+            WorkerClient(server.base_url, http=http, admin_token=server.admin_token, timeout=600.0),
+        )
+    finally:
+        loop.run_until_complete(http.aclose())
+        loop.close()
+
+
+def bandwidth(quick: bool, log: Log) -> SuiteOut:
+    tiny = ensure_tiny_model()
+    wide = wide_model(tiny, WIDE_QUICK if quick else WIDE)
+    ckpt = wide.allowed_root / "W"
+    files = checkpoint.safetensors_files(ckpt)
+    size = sum(f.stat().st_size for f in files)
+    reps = 1 if quick else 3
+    raw_cold, raw_warm, pre_cold, load_cold, reload_only = [], [], [], [], []
+    with start_vllm_server(wide) as server, _client(server) as (loop, w):
+        first_completion(server)
+        loop.run_until_complete(w.load(str(ckpt), "warmup"))  # format switch, first-load costs
+        for i in range(reps):
+            evict(files)
+            raw_cold.append(raw_read(files))
+            raw_warm.append(raw_read(files))
+            evict(files)
+            t = time.perf_counter()
+            loop.run_until_complete(w.preflight(str(ckpt)))
+            pre_cold.append(time.perf_counter() - t)
+            evict(files)
+            t = time.perf_counter()
+            result = loop.run_until_complete(w.load(str(ckpt), f"w{i}"))
+            load_cold.append(time.perf_counter() - t)
+            reload_only.append(float(result["loadSeconds"]))
+            log(
+                f"bandwidth #{i + 1}: raw cold {raw_cold[-1]:.2f}s warm {raw_warm[-1]:.2f}s, "
+                f"preflight {pre_cold[-1]:.2f}s, load {load_cold[-1]:.2f}s "
+                f"(reload part {reload_only[-1]:.2f}s)"
+            )
+    mb = size / 1e6
+
+    def bw(ts: list[float]) -> list[float]:
+        return [mb / t for t in ts]
+
+    ratios = [r / ld for r, ld in zip(raw_cold, load_cold, strict=True)]
+    metrics = [
+        Metric(
+            "checkpoint size",
+            [mb],
+            "MB",
+            note=f"{len(files)} safetensors shards, random "
+            f"weights, dims {WIDE_QUICK if quick else WIDE}; page cache dropped per file "
+            "(fsync + POSIX_FADV_DONTNEED) before each cold measurement",
+        ),
+        Metric("raw sequential read, cold", bw(raw_cold), "MB/s"),
+        Metric("raw sequential read, page cache", bw(raw_warm), "MB/s"),
+        Metric("refit_load RPC, cold (verify + reload)", bw(load_cold), "MB/s"),
+        Metric("refit_preflight RPC, cold (verify only)", bw(pre_cold), "MB/s"),
+        Metric("reload part of refit_load (files cached by verify)", bw(reload_only), "MB/s"),
+        Metric("refit_load bandwidth / raw cold read (same rep)", ratios, "x", ">= 0.5"),
+    ]
+    share = median(
+        [
+            v / ld
+            for v, ld in zip(
+                [ld - r for ld, r in zip(load_cold, reload_only, strict=True)],
+                load_cold,
+                strict=True,
+            )
+        ]
+    )
+    notes = [
+        f"verification (manifest hashes + tensor check) is {share:.0%} of the refit_load RPC "
+        "(median); the operator's sequence verifies twice (preflight, then load)",
+    ]
+    raw = {
+        "bytes": size,
+        "raw_cold_s": raw_cold,
+        "raw_warm_s": raw_warm,
+        "preflight_cold_s": pre_cold,
+        "load_cold_s": load_cold,
+        "reload_only_s": reload_only,
+    }
+    if any(math.isnan(x) for x in ratios):
+        raise RuntimeError("bandwidth: NaN ratio")
+    return metrics, raw, notes

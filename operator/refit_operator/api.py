@@ -1,0 +1,228 @@
+"""The WeightRefit API as typed models: the spec the operator reads, the status it writes.
+
+Defaults mirror crds/weightrefit.yaml (the API server applies them; the models apply the same
+ones so plain-data unit tests and a CR read back from the server mean the same thing).
+tests/unit/test_api.py holds the two in step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "refit.rollout.dev"
+VERSION = "v1alpha1"
+PLURAL = "weightrefits"
+KIND = "WeightRefit"
+
+Phase = Literal[
+    "Pending",
+    "Queued",
+    "Preflight",
+    "Progressing",
+    "Succeeded",
+    "Failed",
+    "Halted",
+    "RollingBack",
+    "RolledBack",
+    "Superseded",
+]
+TERMINAL_PHASES: frozenset[str] = frozenset(
+    {"Succeeded", "Failed", "Halted", "RolledBack", "Superseded"}
+)
+PodPhase = Literal[
+    "Pending", "InProgress", "Succeeded", "Failed", "Inconclusive", "Dropped", "RolledBack"
+]
+Verdict = Literal["Pass", "Fail", "Inconclusive"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def dump(self) -> dict[str, object]:
+        """The camelCase JSON document the API server stores (unset optionals left out)."""
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+# --------------------------------------------------------------------------------- spec
+class LabelSelectorRequirement(_Model):
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+
+class LabelSelector(_Model):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+    def canonical(self) -> str:
+        """The selector as a kubectl label-selector string: the fleet's identity."""
+        parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
+        for e in sorted(self.match_expressions, key=lambda e: (e.key, e.operator)):
+            if e.operator == "Exists":
+                parts.append(e.key)
+            elif e.operator == "DoesNotExist":
+                parts.append(f"!{e.key}")
+            else:
+                op = "in" if e.operator == "In" else "notin"
+                parts.append(f"{e.key} {op} ({','.join(sorted(e.values))})")
+        return ",".join(parts)
+
+
+class SecretKeyRef(_Model):
+    name: str
+    key: str = "token"
+
+
+class Fleet(_Model):
+    selector: LabelSelector
+    port: int = 8000
+    admin_token_secret_ref: SecretKeyRef | None = None
+
+
+class Checkpoint(_Model):
+    path: str
+    version: str
+    format: Literal["safetensors"] = "safetensors"
+
+
+class Sequence(_Model):
+    drain_mode: Literal["wait", "abort", "keep"] = "wait"
+    sleep_level: Literal[0, 1, 2] = 1
+    step_timeout_seconds: int = 120
+    drain_timeout_seconds: int = 60
+    load_timeout_seconds: int = 600
+    probe_timeout_seconds: int = 60
+    total_timeout_seconds: int = 3600
+    retries: int = 2
+
+
+class Strategy(_Model):
+    type: Literal["AllAtOnce", "Rolling"] = "AllAtOnce"
+    max_unavailable: int | str = "25%"
+    canary: int = 0
+
+
+class ConfigMapKeyRef(_Model):
+    name: str
+    key: str = "refit-probe.json"
+
+
+class ProbeReferenceSource(_Model):
+    source: Literal["Checkpoint", "ConfigMap"] = "Checkpoint"
+    config_map_ref: ConfigMapKeyRef | None = None
+
+
+class Thresholds(_Model):
+    # Defaults suit bf16 serving against an fp32 reference: measured max |Δlogprob| of
+    # 0.02-0.03 on a tiny Llama (shared/notes/vllm-refit-facts.md), so 0.5 on the worst token
+    # and 0.05 on the mean leave headroom while a wrong checkpoint moves NLL by far more.
+    mean_abs_logprob_diff: float = 0.05
+    max_abs_logprob_diff: float = 0.5
+    nll_diff: float = 0.05
+    pod_agreement: float = 0.02
+
+
+class ProbeSpec(_Model):
+    reference: ProbeReferenceSource = Field(default_factory=ProbeReferenceSource)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    failure_limit: int = 0
+    inconclusive_limit: int = 0
+
+
+class WeightRefitSpec(_Model):
+    fleet: Fleet
+    checkpoint: Checkpoint
+    sequence: Sequence = Field(default_factory=Sequence)
+    strategy: Strategy = Field(default_factory=Strategy)
+    probe: ProbeSpec = Field(default_factory=ProbeSpec)
+    on_failure: Literal["Halt", "Rollback"] = "Halt"
+    queue_policy: Literal["Queue", "LatestWins"] = "Queue"
+    allow_unsafe_backends: bool = False
+
+
+_PERCENT = re.compile(r"^(\d{1,3})%$")
+
+
+def max_unavailable_count(value: int | str, total: int) -> int:
+    """Resolve maxUnavailable against the fleet size; at least 1 so a refit always moves."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _PERCENT.match(value.strip())
+        if m is None:
+            n = int(value)
+        else:
+            # Percentages round down, as Deployments do for maxUnavailable.
+            n = total * int(m.group(1)) // 100
+    return max(1, min(n, max(total, 1)))
+
+
+# ------------------------------------------------------------------------------- status
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int = 0
+
+
+class PodProbe(_Model):
+    verdict: Verdict
+    nll: float = 0.0
+    reference_nll: float = 0.0
+    mean_abs_logprob_diff: float = 0.0
+    max_abs_logprob_diff: float = 0.0
+    tokens: int = 0
+
+
+class PodResult(_Model):
+    name: str
+    phase: PodPhase = "Pending"
+    step: str = ""
+    version: str = ""
+    reason: str = ""
+    message: str = ""
+    attempts: int = 0
+    start_time: str = ""
+    completion_time: str = ""
+    step_seconds: dict[str, float] = Field(default_factory=dict)
+    probe: PodProbe | None = None
+
+
+class Previous(_Model):
+    version: str = ""
+    path: str = ""
+    refit: str = ""
+
+
+class ProbeSummary(_Model):
+    passed: int = 0
+    failed: int = 0
+    inconclusive: int = 0
+    worst_mean_abs_logprob_diff: float = 0.0
+    worst_max_abs_logprob_diff: float = 0.0
+    worst_nll_diff: float = 0.0
+    nll_spread: float = 0.0
+
+
+class WeightRefitStatus(_Model):
+    phase: Phase = "Pending"
+    observed_generation: int = 0
+    message: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+    target_pods: int = 0
+    updated_pods: int = 0
+    failed_pods: int = 0
+    inconclusive_pods: int = 0
+    previous: Previous | None = None
+    fleet: str = ""
+    queue_position: int = 0
+    start_time: str = ""
+    completion_time: str = ""
+    probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
+    pods: list[PodResult] = Field(default_factory=list)

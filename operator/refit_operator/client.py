@@ -1,0 +1,563 @@
+"""Trainer-side client: submit a WeightRefit for a checkpoint directory and wait for its verdict.
+
+    from refit_operator.client import RefitClient, RefitFailed
+
+    refits = RefitClient()                         # in-cluster config, else KUBECONFIG
+    name = refits.submit("/ckpt/step-100", "step-100", fleet_selector={"app": "rollout"},
+                         namespace="rl", write_manifest=True)
+    try:
+        status = refits.wait(name, timeout=600)    # the final status dict on Succeeded
+    except RefitFailed as e:                       # Failed, Halted, RolledBack, Superseded
+        print(e.phase, e.reason, e.message, e.pod_failures)
+
+Synchronous on purpose (the official `kubernetes` client): a training loop is not an event
+loop. Writing the manifest and the probe reference goes through refit_worker's own writers;
+the reference needs torch and transformers, imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes import watch as k8s_watch
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from . import api
+
+API_VERSION = f"{api.GROUP}/{api.VERSION}"
+FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
+_NAME_MAX = 63
+# The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
+_POD_EVENT = re.compile(r"^pod (\S+): ([A-Za-z]+): (.*)$", re.S)
+_SELECTOR_TERM = re.compile(r"^\s*([A-Za-z0-9][-A-Za-z0-9_./]*)\s*(==|=)\s*([-A-Za-z0-9_.]*)\s*$")
+
+
+class RefitError(Exception):
+    """The refit could not be submitted or followed; the message says why."""
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    pod: str
+    phase: str
+    reason: str
+    message: str
+
+
+class RefitFailed(RefitError):
+    """The operator ended the refit without success. ``reason`` and ``message`` are the
+    operator's (from the Degraded/Ready condition); ``cause`` the reason that stopped the
+    rollout (for RolledBack, the gate's reason before the rollback, e.g.
+    FailureLimitExceeded); ``pod_failures`` the per-pod causes, including those a rollback
+    has since replaced in the status."""
+
+    def __init__(
+        self,
+        name: str,
+        status: Mapping[str, Any],
+        *,
+        earlier: Sequence[PodFailure] = (),
+        cause: str = "",
+    ) -> None:
+        self.name = name
+        self.status = dict(status)
+        self.phase = str(status.get("phase", ""))
+        self.reason, self.message = reason_of(status)
+        self.cause = cause or self.reason
+        now = {f.pod: f for f in pod_failures(status)}
+        merged = {f.pod: f for f in earlier} | now
+        self.pod_failures = [merged[k] for k in sorted(merged)]
+        detail = "".join(
+            f"\n  {f.pod}: {f.phase} {f.reason}: {f.message}" for f in self.pod_failures
+        )
+        why = f" (after {self.cause})" if self.cause != self.reason else ""
+        super().__init__(
+            f"WeightRefit {name} {self.phase}: {self.reason}{why}: {self.message}{detail}"
+        )
+
+
+class History:
+    """What a refit showed while it was watched. A rollback rewrites the pods' results and
+    the refit's reason afterwards, so the cause is kept from the statuses seen before."""
+
+    def __init__(self) -> None:
+        self.failures: dict[str, PodFailure] = {}
+        self.cause = ""
+
+    def observe(self, status: Mapping[str, Any]) -> None:
+        for f in pod_failures(status):
+            if f.reason:
+                self.failures[f.pod] = f
+        if status.get("phase") in ("RollingBack", "Halted", "Failed"):
+            self.cause = reason_of(status)[0]
+
+    def failed(self, name: str, status: Mapping[str, Any]) -> RefitFailed:
+        return RefitFailed(name, status, earlier=list(self.failures.values()), cause=self.cause)
+
+
+class RefitTimeout(RefitError, TimeoutError):
+    """The refit did not reach a final phase in time; it may still be running."""
+
+    def __init__(self, name: str, timeout: float, status: Mapping[str, Any]) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.status = dict(status)
+        self.phase = str(status.get("phase", "") or "Pending")
+        updated, target = status.get("updatedPods", 0), status.get("targetPods", 0)
+        super().__init__(
+            f"WeightRefit {name} not finished after {timeout:g}s: phase {self.phase}, "
+            f"{updated}/{target} pods updated; {status.get('message') or 'no message yet'}"
+        )
+
+
+def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
+    """The operator's reason and message for the refit's current phase."""
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    phase = status.get("phase", "")
+    # Degraded carries the failure reason; Ready carries it too when Degraded is not set
+    # (Superseded is not degraded, but not ready either).
+    for ctype in ("Degraded", "Ready"):
+        c = conds.get(ctype)
+        if c and c.get("status") == ("True" if ctype == "Degraded" else "False"):
+            return str(c.get("reason", phase)), str(c.get("message", status.get("message", "")))
+    return str(phase), str(status.get("message", ""))
+
+
+def pod_failures(status: Mapping[str, Any]) -> list[PodFailure]:
+    """Pods that did not end at the target version, with the reason each one reports."""
+    out = []
+    for p in status.get("pods") or []:
+        if p.get("phase") in ("Failed", "Inconclusive", "Dropped") or (
+            p.get("reason") and p.get("phase") != "Succeeded"
+        ):
+            out.append(
+                PodFailure(p["name"], p.get("phase", ""), p.get("reason", ""), p.get("message", ""))
+            )
+    return out
+
+
+def parse_selector(selector: Mapping[str, str] | str | api.LabelSelector) -> api.LabelSelector:
+    """A fleet selector from a dict of labels, an equality selector string ("app=x,pool=y")
+    or a LabelSelector. Set-based expressions need a LabelSelector (no string parser here)."""
+    if isinstance(selector, api.LabelSelector):
+        sel = selector
+    elif isinstance(selector, str):
+        labels = {}
+        for term in filter(None, (t.strip() for t in selector.split(","))):
+            m = _SELECTOR_TERM.match(term)
+            if m is None:
+                raise RefitError(
+                    f"fleet_selector term {term!r} is not key=value; pass a LabelSelector "
+                    "for set-based expressions"
+                )
+            labels[m.group(1)] = m.group(3)
+        sel = api.LabelSelector(match_labels=labels)
+    else:
+        sel = api.LabelSelector(match_labels=dict(selector))
+    if not sel.match_labels and not sel.match_expressions:
+        raise RefitError("fleet_selector must not be empty: it would select every pod")
+    return sel
+
+
+def default_name(version: str) -> str:
+    """A DNS-1123 name from the version: refit-<version>, lowercased, cut to 63 characters."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", version.lower()).strip("-")
+    return f"refit-{slug}"[:_NAME_MAX].rstrip("-")
+
+
+def build_refit(
+    name: str,
+    checkpoint_path: str,
+    version: str,
+    *,
+    fleet_selector: Mapping[str, str] | str | api.LabelSelector,
+    port: int | None = None,
+    admin_token_secret: str | None = None,
+    strategy: str | None = None,
+    max_unavailable: int | str | None = None,
+    canary: int | None = None,
+    on_failure: str | None = None,
+    queue_policy: str | None = None,
+    thresholds: Mapping[str, float] | None = None,
+    failure_limit: int | None = None,
+    sequence: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The WeightRefit document. Only what the caller set goes into the spec: the API server
+    fills in the defaults, so the stored object says which choices were made on purpose.
+    The spec is checked against the operator's own model first, so a typo fails here, with
+    the field named, before anything reaches the cluster."""
+    fleet: dict[str, Any] = {"selector": parse_selector(fleet_selector).dump()}
+    if port is not None:
+        fleet["port"] = port
+    if admin_token_secret is not None:
+        fleet["adminTokenSecretRef"] = {"name": admin_token_secret}
+    spec: dict[str, Any] = {
+        "fleet": fleet,
+        "checkpoint": {"path": checkpoint_path, "version": version},
+    }
+    strat = {
+        k: v
+        for k, v in (("type", strategy), ("maxUnavailable", max_unavailable), ("canary", canary))
+        if v is not None
+    }
+    if strat:
+        spec["strategy"] = strat
+    probe: dict[str, Any] = {}
+    if thresholds:
+        probe["thresholds"] = dict(thresholds)
+    if failure_limit is not None:
+        probe["failureLimit"] = failure_limit
+    if probe:
+        spec["probe"] = probe
+    if sequence:
+        spec["sequence"] = dict(sequence)
+    if on_failure is not None:
+        spec["onFailure"] = on_failure
+    if queue_policy is not None:
+        spec["queuePolicy"] = queue_policy
+    try:
+        api.WeightRefitSpec.model_validate(spec)
+    except ValidationError as e:
+        raise RefitError(f"invalid WeightRefit spec: {e}") from e
+    meta: dict[str, Any] = {"name": name}
+    if labels:
+        meta["labels"] = dict(labels)
+    return {"apiVersion": API_VERSION, "kind": api.KIND, "metadata": meta, "spec": spec}
+
+
+def write_checkpoint_files(
+    checkpoint_dir: Path,
+    version: str,
+    *,
+    write_manifest: bool,
+    reference_texts: Sequence[str] | Path | None,
+    tokenizer_dir: Path | None = None,
+    dtype: str = "float32",
+    max_tokens: int = 128,
+) -> None:
+    """refit-manifest.json and refit-probe.json through refit_worker's writers (the same
+    code the pods verify with). The reference is computed by HF transformers on the
+    checkpoint itself: torch is imported only here."""
+    if not checkpoint_dir.is_dir():
+        raise RefitError(f"checkpoint directory {checkpoint_dir} does not exist")
+    if write_manifest:
+        from refit_worker import checkpoint
+
+        checkpoint.write_manifest(checkpoint_dir)
+    if reference_texts is not None:
+        from refit_worker import reference
+
+        texts = (
+            reference.read_texts(reference_texts)
+            if isinstance(reference_texts, Path)
+            else list(reference_texts)
+        )
+        if not texts:
+            raise RefitError("write_reference_texts is empty: the probe needs prompts")
+        ref = reference.compute_reference(
+            checkpoint_dir,
+            texts,
+            version=version,
+            tokenizer_dir=tokenizer_dir,
+            dtype=dtype,
+            max_tokens=max_tokens,
+        )
+        reference.write_reference(checkpoint_dir, ref)
+
+
+class RefitClient:
+    """Talks to one cluster. ``namespace`` is the default for every call."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str | None = None,
+        kubeconfig: str | Path | None = None,
+        context: str | None = None,
+        api_client: k8s.ApiClient | None = None,
+    ) -> None:
+        if api_client is None:
+            api_client = _load_client(kubeconfig, context)
+        self.api_client = api_client
+        # Any: the generated client's signatures say `object` for custom resources (dicts).
+        self.custom: Any = k8s.CustomObjectsApi(api_client)
+        self.namespace = namespace or _default_namespace(kubeconfig, context)
+
+    def close(self) -> None:
+        self.api_client.close()
+
+    def __enter__(self) -> RefitClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------- submit
+    def submit(
+        self,
+        checkpoint_dir: str | Path,
+        version: str,
+        *,
+        fleet_selector: Mapping[str, str] | str | api.LabelSelector,
+        namespace: str | None = None,
+        name: str | None = None,
+        pod_path: str | None = None,
+        write_manifest: bool = False,
+        write_reference_texts: Sequence[str] | Path | None = None,
+        reference_tokenizer_dir: str | Path | None = None,
+        reference_dtype: str = "float32",
+        reference_max_tokens: int = 128,
+        **spec: Any,
+    ) -> str:
+        """Create a WeightRefit for ``checkpoint_dir`` at ``version``; returns its name.
+
+        pod_path: the directory as mounted in the pods when it differs from the trainer's.
+        write_manifest / write_reference_texts: write refit-manifest.json and the probe
+        reference (from these texts, or a file of one text per line) into the directory
+        first. Other keywords (strategy, max_unavailable, canary, on_failure, port,
+        admin_token_secret, queue_policy, thresholds, failure_limit, sequence, labels) set
+        the matching spec fields; unset ones take the API defaults.
+
+        Submitting the same name, path and version again returns the existing refit (a
+        trainer that retries after a lost answer does not refit twice); the same name with
+        another checkpoint is an error.
+        """
+        ns = namespace or self.namespace
+        local = Path(checkpoint_dir)
+        path = pod_path or str(checkpoint_dir)
+        name = name or default_name(version)
+        body = build_refit(name, path, version, fleet_selector=fleet_selector, **spec)
+        if write_manifest or write_reference_texts is not None:
+            write_checkpoint_files(
+                local,
+                version,
+                write_manifest=write_manifest,
+                reference_texts=write_reference_texts,
+                tokenizer_dir=Path(reference_tokenizer_dir) if reference_tokenizer_dir else None,
+                dtype=reference_dtype,
+                max_tokens=reference_max_tokens,
+            )
+        try:
+            self.custom.create_namespaced_custom_object(
+                api.GROUP, api.VERSION, ns, api.PLURAL, body
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise RefitError(f"creating WeightRefit {ns}/{name}: {_api_message(e)}") from e
+            existing = self.get(name, namespace=ns)
+            ck = existing.get("spec", {}).get("checkpoint", {})
+            if (ck.get("path"), ck.get("version")) != (path, version):
+                raise RefitError(
+                    f"WeightRefit {ns}/{name} already exists for {ck.get('version')} at "
+                    f"{ck.get('path')}; pass another name"
+                ) from e
+        return name
+
+    # ------------------------------------------------------------------------ read
+    def get(self, name: str, *, namespace: str | None = None) -> dict[str, Any]:
+        ns = namespace or self.namespace
+        try:
+            doc: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, ns, api.PLURAL, name
+            )
+        except ApiException as e:
+            if e.status == 404:
+                raise RefitError(f"WeightRefit {ns}/{name} not found") from e
+            raise RefitError(f"reading WeightRefit {ns}/{name}: {_api_message(e)}") from e
+        return doc
+
+    def list_refits(self, *, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The namespace's WeightRefits, oldest first."""
+        ns = namespace or self.namespace
+        try:
+            doc = self.custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)
+        except ApiException as e:
+            raise RefitError(f"listing WeightRefits in {ns}: {_api_message(e)}") from e
+        items: list[dict[str, Any]] = doc.get("items", [])
+        return sorted(
+            items, key=lambda d: (d["metadata"]["creationTimestamp"], d["metadata"]["name"])
+        )
+
+    # ------------------------------------------------------------------------ wait
+    def wait(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        namespace: str | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Block until the refit reaches a final phase: its status on Succeeded; RefitFailed
+        (with the operator's reason) on Failed, Halted, RolledBack or Superseded;
+        RefitTimeout after ``timeout`` seconds. ``on_update`` sees every status change."""
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        ns = namespace or self.namespace
+        deadline = time.monotonic() + timeout
+        history = History()
+        last: dict[str, Any] | None = None
+        while True:
+            doc = self.get(name, namespace=ns)
+            status = doc.get("status") or {}
+            if status != last and on_update is not None:
+                on_update(status)
+            last = status
+            history.observe(status)
+            if _final(status):
+                return self._verdict(name, ns, status, history)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RefitTimeout(name, timeout, status)
+            # Watch from the version just read: no change is missed between get and watch.
+            rv = doc["metadata"]["resourceVersion"]
+            for status in self._watch(name, ns, rv, left):
+                if status != last and on_update is not None:
+                    on_update(status)
+                last = status
+                history.observe(status)
+                if _final(status):
+                    return self._verdict(name, ns, status, history)
+            # Watch ended (timeout, expired resourceVersion, dropped connection): re-read.
+
+    def _verdict(
+        self, name: str, ns: str, status: dict[str, Any], history: History
+    ) -> dict[str, Any]:
+        if status.get("phase") == "Succeeded":
+            return status
+        if status.get("phase") == "RolledBack" and not history.failures:
+            self._history_from_events(name, ns, history)
+        raise history.failed(name, status)
+
+    def _history_from_events(self, name: str, ns: str, history: History) -> None:
+        """The refit ended before we watched it: its Events still say what failed."""
+        try:
+            core: Any = k8s.CoreV1Api(self.api_client)
+            resp = core.list_namespaced_event(
+                ns, field_selector=f"involvedObject.name={name}", _preload_content=False
+            )
+            events = sorted(json.loads(resp.data)["items"],
+                            key=lambda e: e.get("lastTimestamp") or "")  # fmt: skip
+        except (ApiException, ValueError, KeyError):
+            return  # Events are best effort; the status still says how the refit ended
+        for e in events:
+            m = _POD_EVENT.match(e.get("message", ""))
+            if e.get("reason") in ("PodRefitFailed", "PodRefitInconclusive") and m:
+                phase = e["reason"].removeprefix("PodRefit")
+                history.failures[m[1]] = PodFailure(m[1], phase, m[2], m[3])
+            elif e.get("type") == "Warning" and "rolling back to" in e.get("message", ""):
+                history.cause = str(e.get("reason", ""))
+
+    def _watch(self, name: str, ns: str, rv: str, left: float) -> Any:
+        w = k8s_watch.Watch()
+        try:
+            stream = w.stream(
+                self.custom.list_namespaced_custom_object,
+                api.GROUP,
+                api.VERSION,
+                ns,
+                api.PLURAL,
+                field_selector=f"metadata.name={name}",
+                resource_version=rv,
+                timeout_seconds=max(1, min(int(left), 60)),
+                _request_timeout=min(left, 60) + 5,
+            )
+            for event in stream:
+                if event["type"] == "DELETED":
+                    raise RefitError(f"WeightRefit {ns}/{name} was deleted while waiting")
+                if event["type"] in ("ADDED", "MODIFIED"):
+                    yield event["object"].get("status") or {}
+        except ApiException as e:
+            if e.status != 410:  # 410 Gone: resourceVersion too old; re-read and watch again
+                raise RefitError(f"watching WeightRefit {ns}/{name}: {_api_message(e)}") from e
+        except (OSError, ValueError, urllib3.exceptions.HTTPError):
+            # The connection dropped or timed out: the caller re-reads and watches again.
+            return
+        finally:
+            w.stop()
+
+
+def _final(status: Mapping[str, Any]) -> bool:
+    return status.get("phase") in api.TERMINAL_PHASES
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        body = json.loads(e.body or "")
+        return str(body.get("message") or e.reason)
+    except ValueError:
+        return f"HTTP {e.status} {e.reason}"
+
+
+def _load_client(kubeconfig: str | Path | None, context: str | None) -> k8s.ApiClient:
+    if kubeconfig is None and context is None:
+        try:
+            k8s_config.load_incluster_config()
+            return k8s.ApiClient()
+        except k8s_config.ConfigException:
+            pass
+    try:
+        return k8s_config.new_client_from_config(
+            config_file=str(kubeconfig) if kubeconfig else None, context=context
+        )
+    except (k8s_config.ConfigException, OSError) as e:
+        raise RefitError(f"no usable Kubernetes configuration: {e}") from e
+
+
+def _default_namespace(kubeconfig: str | Path | None, context: str | None) -> str:
+    """The kubeconfig context's namespace, the pod's own namespace in-cluster, else default."""
+    sa_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    try:
+        _, current = k8s_config.list_kube_config_contexts(
+            config_file=str(kubeconfig) if kubeconfig else None
+        )
+        if context:
+            contexts, _ = k8s_config.list_kube_config_contexts(
+                config_file=str(kubeconfig) if kubeconfig else None
+            )
+            current = next((c for c in contexts if c["name"] == context), current)
+        ns = (current or {}).get("context", {}).get("namespace")
+        if ns:
+            return str(ns)
+    except (k8s_config.ConfigException, OSError, TypeError):
+        if sa_ns.is_file():
+            return sa_ns.read_text().strip()
+    return "default"
+
+
+# ------------------------------------------------------------ module-level shortcuts
+def submit(
+    checkpoint_dir: str | Path,
+    version: str,
+    *,
+    fleet_selector: Mapping[str, str] | str | api.LabelSelector,
+    namespace: str | None = None,
+    kubeconfig: str | Path | None = None,
+    **kwargs: Any,
+) -> str:
+    """RefitClient(...).submit(...) with a client made for this one call."""
+    with RefitClient(namespace=namespace, kubeconfig=kubeconfig) as c:
+        return c.submit(checkpoint_dir, version, fleet_selector=fleet_selector, **kwargs)
+
+
+def wait(
+    name: str,
+    timeout: float,
+    *,
+    namespace: str | None = None,
+    kubeconfig: str | Path | None = None,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """RefitClient(...).wait(...) with a client made for this one call."""
+    with RefitClient(namespace=namespace, kubeconfig=kubeconfig) as c:
+        return c.wait(name, timeout, on_update=on_update)

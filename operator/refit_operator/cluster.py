@@ -1,0 +1,190 @@
+"""Kubernetes I/O of the operator: pods, their readiness-gate condition and progress
+annotation, WeightRefits and their status, Events, Secrets, ConfigMaps, the leader Lease.
+
+Thin by design: every decision lives in the pure modules. Documents travel as plain JSON
+dicts (``_preload_content=False``) so nothing is lost to client-side model classes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from . import api
+from .podflow import Progress
+from .reconcile import PodView, rfc3339
+
+log = logging.getLogger(__name__)
+
+PROGRESS_ANNOTATION = f"{api.GROUP}/progress"
+CONDITION = f"{api.GROUP}/weights-ready"
+FINALIZER = f"{api.GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
+SMP = "application/strategic-merge-patch+json"
+MERGE = "application/merge-patch+json"
+
+
+async def read_json(resp: Any) -> Any:
+    """The body of a ``_preload_content=False`` answer, which does not raise on errors."""
+    body = await resp.read()
+    if not 200 <= resp.status <= 299:
+        raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:500])
+    return json.loads(body)
+
+
+async def connect(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (KUBECONFIG or path)."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return client.ApiClient(configuration=cfg)
+
+
+def pod_view(doc: dict[str, Any]) -> PodView:
+    meta, spec, status = doc["metadata"], doc.get("spec", {}), doc.get("status", {})
+    gates = {g.get("conditionType") for g in spec.get("readinessGates") or []}
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+    return PodView(
+        name=meta["name"],
+        ip=status.get("podIP") or "",
+        has_gate=CONDITION in gates,
+        running=status.get("phase") == "Running",
+        deleting=bool(meta.get("deletionTimestamp")),
+        ready=conds.get(CONDITION, {}).get("status") == "True",
+        restarts=restarts,
+        progress=Progress.from_annotation((meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)),
+    )
+
+
+@dataclass
+class Cluster:
+    api_client: client.ApiClient
+    identity: str = "refit-operator"
+
+    # Typed as Any: with _preload_content=False the generated signatures no longer hold.
+    @property
+    def core(self) -> Any:
+        return client.CoreV1Api(self.api_client)
+
+    @property
+    def custom(self) -> Any:
+        return client.CustomObjectsApi(self.api_client)
+
+    # ---------------------------------------------------------------------- pods
+    async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
+        resp = await self.core.list_namespaced_pod(
+            namespace, label_selector=selector, _preload_content=False
+        )
+        doc = await read_json(resp)
+        return [pod_view(item) for item in doc.get("items", [])]
+
+    async def write_progress(self, namespace: str, pod: str, progress: Progress) -> None:
+        body = {"metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}}
+        await self.core.patch_namespaced_pod(pod, namespace, body, _content_type=MERGE)
+
+    async def set_condition(
+        self, namespace: str, pod: str, ready: bool, reason: str, message: str
+    ) -> None:
+        """The readiness gate condition: False takes the pod out of Service endpoints."""
+        cond = {
+            "type": CONDITION,
+            "status": "True" if ready else "False",
+            "reason": reason,
+            "message": message[:1000],
+            "lastTransitionTime": rfc3339(time.time()),
+        }
+        body = {"status": {"conditions": [cond]}}
+        await self.core.patch_namespaced_pod_status(pod, namespace, body, _content_type=SMP)
+
+    # --------------------------------------------------------------- WeightRefits
+    async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            resp = await self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
+            )
+            doc: dict[str, Any] = await read_json(resp)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return doc
+
+    async def list_refits(self, namespace: str) -> list[dict[str, Any]]:
+        resp = await self.custom.list_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, _preload_content=False
+        )
+        items: list[dict[str, Any]] = (await read_json(resp)).get("items", [])
+        return items
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await self.custom.patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status},
+            _content_type=MERGE,
+        )  # fmt: skip
+
+    # -------------------------------------------------------------------- Events
+    async def event(
+        self, namespace: str, involved: dict[str, Any], reason: str, message: str, etype: str
+    ) -> None:
+        """Best effort: a lost Event must never stop a refit."""
+        meta = involved["metadata"]
+        now = rfc3339(time.time())
+        body = {
+            "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", "v1"),
+                "kind": involved.get("kind", "Pod"),
+                "name": meta["name"],
+                "namespace": namespace,
+                "uid": meta.get("uid", ""),
+            },
+            "reason": reason,
+            "message": message[:1000],
+            "type": etype,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": "refit-operator"},
+            "reportingComponent": "refit-operator",
+            "reportingInstance": self.identity,
+        }
+        try:
+            await self.core.create_namespaced_event(namespace, body)
+        except ApiException as e:
+            log.warning("event %s on %s not recorded: %s", reason, meta["name"], e.reason)
+
+    # ----------------------------------------------------------- Secrets, ConfigMaps
+    async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
+        """A Secret's or ConfigMap's value; None when the object or key is absent."""
+        try:
+            if kind == "Secret":
+                resp = await self.core.read_namespaced_secret(
+                    name, namespace, _preload_content=False
+                )
+            else:
+                resp = await self.core.read_namespaced_config_map(
+                    name, namespace, _preload_content=False
+                )
+            doc = await read_json(resp)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        if kind == "Secret":
+            raw = (doc.get("data") or {}).get(key)
+            if raw is None:
+                return None
+            return base64.b64decode(raw).decode().strip()
+        value = (doc.get("data") or {}).get(key)
+        return value if isinstance(value, str) else None

@@ -1,0 +1,514 @@
+"""`make demo`: Refit doing its job on real parts, in one command.
+
+    .venv/bin/python -m refit_operator.demo [--pods 3] [--out DIR] [--keep]
+
+Starts, on loopback only: a real kube-apiserver + etcd with the WeightRefit CRD, the operator
+(the real `refit-operator` process), N real vLLM CPU servers (tiny model, refit_worker plugin,
+admin guard, worker extension) registered as Pods with the readiness gate and status.podIP =
+each server's own loopback address, and a real Prometheus scraping the operator. Then:
+
+    v1  checkpoint A      AllAtOnce           from the dummy-weights start   -> Succeeded
+    v2  checkpoint B      Rolling, canary 1                                  -> Succeeded
+    v3  checkpoint mixed  Rolling, canary 1   valid manifest, wrong weights  -> the probe
+        rejects the canary, the rollout halts, the canary is rolled back     -> RolledBack
+
+with live per-pod progress, a summary table and PNG reports (refit_operator.report). Exit 0
+only when every outcome is the expected one and every pod serves v2 again, in traffic.
+Everything started is stopped at the end (also on Ctrl-C); `--keep` leaves it all running
+until Ctrl-C and prints how to look at it.
+
+Runs from a checkout (it uses the test bed under tests/support); torch and vLLM run only in
+the child processes, never in this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import httpx
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from .client import RefitClient, RefitFailed, RefitTimeout, reason_of
+from .cluster import CONDITION
+from .kubectl_plugin import describe, duration, table
+from .report import render, render_refit
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "refit-demo"
+LABELS = {"app": "demo-rollout"}
+SECRET = "vllm-admin-token"
+FIRST_IP = 11  # pods listen on 127.0.0.11, .12, ...
+REFIT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    version: str
+    checkpoint: str  # key of TinyModel.checkpoints
+    strategy: dict[str, Any]
+    expect: str  # the phase this step must end in
+    what: str
+
+
+SCENARIO = (
+    Step("demo-v1", "v1", "A", {"strategy": "AllAtOnce"}, "Succeeded",
+         "checkpoint A into every pod at once, from the dummy-weights start"),
+    Step("demo-v2", "v2", "B", {"strategy": "Rolling", "canary": 1, "max_unavailable": 1},
+         "Succeeded", "checkpoint B, rolling, one canary first"),
+    Step("demo-v3", "v3", "mixed", {"strategy": "Rolling", "canary": 1, "max_unavailable": 1},
+         "RolledBack", "the mixed checkpoint: valid manifest, wrong weights; the probe must "
+         "reject it and the fleet must end at v2"),
+)  # fmt: skip
+
+
+@dataclass
+class Result:
+    step: Step
+    phase: str = ""
+    reason: str = ""
+    seconds: float = 0.0
+    status: dict[str, Any] = field(default_factory=dict)
+    report: Path | None = None
+    # Seen at any time during the refit: a rollback rewrites the pods' results afterwards.
+    pod_reasons: set[str] = field(default_factory=set)
+    worst: float = 0.0
+    rejected: dict[str, Any] | None = None  # the last status showing a failed probe
+    rejected_report: Path | None = None
+
+    def observe(self, status: dict[str, Any]) -> None:
+        pods = status.get("pods") or []
+        self.pod_reasons |= {p["reason"] for p in pods if p.get("reason")}
+        if any((p.get("probe") or {}).get("verdict") == "Fail" for p in pods):
+            self.rejected = status
+        worst = (status.get("probeSummary") or {}).get("worstMaxAbsLogprobDiff") or 0.0
+        self.worst = max(self.worst, float(worst))
+
+    @property
+    def ok(self) -> bool:
+        return self.phase == self.step.expect
+
+
+class DemoError(RuntimeError):
+    """The demo could not set something up; the message says what."""
+
+
+# ------------------------------------------------------------------------------ set-up
+def _test_bed() -> Any:
+    try:
+        from tests.support import controlplane, prometheus, vllm_testbed
+    except ImportError as e:
+        raise DemoError(
+            f"the demo runs from a Refit checkout (make demo in the repository root): {e}"
+        ) from e
+    return controlplane, prometheus, vllm_testbed
+
+
+def tiny_model_root() -> Path:
+    """Build (or find) the tiny model in a child process: torch stays out of this one."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.tiny_model"],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise DemoError(f"building the tiny model failed:\n{proc.stderr[-2000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def common_free_port(ips: list[str]) -> int:
+    """One port free on every address (the fleet has one spec.fleet.port)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((ips[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for ip in ips[1:]:
+                with socket.socket() as s:
+                    s.bind((ip, port))
+            return port
+        except OSError:
+            continue
+    raise DemoError("no port is free on every pod address")
+
+
+def start_servers(
+    stack: ExitStack, testbed: Any, model: Any, ips: list[str], port: int, token: str,
+    say: Callable[[str], None],
+) -> list[Any]:  # fmt: skip
+    """Start the vLLM servers in parallel; every one that started is stopped by `stack`."""
+    results: dict[str, Any] = {}
+
+    def start(ip: str) -> None:
+        cm: AbstractContextManager[Any] = testbed.start_vllm_server(
+            model, host=ip, port=port, admin_token=token
+        )
+        try:
+            results[ip] = (cm, cm.__enter__())
+        except BaseException as e:  # reported below, after every thread ended
+            results[ip] = e
+
+    threads = [threading.Thread(target=start, args=(ip,), daemon=True) for ip in ips]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    servers, errors = [], []
+    for ip in ips:
+        r = results.get(ip)
+        if isinstance(r, tuple):
+            stack.push(r[0].__exit__)
+            servers.append(r[1])
+        else:
+            errors.append(f"{ip}: {r}")
+    if errors:
+        raise DemoError("vLLM server(s) did not start:\n" + "\n".join(errors))
+    say(f"{len(servers)} vLLM servers healthy in {time.monotonic() - began:.0f}s")
+    return servers
+
+
+def register_pods(core: Any, servers: list[Any]) -> list[str]:
+    """One Pod object per server: the readiness gate, Running, status.podIP = its address."""
+    names = []
+    for i, server in enumerate(servers):
+        name = f"rollout-{i}"
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": LABELS},
+            "spec": {
+                "containers": [{"name": "vllm", "image": "refit-worker:cpu-demo"}],
+                "readinessGates": [{"conditionType": CONDITION}],
+            },
+        }
+        core.create_namespaced_pod(NAMESPACE, body)
+        ip = server.host
+        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+        core.patch_namespaced_pod_status(name, NAMESPACE, status)
+        names.append(name)
+    return names
+
+
+@contextlib.contextmanager
+def operator_process(kubeconfig: Path, metrics_port: int, log: Path) -> Iterator[Any]:
+    exe = Path(sys.executable).with_name("refit-operator")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_operator.main"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--kubeconfig", str(kubeconfig), "--namespace", NAMESPACE,
+             "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
+             "--lease-namespace", NAMESPACE, "--identity", "demo"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # ready when /metrics answers
+            if proc.poll() is not None:
+                raise DemoError(f"the operator exited {proc.returncode}:\n{_tail(log)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).is_success:
+                    break
+            if time.monotonic() > deadline:
+                raise DemoError(f"the operator's /metrics did not answer in 60s:\n{_tail(log)}")
+            time.sleep(0.3)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------- progress
+class Live:
+    """Per-pod progress of one refit: redrawn in place on a terminal, printed on change
+    otherwise (a log, a test)."""
+
+    def __init__(self, out: TextIO, core: Any) -> None:
+        self.out = out
+        self.core = core
+        self.tty = out.isatty()
+        self.shown = 0
+        self.last = ""
+
+    def pods(self) -> list[dict[str, Any]]:
+        resp = self.core.list_namespaced_pod(
+            NAMESPACE, label_selector="app=demo-rollout", _preload_content=False
+        )
+        items: list[dict[str, Any]] = json.loads(resp.data)["items"]
+        return items
+
+    def show(self, doc: dict[str, Any]) -> None:
+        text = describe(doc, self.pods())
+        key = text.split("\n", 1)[1] if not self.tty else text
+        if key == self.last:
+            return
+        self.last = key
+        if self.tty and self.shown:
+            self.out.write(f"\x1b[{self.shown}F\x1b[J")
+        self.out.write(text + "\n")
+        self.out.flush()
+        self.shown = text.count("\n") + 1
+
+    def done(self) -> None:
+        self.shown = 0
+        self.last = ""
+        self.out.write("\n")
+
+
+def run_step(refits: RefitClient, live: Live, model: Any, step: Step, port: int) -> Result:
+    path = model.checkpoints[step.checkpoint]
+    began = time.monotonic()
+    name = refits.submit(
+        path, step.version, name=step.name, fleet_selector=LABELS, port=port,
+        admin_token_secret=SECRET, on_failure="Rollback", **step.strategy,
+    )  # fmt: skip
+    stop = threading.Event()
+
+    result = Result(step)
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # display only; wait() decides
+                doc = refits.get(name)
+                result.observe(doc.get("status") or {})
+                live.show(doc)
+            stop.wait(0.4)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        result.status = refits.wait(name, REFIT_TIMEOUT, on_update=result.observe)
+    except RefitFailed as e:
+        result.status = e.status
+        result.reason = e.cause
+    except RefitTimeout as e:
+        result.status = e.status
+    finally:
+        stop.set()
+        poller.join()
+    result.seconds = time.monotonic() - began
+    live.show(refits.get(name))
+    live.done()
+    result.phase = result.status.get("phase", "")
+    result.reason = result.reason or reason_of(result.status)[0]
+    return result
+
+
+# ----------------------------------------------------------------------------- checks
+def fleet_versions(servers: list[Any]) -> dict[str, str]:
+    """What each real pod reports as its weight version (through the admin guard)."""
+    out = {}
+    with httpx.Client() as http:
+        for s in servers:
+            r = http.get(f"{s.base_url}/weight_info", headers=s.admin_headers(), timeout=10)
+            r.raise_for_status()
+            out[s.host] = str(r.json()["weight_version"])
+    return out
+
+
+def in_traffic(core: Any, names: list[str]) -> dict[str, bool]:
+    out = {}
+    for name in names:
+        pod = core.read_namespaced_pod_status(name, NAMESPACE)
+        conds = {c.type: c.status for c in pod.status.conditions or []}
+        out[name] = conds.get(CONDITION) == "True"
+    return out
+
+
+def summary(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        st = r.status
+        rows.append([
+            r.step.name, r.step.version, r.step.checkpoint,
+            r.step.strategy["strategy"] + (" canary 1" if r.step.strategy.get("canary") else ""),
+            r.phase or "-", r.reason if r.reason != r.phase else "",
+            ",".join(sorted(r.pod_reasons)) or "-",
+            f"{st.get('updatedPods', 0)}/{st.get('targetPods', 0)}",
+            f"{r.worst:.2e}",
+            duration(r.seconds) if r.seconds >= 1 else f"{r.seconds:.1f}s",
+            "ok" if r.ok else f"EXPECTED {r.step.expect}",
+        ])  # fmt: skip
+    return table(("REFIT", "VERSION", "CKPT", "STRATEGY", "OUTCOME", "REASON", "POD REASONS",
+                  "UPDATED", "WORST|Δ|", "TOOK", "CHECK"), rows)  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- main
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    def say(text: str) -> None:
+        out.write(f"[{time.monotonic() - t0:6.1f}s] {text}\n")
+        out.flush()
+
+    t0 = time.monotonic()
+    controlplane, prometheus, testbed = _test_bed()
+    from tests.support.tiny_model import TinyModel
+
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="refit-demo-"))
+    with ExitStack() as stack:
+        say("building/finding the tiny model")
+        model = TinyModel(tiny_model_root())
+
+        say("starting the control plane (kube-apiserver + etcd)")
+        cp = controlplane.ControlPlane(state / "control-plane")
+        cp.start()
+        stack.callback(cp.stop)
+        cp.install_crds()
+        cp.kubectl("create", "namespace", NAMESPACE)
+        api_client = k8s_config.new_client_from_config(str(cp.kubeconfig))
+        stack.callback(api_client.close)
+        core: Any = k8s.CoreV1Api(api_client)
+
+        ips = [f"127.0.0.{FIRST_IP + i}" for i in range(args.pods)]
+        port = common_free_port(ips)
+        token = os.urandom(16).hex()
+        say(f"starting {args.pods} vLLM CPU servers on {', '.join(ips)} port {port}")
+        servers = start_servers(stack, testbed, model, ips, port, token, say)
+        core.create_namespaced_secret(NAMESPACE, {
+            "metadata": {"name": SECRET}, "stringData": {"token": token}})  # fmt: skip
+        names = register_pods(core, servers)
+        say(f"registered Pods {', '.join(names)} (readiness gate {CONDITION})")
+
+        metrics_port = controlplane.free_port()
+        say("starting the operator")
+        stack.enter_context(operator_process(cp.kubeconfig, metrics_port, state / "operator.log"))
+        say("starting Prometheus")
+        prom = prometheus.PrometheusServer(
+            prometheus.install(), state / "prometheus", [f"127.0.0.1:{metrics_port}"],
+            rule_files=[REPO / "monitoring" / "alerts.yaml"],
+        )  # fmt: skip
+        prom.start()
+        stack.callback(prom.stop)
+
+        refits = stack.enter_context(RefitClient(namespace=NAMESPACE, kubeconfig=cp.kubeconfig))
+        live = Live(out, core)
+        results = []
+        for step in SCENARIO:
+            say(f"refit {step.version}: {step.what}")
+            results.append(run_step(refits, live, model, step, port))
+
+        versions = fleet_versions(servers)
+        traffic = in_traffic(core, names)
+        # What Prometheus scraped from the operator: the failed probe and the rollback.
+        with contextlib.suppress(prometheus.PrometheusError):
+            prom.wait_for('sum(refit_refits_total{result="rolled_back"}) >= 1', timeout=20)
+        scraped = {
+            f"{what} {s['metric'].get('result', '?')}": float(s["value"][1])
+            for what, expr in (("probe", "sum by (result) (refit_probe_verdicts_total)"),
+                               ("refit", "sum by (result) (refit_refits_total)"))
+            for s in prom.query(expr)
+        }  # fmt: skip
+        for r in results:
+            doc = refits.get(r.step.name)
+            if doc.get("status", {}).get("pods"):
+                r.report = render_refit(doc, out_dir / f"{r.step.name}.png")
+            if r.rejected is not None:  # the moment the probe said no, before the rollback
+                r.rejected_report = render(
+                    r.rejected, out_dir / f"{r.step.name}-rejected.png",
+                    thresholds=doc["spec"].get("probe", {}).get("thresholds"),
+                    title=f"{r.step.name} → {r.step.version}: the probe rejects the checkpoint",
+                )  # fmt: skip
+
+        out.write("\n" + summary(results) + "\n\n")
+        out.write(table(("POD", "ADDRESS", "WEIGHT VERSION (read back)", "IN TRAFFIC"),
+                        [[n, s.host, versions[s.host], "yes" if traffic[n] else "no"]
+                         for n, s in zip(names, servers, strict=True)]) + "\n\n")  # fmt: skip
+        out.write("Prometheus (scraped from the operator): "
+                  + (", ".join(f"{k} {v:g}" for k, v in sorted(scraped.items()) if v) or "nothing")
+                  + "\n")  # fmt: skip
+        for r in results:
+            for path in (r.report, r.rejected_report):
+                if path is not None:
+                    out.write(f"report: {path}\n")
+        ok = (
+            all(r.ok for r in results)
+            and set(versions.values()) == {"v2"}
+            and all(traffic.values())
+            and scraped.get("probe fail", 0) >= 1
+            and scraped.get("refit rolled_back", 0) >= 1
+            and bool({"LogprobDrift", "NllDrift"} & results[-1].pod_reasons)
+        )
+        out.write(f"\nwall time {time.monotonic() - t0:.0f}s; outcome "
+                  f"{'as expected' if ok else 'NOT as expected'}\n")  # fmt: skip
+        if not ok:
+            out.write(f"operator log (tail):\n{_tail(state / 'operator.log')}\n")
+            out.write(f"logs and state kept in {state}\n")
+        if args.keep:
+            keep_running(out, cp, metrics_port, prom.url, state)
+    if ok:  # logs and etcd data of a run that went as expected are not worth keeping
+        shutil.rmtree(state, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def keep_running(out: TextIO, cp: Any, metrics_port: int, prom_url: str, state: Path) -> None:
+    out.write(
+        "\nEverything is still running. In another terminal:\n"
+        f"  export KUBECONFIG={cp.kubeconfig}\n"
+        f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE}\n"
+        f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE} -o wide\n"
+        f"  .venv/bin/python -m refit_operator.kubectl_plugin history -n {NAMESPACE}\n"
+        f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics\n"
+        f"  Prometheus:       {prom_url} (API: {prom_url}/api/v1/query?query=refit_refits_total)\n"
+        f"  logs and state:   {state}\n"
+        "Press Ctrl-C to stop everything.\n"
+    )
+    out.flush()
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds the ExitStack: everything started is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m refit_operator.demo", description=__doc__)
+    p.add_argument("--pods", type=int, default=3, help="vLLM servers (default 3, ~3 GB each)")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "refit-demo"),
+                   help="where the PNG reports go")  # fmt: skip
+    p.add_argument("--keep", action="store_true", help="leave everything running until Ctrl-C")
+    args = p.parse_args(argv)
+    if not 1 <= args.pods <= 8:
+        p.error("--pods must be between 1 and 8")
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run(args, sys.stdout)
+    except RuntimeError as e:  # DemoError, ControlPlaneError, PrometheusError: say why
+        print(f"demo: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

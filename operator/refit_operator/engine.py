@@ -1,0 +1,265 @@
+"""The reconcile loop of one WeightRefit: observe, decide (reconcile.decide), act.
+
+Acting means running the fleet preflight, starting pod passes (runner.run_pass) as tasks, and
+writing the CR status at most once per tick and only when it changed, so API writes do not
+grow with pod events (a 1000-pod refit writes status once per tick, not once per pod step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+from refit_worker.contract import ContractError, ProbeReference, RefitInfo
+
+from . import metrics, plan, reconcile
+from .api import Previous, WeightRefitSpec, WeightRefitStatus
+from .cluster import Cluster
+from .reconcile import Decision, Observed, PodView, PreflightResult, RefitView
+from .runner import PassContext, run_pass
+from .worker import WorkerClient, WorkerError
+
+log = logging.getLogger(__name__)
+
+PREFLIGHT_CONCURRENCY = 64
+RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
+           "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
+
+
+@dataclass
+class _RefitState:
+    """In-memory state of one refit: nothing here is needed to resume after a restart."""
+
+    tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    token: str | None = None
+    references: dict[str, ProbeReference] = field(default_factory=dict)
+    pods: list[PodView] = field(default_factory=list)
+    written: dict[str, Any] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Engine:
+    def __init__(self, cluster: Cluster, http: httpx.AsyncClient) -> None:
+        self.cluster = cluster
+        self.http = http
+        self.refits: dict[str, _RefitState] = {}
+
+    def state(self, uid: str) -> _RefitState:
+        return self.refits.setdefault(uid, _RefitState())
+
+    async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
+        doc = await self.cluster.get_refit(namespace, name)
+        if doc is None:
+            return None
+        meta = doc["metadata"]
+        spec = WeightRefitSpec.model_validate(doc["spec"])
+        status = WeightRefitStatus.model_validate(doc.get("status") or {})
+        view = RefitView(
+            name=name,
+            uid=meta["uid"],
+            generation=int(meta.get("generation", 1)),
+            created=meta["creationTimestamp"],
+            spec=spec,
+            status=status,
+            deleting=deleting or bool(meta.get("deletionTimestamp")),
+            namespace=namespace,
+        )
+        st = self.state(view.uid)
+        st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
+        selector = spec.fleet.selector.canonical()
+        fleet, previous = await self._fleet(namespace, view, selector)
+        st.pods = await self.cluster.list_pods(namespace, selector)
+        present = {p.name for p in st.pods if not p.deleting}
+        vanished = frozenset(n for n in st.tasks if n not in present)
+        for pod in vanished:  # deleted mid-pass: nothing left to make safe
+            st.tasks.pop(pod).cancel()
+        obs = Observed(
+            refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
+            now=time.time(), previous=previous, vanished=vanished,
+        )  # fmt: skip
+        d = reconcile.decide(obs)
+        if d.need_preflight:
+            d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
+        if d.start:
+            await self._start(namespace, doc, view, st, d)
+        await self._write(namespace, doc, view, st, d)
+        metrics.reconcile_done()
+        return d
+
+    async def _fleet(
+        self, namespace: str, me: RefitView, selector: str
+    ) -> tuple[list[plan.RefitRef], Previous | None]:
+        refs, succeeded = [], []
+        for r in await self.cluster.list_refits(namespace):
+            try:
+                spec = WeightRefitSpec.model_validate(r["spec"])
+            except ValueError:
+                continue
+            if spec.fleet.selector.canonical() != selector:
+                continue
+            rmeta = r["metadata"]
+            phase = (r.get("status") or {}).get("phase", "Pending")
+            if rmeta["uid"] == me.uid:
+                phase = me.status.phase
+            ref = plan.RefitRef(rmeta["name"], rmeta["creationTimestamp"], phase, spec.queue_policy)
+            refs.append(ref)
+            if phase == "Succeeded" and rmeta["uid"] != me.uid and ref.created <= me.created:
+                succeeded.append((ref.created, spec, rmeta["name"]))
+        previous = None
+        if succeeded:
+            _, spec, name = max(succeeded, key=lambda t: t[0])
+            previous = Previous(
+                version=spec.checkpoint.version, path=spec.checkpoint.path, refit=name
+            )
+        return refs, previous
+
+    # ------------------------------------------------------------------ preflight
+    async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
+        spec = view.spec
+        ref = spec.fleet.admin_token_secret_ref
+        if ref is not None:
+            st.token = await self.cluster.read_key("Secret", view.namespace, ref.name, ref.key)
+            if st.token is None:
+                return PreflightResult(
+                    problem=("SecretMissing", f"Secret {ref.name} has no key {ref.key!r}")
+                )
+        reachable = [p for p in st.pods if p.ip]
+        sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
+
+        async def info(pod: PodView) -> RefitInfo | str:
+            async with sem:
+                try:
+                    return await self._client(view, st, pod).refit_info(
+                        timeout=float(spec.sequence.step_timeout_seconds)
+                    )
+                except WorkerError as e:
+                    return f"refit_info failed ({e.kind}): {e.message}"
+
+        infos = dict(
+            zip(
+                [p.name for p in reachable],
+                await asyncio.gather(*map(info, reachable)),
+                strict=True,
+            )
+        )
+        problem = None
+        if reachable and all(not isinstance(i, str) for i in infos.values()):
+            problem = await self._check_reference(view, st, reachable[0])
+        return PreflightResult(infos=infos, problem=problem)
+
+    async def _check_reference(
+        self, view: RefitView, st: _RefitState, pod: PodView
+    ) -> tuple[str, str] | None:
+        """Fetch the probe reference and score its first prompt on one pod: a reference the
+        model cannot score fails the refit before any pod is touched."""
+        client = self._client(view, st, pod)
+        try:
+            reference = await self._reference(view, st, view.spec.checkpoint.path, client)
+        except (WorkerError, ContractError, ValueError) as e:
+            return "ReferenceInvalid", f"probe reference unusable: {e}"
+        try:
+            await client.score(list(reference.prompts[0].token_ids),
+                               timeout=float(view.spec.sequence.probe_timeout_seconds))  # fmt: skip
+        except WorkerError as e:
+            if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
+                return (
+                    "ReferenceUnscorable",
+                    f"pod {pod.name} cannot score the reference: {e.message}",
+                )
+            return "PodUnreachable", f"pod {pod.name}: scoring failed: {e.message}"
+        return None
+
+    async def _reference(
+        self, view: RefitView, st: _RefitState, path: str, client: WorkerClient
+    ) -> ProbeReference:
+        if path in st.references:
+            return st.references[path]
+        src = view.spec.probe.reference
+        # A rollback probes the previous checkpoint against its own reference file.
+        if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.checkpoint.path:
+            cm = src.config_map_ref
+            text = await self.cluster.read_key("ConfigMap", view.namespace, cm.name, cm.key)
+            if text is None:
+                raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
+            reference = ProbeReference.from_json_dict(json.loads(text))
+        else:
+            reference = await client.probe_reference(
+                path, timeout=float(view.spec.sequence.step_timeout_seconds)
+            )
+        st.references[path] = reference
+        return reference
+
+    # ---------------------------------------------------------------- pod passes
+    def _client(self, view: RefitView, st: _RefitState, pod: PodView) -> WorkerClient:
+        url = f"http://{pod.ip}:{view.spec.fleet.port}"
+        return WorkerClient(url, http=self.http, admin_token=st.token,
+                            timeout=float(view.spec.sequence.step_timeout_seconds))  # fmt: skip
+
+    async def _start(
+        self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
+    ) -> None:
+        ref = view.spec.fleet.admin_token_secret_ref
+        if ref is not None and st.token is None:
+            st.token = await self.cluster.read_key("Secret", namespace, ref.name, ref.key)
+
+        async def reference(path: str, client: WorkerClient) -> ProbeReference:
+            return await self._reference(view, st, path, client)
+
+        ctx = PassContext(
+            cluster=self.cluster, namespace=namespace, refit_doc=doc, refit_name=view.name,
+            refit_uid=view.uid, fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
+            client=lambda pod: self._client(view, st, pod), reference=reference,
+            peer_nlls=lambda version: reconcile.peer_nlls(st.pods, version),
+        )  # fmt: skip
+        pods = {p.name: p for p in st.pods}
+        for start in d.start:
+            if start.pod in st.tasks or start.pod not in pods:
+                continue
+            task = asyncio.create_task(self._guarded(ctx, pods[start.pod], start, st))
+            st.tasks[start.pod] = task
+
+    async def _guarded(
+        self, ctx: PassContext, pod: PodView, start: reconcile.PodStart, st: _RefitState
+    ) -> None:
+        try:
+            await run_pass(ctx, pod, start)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # The pod's annotation holds its progress; the next tick resumes it.
+            metrics.reconcile_error("internal")
+            log.exception("pod %s: pass interrupted: %s", pod.name, e)
+            await asyncio.sleep(1.0)
+        finally:
+            st.wake.set()
+
+    # -------------------------------------------------------------------- status
+    async def _write(
+        self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
+    ) -> None:
+        new = d.status.dump()
+        old = view.status.dump()
+        if new != old and new != st.written:
+            await self.cluster.patch_status(namespace, view.name, new)
+            st.written = new
+        for e in d.events:
+            await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
+        fleet = d.status.fleet
+        if d.status.phase != view.status.phase and d.status.phase in RESULTS:
+            metrics.refit_finished(namespace, fleet, RESULTS[d.status.phase])
+        by_phase: dict[str, int] = {}
+        for p in d.status.pods:
+            by_phase[p.phase] = by_phase.get(p.phase, 0) + 1
+        out = sum(not p.ready for p in st.pods)
+        versions = {
+            p.progress.version for p in st.pods if p.progress and p.progress.outcome == "Succeeded"
+        }
+        metrics.fleet_state(
+            namespace, fleet, view.name, pods_by_phase=by_phase, out_of_traffic=out,
+            version_skew=max(len(versions) - 1, 0), target_version=view.spec.checkpoint.version,
+        )  # fmt: skip

@@ -1,0 +1,74 @@
+"""kopf glue only: one daemon per WeightRefit drives Engine.tick; deletion waits (through the
+finalizer) until no pod is left mid-pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from . import api, metrics
+from .cluster import FINALIZER
+from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+ACTIVE_INTERVAL = 1.0  # seconds between ticks while pods are moving
+IDLE_INTERVAL = 5.0  # while queued or watching a converged fleet for late pods
+DORMANT_INTERVAL = 60.0  # finished and no longer the fleet's target
+_engine: Engine | None = None
+
+
+def install(engine: Engine) -> None:
+    global _engine
+    _engine = engine
+
+
+def engine() -> Engine:
+    if _engine is None:
+        raise RuntimeError("handlers.install(engine) was not called")
+    return _engine
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.posting.enabled = False  # our Events say what happened; kopf's repeat its logs
+
+
+@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=5.0)
+async def refit_daemon(
+    name: str, namespace: str | None, uid: str, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    assert namespace is not None  # WeightRefit is namespaced
+    eng = engine()
+    while not stopped:
+        interval = IDLE_INTERVAL
+        try:
+            d = await eng.tick(namespace, name)
+            if d is None:
+                return
+            interval = (
+                DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL
+            )
+        except Exception as e:
+            metrics.reconcile_error("api")
+            log.exception("reconcile of %s/%s failed: %s", namespace, name, e)
+        wake = eng.state(uid).wake
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=interval)
+        except TimeoutError:
+            pass
+        wake.clear()
+
+
+@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL)
+async def refit_deleted(name: str, namespace: str | None, **_: Any) -> None:
+    assert namespace is not None
+    d = await engine().tick(namespace, name, deleting=True)
+    if d is not None and not d.release_finalizer:
+        raise kopf.TemporaryError("waiting for pods in flight to finish their pass", delay=2)

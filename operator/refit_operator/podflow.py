@@ -1,0 +1,219 @@
+"""The per-pod refit sequence as plain data: where a pod stands and what to do next.
+
+A pod's progress is stored on the pod itself (annotation ``refit.rollout.dev/progress``, JSON),
+written after every completed step, so an operator that restarts resumes at the first step not
+recorded as done. Every step is idempotent; the one that is not safe to repeat blindly, the load,
+is preceded by a read-back of the pod's weight version (see ``load_needed``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+STEPS: tuple[str, ...] = (
+    "drain",  # readiness condition False, then /pause and a bounded wait for in-flight requests
+    "sleep",
+    "wakeWeights",
+    "preflight",
+    "load",
+    "wakeKV",
+    "resetCache",
+    "stampVersion",  # stamp (refit_load already does) and read back the weight version
+    "probe",
+    "ready",  # readiness condition True
+)
+# Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
+_FINAL_CODES = frozenset(
+    {
+        "PathNotAllowed",
+        "CheckpointMissing",
+        "ManifestInvalid",
+        "ManifestMismatch",
+        "TensorMismatch",
+        "ProbeReferenceInvalid",
+    }
+)
+BACKOFF_BASE_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 30.0
+
+Outcome = Literal["", "Succeeded", "Failed", "Inconclusive"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One pod's walk through STEPS for one refit pass (a rollback is a second pass)."""
+
+    refit: str  # WeightRefit name
+    uid: str  # WeightRefit uid: progress of a deleted-and-recreated refit is not ours
+    version: str  # the version this pass brings the pod to
+    path: str
+    rollback: bool = False
+    restarts: int = 0  # the pod's container restarts when the pass began: a restart since
+    # then means the container lost the weights this pass loaded
+    step: str = STEPS[0]  # the first step not yet done ("" once the pass is over)
+    attempts: int = 0  # failed tries of `step`
+    not_before: float = 0.0  # epoch seconds: backoff before the next try
+    outcome: Outcome = ""
+    reason: str = ""
+    message: str = ""
+    started: float = 0.0
+    finished: float = 0.0
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    probe: dict[str, Any] | None = None
+
+    @property
+    def finished_pass(self) -> bool:
+        return self.outcome != ""
+
+    def to_annotation(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_annotation(cls, text: str | None) -> Progress | None:
+        """Parse the annotation; anything unreadable is treated as no progress at all."""
+        if not text:
+            return None
+        try:
+            doc = json.loads(text)
+            return cls(**doc)
+        except (ValueError, TypeError):
+            return None
+
+
+def start(
+    refit: str,
+    uid: str,
+    version: str,
+    path: str,
+    now: float,
+    *,
+    rollback: bool = False,
+    restarts: int = 0,
+) -> Progress:
+    return Progress(
+        refit=refit,
+        uid=uid,
+        version=version,
+        path=path,
+        rollback=rollback,
+        started=now,
+        restarts=restarts,
+    )
+
+
+@dataclass(frozen=True)
+class RunStep:
+    step: str
+
+
+@dataclass(frozen=True)
+class WaitUntil:
+    at: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    outcome: Outcome
+
+
+Action = RunStep | WaitUntil | Finished
+
+
+def next_action(progress: Progress, now: float) -> Action:
+    if progress.finished_pass:
+        return Finished(progress.outcome)
+    if progress.not_before > now:
+        return WaitUntil(progress.not_before)
+    return RunStep(progress.step)
+
+
+def step_done(progress: Progress, step: str, seconds: float, now: float) -> Progress:
+    """Record ``step`` as done and move on; after ``ready`` the pass has Succeeded."""
+    if step != progress.step:
+        raise ValueError(f"step {step!r} is not the pending step {progress.step!r}")
+    timings = {**progress.step_seconds, step: round(seconds, 4)}
+    index = STEPS.index(step)
+    if index + 1 == len(STEPS):
+        return replace(
+            progress,
+            step="",
+            attempts=0,
+            step_seconds=timings,
+            outcome="Succeeded",
+            reason="",
+            message="",
+            finished=now,
+            not_before=0.0,
+        )
+    return replace(
+        progress,
+        step=STEPS[index + 1],
+        attempts=0,
+        step_seconds=timings,
+        not_before=0.0,
+        reason="",
+        message="",
+    )
+
+
+def backoff(attempts: int) -> float:
+    return min(BACKOFF_MAX_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(attempts - 1, 0))
+
+
+def step_failed(
+    progress: Progress,
+    step: str,
+    reason: str,
+    message: str,
+    now: float,
+    *,
+    retries: int,
+    final: bool = False,
+    outcome: Outcome = "Failed",
+) -> Progress:
+    """Record a failed try: retry with exponential backoff up to ``retries`` times, then end
+    the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
+    attempts = progress.attempts + 1
+    if final or reason in _FINAL_CODES or attempts > retries:
+        return replace(
+            progress,
+            attempts=attempts,
+            outcome=outcome,
+            reason=reason,
+            message=message,
+            finished=now,
+            not_before=0.0,
+        )
+    return replace(
+        progress,
+        attempts=attempts,
+        reason=reason,
+        message=message,
+        not_before=now + backoff(attempts),
+    )
+
+
+def probe_judged(
+    progress: Progress, verdict: str, reason: str, message: str, probe: dict[str, Any], now: float
+) -> Progress:
+    """A probe verdict ends the pass unless it passed (then ``ready`` is next)."""
+    progress = replace(progress, probe=probe)
+    if verdict == "Pass":
+        return progress
+    outcome: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
+    return replace(
+        progress, outcome=outcome, reason=reason, message=message, finished=now, not_before=0.0
+    )
+
+
+def load_needed(read_back_version: str | None, target: str) -> bool:
+    """Before a (re)load: the pod already reporting the target version means the load we
+    recorded as started finished before a restart; loading again would only repeat risk."""
+    return read_back_version != target
+
+
+def step_applies(step: str, sleep_level: int) -> bool:
+    """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes)."""
+    return not (sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"))

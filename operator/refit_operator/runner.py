@@ -1,0 +1,269 @@
+"""Runs one pod's refit pass: executes the step podflow names, records the result on the pod,
+repeats until the pass ends. I/O only; what to do next is always podflow's decision."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from refit_worker.contract import ProbeReference
+
+from . import metrics, podflow, probe
+from .api import WeightRefitSpec
+from .cluster import Cluster
+from .podflow import Finished, Progress, RunStep, WaitUntil
+from .reconcile import PodStart, PodView, admission_problem
+from .worker import WorkerClient, WorkerError
+
+log = logging.getLogger(__name__)
+
+DRAIN_POLL_SECONDS = 0.5
+
+
+class StepFailed(Exception):
+    """A step's own verdict (not a transport error): reason is CamelCase."""
+
+    def __init__(self, reason: str, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.final = final
+
+
+@dataclass
+class PassContext:
+    """What one pass needs beyond the pod: shared by all passes of one reconcile loop."""
+
+    cluster: Cluster
+    namespace: str
+    refit_doc: dict[str, object]  # for Events
+    refit_name: str
+    refit_uid: str
+    fleet: str
+    spec: WeightRefitSpec
+    client: Callable[[PodView], WorkerClient]
+    reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
+    peer_nlls: Callable[[str], list[float]]
+
+
+def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
+    """(reason, final) for a transport or worker error in ``step``."""
+    if e.kind == "rejected" and e.code:
+        return e.code, e.code != "LoadFailed"
+    return {
+        "timeout": (f"{step[0].upper()}{step[1:]}Timeout", False),
+        "connect": ("PodUnreachable", False),
+        "protocol": ("WorkerProtocolError", False),
+        "http": ("WorkerHttpError", False),
+        "rejected": ("WorkerRejected", False),
+    }[e.kind]
+
+
+async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
+    worker = ctx.client(pod)
+    progress = pod.progress if start.resume and pod.progress else None
+    if progress is None:
+        progress = podflow.start(
+            ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
+            rollback=start.rollback, restarts=pod.restarts,
+        )  # fmt: skip
+        refused = await _admission(ctx, pod, worker)
+        if refused is not None:
+            # A pod that joined after the fleet preflight gets the same checks; refused,
+            # it is left exactly as it was and the refusal is recorded.
+            progress = podflow.step_failed(
+                progress, progress.step, *refused, time.time(), retries=0, final=True
+            )
+            await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
+            await _finish(ctx, pod, progress)
+            return progress
+        # Out of traffic before anything is recorded: a pod whose progress names a new pass
+        # is never Ready on the strength of an older probe.
+        await ctx.cluster.set_condition(
+            ctx.namespace, pod.name, False, "Refitting", f"refit to {start.version} in progress"
+        )
+        await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
+        what = "rollback" if start.rollback else "refit"
+        await _event(ctx, "PodRefitStarted", f"pod {pod.name}: {what} to {start.version} started")
+    while True:
+        action = podflow.next_action(progress, time.time())
+        if isinstance(action, Finished):
+            return progress
+        if isinstance(action, WaitUntil):
+            await asyncio.sleep(max(0.0, action.at - time.time()))
+            continue
+        assert isinstance(action, RunStep)
+        progress = await _run_step(ctx, pod, worker, progress, action.step)
+        await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
+        if progress.finished_pass:
+            await _finish(ctx, pod, progress)
+
+
+async def _admission(
+    ctx: PassContext, pod: PodView, worker: WorkerClient
+) -> tuple[str, str] | None:
+    if not pod.has_gate:
+        return "MissingReadinessGate", "the pod does not declare the readiness gate"
+    try:
+        info = await worker.refit_info(timeout=float(ctx.spec.sequence.step_timeout_seconds))
+    except WorkerError:
+        return None  # transient or not: the first step meets it again, with retries
+    return admission_problem(info, ctx.spec.allow_unsafe_backends)
+
+
+async def _run_step(
+    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, step: str
+) -> Progress:
+    retries = ctx.spec.sequence.retries
+    began = time.monotonic()
+    try:
+        if step == "probe":
+            return await _probe(ctx, pod, worker, progress)
+        await _execute(ctx, pod, worker, progress, step)
+    except WorkerError as e:
+        reason, final = worker_error_reason(e, step)
+        result = "timeout" if e.kind == "timeout" else "failure"
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, result, time.monotonic() - began)
+        await _event(ctx, "PodStepRetry" if not final else "PodStepFailed",
+                     f"pod {pod.name}: {step}: {reason}: {e.message}", "Warning")  # fmt: skip
+        return podflow.step_failed(
+            progress, step, reason, e.message, time.time(), retries=retries, final=final
+        )
+    except StepFailed as e:
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", time.monotonic() - began)
+        await _event(
+            ctx, "PodStepRetry", f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning"
+        )
+        return podflow.step_failed(
+            progress, step, e.reason, e.message, time.time(), retries=retries, final=e.final
+        )
+    seconds = time.monotonic() - began
+    metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
+    return podflow.step_done(progress, step, seconds, time.time())
+
+
+async def _execute(
+    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, step: str
+) -> None:
+    seq = ctx.spec.sequence
+    t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
+    if not podflow.step_applies(step, seq.sleep_level):
+        return
+    if step == "drain":  # the pass began by setting the readiness condition False
+        await worker.pause(seq.drain_mode, timeout=t_step)
+        await _wait_drained(worker, float(seq.drain_timeout_seconds), t_step)
+    elif step == "sleep":
+        await worker.sleep(seq.sleep_level, timeout=t_step)
+    elif step == "wakeWeights":
+        await worker.wake_up(["weights"], timeout=t_step)
+    elif step == "preflight":
+        await worker.preflight(progress.path, timeout=t_load)
+    elif step == "load":
+        # Never reload blindly: a load that finished before a restart stamped the version.
+        info = await worker.refit_info(timeout=t_step)
+        if podflow.load_needed(info.weight_version, progress.version):
+            await worker.load(progress.path, progress.version, timeout=t_load)
+    elif step == "wakeKV":
+        await worker.wake_up(["kv_cache"], timeout=t_step)
+    elif step == "resetCache":
+        await worker.reset_prefix_cache(timeout=t_step)
+        # Unpause so the probe can be served; the pod is still out of Service endpoints.
+        await worker.resume(timeout=t_step)
+    elif step == "stampVersion":
+        await worker.update_weight_version(progress.version, timeout=t_step)
+        got = await worker.weight_version(timeout=t_step)
+        if got != progress.version:
+            raise StepFailed(
+                "VersionMismatch", f"pod reports {got!r}, expected {progress.version!r}"
+            )
+    elif step == "ready":
+        await ctx.cluster.set_condition(
+            ctx.namespace, pod.name, True, "ProbePassed", f"weights {progress.version} probed"
+        )
+    else:
+        raise ValueError(f"unknown step {step!r}")
+
+
+async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        left = await worker.requests_in_flight(timeout=t_step)
+        if left == 0:
+            return
+        if time.monotonic() >= deadline:
+            raise StepFailed("DrainTimeout", f"{left} requests still in flight after {limit:.0f}s")
+        await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+
+async def _probe(
+    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress
+) -> Progress:
+    seq, thresholds = ctx.spec.sequence, ctx.spec.probe.thresholds
+    began = time.monotonic()
+    timeout = float(seq.probe_timeout_seconds)
+    outcome: probe.ProbeOutcome | None = None
+    try:
+        reference = await ctx.reference(progress.path, worker)
+        scored = [await worker.score(list(p.token_ids), timeout=timeout) for p in reference.prompts]
+    except WorkerError as e:
+        if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
+            outcome = probe.inconclusive("ReferenceUnscorable", e.message)
+        elif e.kind == "protocol":
+            outcome = probe.ProbeOutcome("Fail", "ProbeGarbage", e.message)
+        elif progress.attempts < seq.retries:
+            reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
+            metrics.step_finished(
+                ctx.namespace, ctx.fleet, "probe", "failure", time.monotonic() - began
+            )
+            return podflow.step_failed(
+                progress, "probe", reason, e.message, time.time(), retries=seq.retries
+            )
+        else:
+            reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
+            outcome = probe.inconclusive(reason, e.message)
+    if outcome is None:
+        outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
+    seconds = time.monotonic() - began
+    metrics.step_finished(
+        ctx.namespace,
+        ctx.fleet,
+        "probe",
+        "success" if outcome.verdict == "Pass" else "failure",
+        seconds,
+    )
+    metrics.probe_result(
+        ctx.namespace, ctx.fleet, ctx.refit_name, pod.name, outcome.verdict,
+        outcome.nll, outcome.reference_nll, outcome.mean_abs_diff, outcome.max_abs_diff,
+    )  # fmt: skip
+    record = outcome.to_status().dump()
+    progress = podflow.probe_judged(
+        progress, outcome.verdict, outcome.reason, outcome.message, record, time.time()
+    )
+    if outcome.verdict == "Pass":
+        return podflow.step_done(progress, "probe", seconds, time.time())
+    return progress
+
+
+async def _finish(ctx: PassContext, pod: PodView, progress: Progress) -> None:
+    if progress.outcome == "Succeeded":
+        what = "rolled back" if progress.rollback else "refitted"
+        await _event(
+            ctx, "PodRefitSucceeded", f"pod {pod.name}: {what} to {progress.version}, probe passed"
+        )
+        return
+    # Fail closed: the pod stays out of traffic, and the condition says why.
+    msg = f"{progress.reason}: {progress.message}"
+    try:
+        await ctx.cluster.set_condition(
+            ctx.namespace, pod.name, False, progress.reason or "RefitFailed", msg
+        )
+    except Exception as e:  # the annotation already records the reason
+        log.warning("pod %s: condition not updated: %s", pod.name, e)
+    await _event(ctx, f"PodRefit{progress.outcome}", f"pod {pod.name}: {msg}", "Warning")
+
+
+async def _event(ctx: PassContext, reason: str, message: str, etype: str = "Normal") -> None:
+    await ctx.cluster.event(ctx.namespace, ctx.refit_doc, reason, message, etype)

@@ -1,0 +1,350 @@
+"""Async HTTP client for ONE vLLM pod running the refit_worker plugin.
+
+Every call is one HTTP request; nothing here retries (the operator's per-pod flow owns
+retries and backoff). Every failure surfaces as :class:`WorkerError` whose ``kind`` tells
+the caller what it may assume:
+
+- ``connect``: no answer came back because the connection failed or dropped (refused,
+  unreachable, reset mid-request: a crashed pod), or the shared client's pool had no free
+  connection in time. A refused connect or a pool wait never reached the pod.
+- ``timeout``: the pod accepted the request but did not answer in time; the step may still
+  be running there.
+- ``http``: the pod answered with a non-2xx status (``status`` holds it).
+- ``rejected``: the pod refused on purpose. From ``/collective_rpc`` this is the worker
+  extension's ``RefitRejected`` (``code`` holds the contract code); ``code`` is None for a
+  refusal without one (``/reset_prefix_cache`` answering ``success: false``).
+- ``protocol``: the answer does not have the shape this client and the contract expect.
+
+Authentication: the admin bearer token goes on every path outside ``/v1`` (vLLM's dev/RL
+endpoints are guarded by refit_worker's admin guard), vLLM's ``--api-key`` on ``/v1``.
+"""
+
+# The agreed interface takes a per-call `timeout`; httpx applies it to the request itself.
+# ruff: noqa: ASYNC109
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from refit_worker import contract
+
+ErrorKind = Literal["http", "timeout", "connect", "protocol", "rejected"]
+
+# Gauges whose sum is the number of requests a drain still waits for.
+IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+class WorkerError(Exception):
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _field(doc: Any, key: str, kind: type, where: str) -> Any:
+    if not isinstance(doc, dict) or key not in doc:
+        raise WorkerError("protocol", f"{where}: answer lacks {key!r}: {str(doc)[:200]}")
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise WorkerError("protocol", f"{where}: {key!r} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _logprob(entry: Any, token_id: int, where: str) -> float | None:
+    """The logprob of token_id in one prompt_logprobs entry; None when it is absent."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise WorkerError("protocol", f"{where}: entry is {type(entry).__name__}, not an object")
+    scored = entry.get(str(token_id))
+    if scored is None:
+        return None
+    value = scored.get("logprob") if isinstance(scored, dict) else None
+    # NaN and infinities are data for the probe (garbage), not a protocol error.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise WorkerError("protocol", f"{where}: logprob of token {token_id} is {value!r}")
+
+
+# vLLM wraps a worker exception raised under /collective_rpc as
+# {"error": {"message": "Call to collective_rpc method failed: Worker failed with error
+# '<str(exc)>', please check the stack trace above for the root cause", ...}}.
+_VLLM_RPC_ERROR_SUFFIX = "', please check the stack trace above for the root cause"
+
+
+def _rpc_error_text(body: str) -> str:
+    """The worker exception's own text from a /collective_rpc error body (else the body)."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body
+    if not isinstance(message, str):
+        return body
+    return message.split(_VLLM_RPC_ERROR_SUFFIX, 1)[0]
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        http: httpx.AsyncClient,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = http
+        self._admin_token = admin_token
+        self._api_key = api_key
+        self._timeout = timeout
+        self._model: str | None = None
+
+    # --- transport -----------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float | None,
+        params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
+        json: Any = None,
+    ) -> httpx.Response:
+        token = self._api_key if path.startswith("/v1/") else self._admin_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if path == "/collective_rpc":
+            # A refusing RPC raises through vLLM's app; uvicorn then closes the connection
+            # right after the 500, and a pooled reuse of it races that close (a spurious
+            # "connect" error on the next call). RPCs are rare: give each its own connection.
+            headers["Connection"] = "close"
+        where = f"{method} {path}"
+        try:
+            response = await self._http.request(
+                method,
+                self.base_url + path,
+                params=params,
+                json=json,
+                headers=headers,
+                timeout=self._timeout if timeout is None else timeout,
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise WorkerError("connect", f"{where}: cannot connect: {exc!r}") from exc
+        except httpx.PoolTimeout as exc:  # never sent: every pooled connection was busy
+            raise WorkerError("connect", f"{where}: no free connection in the pool") from exc
+        except httpx.TimeoutException as exc:
+            raise WorkerError("timeout", f"{where}: no answer in time: {exc!r}") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise WorkerError("connect", f"{where}: connection lost: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            raise WorkerError("connect", f"{where}: transport failed: {exc!r}") from exc
+        if response.is_success:
+            return response
+        text = response.text
+        if path == "/collective_rpc":
+            rejection = contract.parse_rejection(_rpc_error_text(text))
+            if rejection is not None:
+                code, detail = rejection
+                raise WorkerError("rejected", detail, status=response.status_code, code=code)
+        raise WorkerError(
+            "http",
+            f"{where}: HTTP {response.status_code}: {text[:500]}",
+            status=response.status_code,
+        )
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float | None,
+        params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
+        json: Any = None,
+    ) -> Any:
+        response = await self._request(method, path, timeout=timeout, params=params, json=json)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise WorkerError(
+                "protocol", f"{method} {path}: answer is not JSON: {response.text[:200]!r}"
+            ) from exc
+
+    async def _rpc(self, method: str, args: list[Any], timeout: float | None) -> Any:
+        """Call a refit_worker extension method; returns the first worker's result."""
+        # vLLM bounds the engine-side wait with the body's timeout; keep both in step.
+        body = {"method": method, "args": args, "kwargs": {}, "timeout": timeout or self._timeout}
+        doc = await self._json("POST", "/collective_rpc", timeout=timeout, json=body)
+        results = _field(doc, "results", list, method)
+        if not results:
+            raise WorkerError("protocol", f"{method}: no worker answered")
+        return results[0]
+
+    # --- refit_worker extension RPCs -------------------------------------------------
+    async def refit_info(self, *, timeout: float | None = None) -> contract.RefitInfo:
+        result = await self._rpc(contract.RPC_INFO, [], timeout)
+        try:
+            return contract.RefitInfo.from_json_dict(result)
+        except contract.ContractError as exc:
+            raise WorkerError("protocol", str(exc)) from exc
+
+    async def preflight(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._rpc_dict(contract.RPC_PREFLIGHT, [path], timeout)
+
+    async def load(
+        self, path: str, version: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return await self._rpc_dict(contract.RPC_LOAD, [path, version], timeout)
+
+    async def probe_reference(
+        self, path: str, *, timeout: float | None = None
+    ) -> contract.ProbeReference:
+        result = await self._rpc(contract.RPC_PROBE_REFERENCE, [path], timeout)
+        try:
+            return contract.ProbeReference.from_json_dict(result)
+        except contract.ContractError as exc:
+            raise WorkerError("protocol", str(exc)) from exc
+
+    async def _rpc_dict(
+        self, method: str, args: list[Any], timeout: float | None
+    ) -> dict[str, Any]:
+        result = await self._rpc(method, args, timeout)
+        if not isinstance(result, dict):
+            raise WorkerError("protocol", f"{method}: result is {type(result).__name__}, not dict")
+        return result
+
+    # --- vLLM dev / RL endpoints -----------------------------------------------------
+    async def pause(self, mode: str, *, timeout: float | None = None) -> None:
+        doc = await self._json("POST", "/pause", timeout=timeout, params={"mode": mode})
+        self._expect(doc, "status", "paused", "pause")
+
+    async def resume(self, *, timeout: float | None = None) -> None:
+        doc = await self._json("POST", "/resume", timeout=timeout)
+        self._expect(doc, "status", "resumed", "resume")
+
+    async def is_paused(self, *, timeout: float | None = None) -> bool:
+        doc = await self._json("GET", "/is_paused", timeout=timeout)
+        return bool(_field(doc, "is_paused", bool, "is_paused"))
+
+    async def sleep(
+        self, level: int, *, mode: str | None = None, timeout: float | None = None
+    ) -> None:
+        params: dict[str, Any] = {"level": level}
+        if mode is not None:
+            params["mode"] = mode
+        doc = await self._json("POST", "/sleep", timeout=timeout, params=params)
+        self._expect(doc, "status", "sleeping", "sleep")
+
+    async def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> bool:
+        """Wake the given tags (all when None); True when the engine is fully awake."""
+        params = [("tags", t) for t in tags or []]
+        doc = await self._json("POST", "/wake_up", timeout=timeout, params=params)
+        status = _field(doc, "status", str, "wake_up")
+        if status not in ("awake", "sleeping"):
+            raise WorkerError("protocol", f"wake_up: unknown status {status!r}")
+        return bool(status == "awake")
+
+    async def is_sleeping(self, *, timeout: float | None = None) -> bool:
+        doc = await self._json("GET", "/is_sleeping", timeout=timeout)
+        return bool(_field(doc, "is_sleeping", bool, "is_sleeping"))
+
+    async def reset_prefix_cache(self, *, timeout: float | None = None) -> None:
+        doc = await self._json("POST", "/reset_prefix_cache", timeout=timeout)
+        if not _field(doc, "success", bool, "reset_prefix_cache"):
+            # vLLM refuses while blocks are still held (running requests); a retry may pass.
+            raise WorkerError("rejected", "reset_prefix_cache refused: cache blocks still held")
+
+    async def update_weight_version(self, version: str, *, timeout: float | None = None) -> None:
+        doc = await self._json(
+            "POST", "/update_weight_version", timeout=timeout, json={"new_version": version}
+        )
+        self._expect(doc, "new_version", version, "update_weight_version")
+
+    async def weight_version(self, *, timeout: float | None = None) -> str:
+        doc = await self._json("GET", "/weight_info", timeout=timeout)
+        return str(_field(doc, "weight_version", str, "weight_info"))
+
+    # --- OpenAI-compatible endpoints and metrics ---------------------------------------
+    async def model_name(self, *, timeout: float | None = None) -> str:
+        """The served model name (first entry of /v1/models), asked once per client."""
+        if self._model is None:
+            doc = await self._json("GET", "/v1/models", timeout=timeout)
+            data = _field(doc, "data", list, "models")
+            if not data:
+                raise WorkerError("protocol", "models: the pod serves no model")
+            self._model = str(_field(data[0], "id", str, "models"))
+        return self._model
+
+    async def score(
+        self, token_ids: list[int], *, timeout: float | None = None
+    ) -> list[float | None]:
+        """Teacher-forced logprob of each prompt token; entry 0 is None (nothing before it)."""
+        model = await self.model_name(timeout=timeout)
+        body = {
+            "model": model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        }
+        doc = await self._json("POST", "/v1/completions", timeout=timeout, json=body)
+        choices = _field(doc, "choices", list, "completions")
+        if not choices:
+            raise WorkerError("protocol", "completions: no choices")
+        entries = _field(choices[0], "prompt_logprobs", list, "completions")
+        if len(entries) != len(token_ids):
+            raise WorkerError(
+                "protocol",
+                f"completions: {len(entries)} prompt_logprobs for {len(token_ids)} tokens",
+            )
+        scores = [
+            _logprob(entry, tok, f"completions: prompt_logprobs[{i}]")
+            for i, (entry, tok) in enumerate(zip(entries, token_ids, strict=True))
+        ]
+        scores[0] = None
+        return scores
+
+    async def requests_in_flight(self, *, timeout: float | None = None) -> int:
+        """Running + waiting requests from /metrics: what a drain still waits for."""
+        response = await self._request("GET", "/metrics", timeout=timeout)
+        try:
+            families = list(text_string_to_metric_families(response.text))
+        except ValueError as exc:
+            raise WorkerError("protocol", f"metrics: cannot parse: {exc}") from exc
+        total = 0.0
+        seen = set()
+        for family in families:
+            for sample in family.samples:
+                if sample.name in IN_FLIGHT_METRICS:
+                    seen.add(sample.name)
+                    total += sample.value
+        if seen != set(IN_FLIGHT_METRICS):
+            missing = sorted(set(IN_FLIGHT_METRICS) - seen)
+            raise WorkerError("protocol", f"metrics: missing {', '.join(missing)}")
+        if not math.isfinite(total) or total < 0:
+            raise WorkerError("protocol", f"metrics: in-flight count is {total}")
+        return int(total)
+
+    @staticmethod
+    def _expect(doc: Any, key: str, want: Any, where: str) -> None:
+        got = _field(doc, key, type(want), where)
+        if got != want:
+            raise WorkerError("protocol", f"{where}: {key}={got!r}, expected {want!r}")

@@ -1,0 +1,223 @@
+"""The operator end to end on the real API server with simulated workers: each strategy,
+queueing, convergence, rollback. The operator runs as the real `refit-operator` process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+
+__all__ = ["harness"]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+SEQUENCE = [
+    "pause", "metrics", "sleep", "wake_up", "refit_preflight", "refit_info", "refit_load",
+    "wake_up", "reset_prefix_cache", "resume", "update_weight_version", "weight_info",
+]  # fmt: skip
+
+
+def refit_calls(calls: list[str]) -> list[str]:
+    """The pod's calls from the first pause on, without the probe's model listing/scoring."""
+    start = calls.index("pause")
+    return [
+        c
+        for c in calls[start:]
+        if c not in ("models", "completions", "refit_probe_reference", "health")
+    ]
+
+
+def test_all_at_once_refits_every_pod_in_order(harness, sim_fleet, tmp_path, control_plane):
+    fleet, op = harness
+    sims = sim_fleet(3, allowed_root=tmp_path)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    for i, sim in enumerate(sims):
+        fleet.add_pod(f"pod-{i}", sim)
+    op.start()
+    fleet.apply_refit("wr1", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_phase("wr1", {"Succeeded", "Failed", "Halted"}, 60, op)
+    proc = control_plane.kubectl(
+        "wait", "-n", fleet.ns, "--for=condition=Ready", "wr/wr1", "--timeout=20s", check=False
+    )
+    assert proc.returncode == 0, proc.stderr + op.logs()
+    doc = fleet.refit("wr1")
+    st = doc["status"]
+    assert st["phase"] == "Succeeded"
+    assert (st["targetPods"], st["updatedPods"], st["failedPods"]) == (3, 3, 0)
+    assert st["observedGeneration"] == doc["metadata"]["generation"]
+    conds = {c["type"]: c["status"] for c in st["conditions"]}
+    assert conds == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert st["probeSummary"]["passed"] == 3
+    for pod_status in st["pods"]:
+        assert pod_status["phase"] == "Succeeded" and pod_status["version"] == "v1"
+        assert pod_status["probe"]["verdict"] == "Pass" and pod_status["probe"]["tokens"] > 0
+        assert set(pod_status["stepSeconds"]) >= {"drain", "load", "probe", "ready"}
+    for i, sim in enumerate(sims):
+        assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+        state = sim.state()
+        assert state["weight_version"] == "v1"
+        calls = refit_calls(sim.calls())
+        assert calls == SEQUENCE, str(sim.calls())
+    assert len(fleet.events("PodRefitSucceeded")) == 3
+
+
+def test_rolling_keeps_max_unavailable(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 4)
+    # A slow load makes overlapping pods visible to the watcher.
+    sims[0].fleet.set_fault("refit_load", "delay", 0.6)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    strategy = {"type": "Rolling", "maxUnavailable": 1}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, strategy=strategy)
+    st = fleet.wait_phase("wr", {"Succeeded", "Failed", "Halted"}, 90, op)["status"]
+    assert st["phase"] == "Succeeded" and st["updatedPods"] == 4
+    assert fleet.max_out_of_traffic == 1
+    assert all(s.state()["weight_version"] == "v1" for s in sims)
+
+
+def test_canary_failure_leaves_the_rest_untouched(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 3)
+    sims[0].set_fault("completions", "drift", -1.0)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, strategy={"canary": 1})
+    st = fleet.wait_phase("wr", {"Succeeded", "Failed", "Halted"}, 90, op)["status"]
+    assert st["phase"] == "Halted"
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "FailureLimitExceeded"
+    canary = next(p for p in st["pods"] if p["name"] == "pod-0")
+    assert canary["phase"] == "Failed" and canary["reason"] == "LogprobDrift"
+    assert canary["probe"]["verdict"] == "Fail"
+    pod0 = fleet.pod("pod-0")
+    assert fleet.ready(pod0) is False
+    cond = next(c for c in pod0["status"]["conditions"] if c["type"].endswith("weights-ready"))
+    assert cond["reason"] == "LogprobDrift"
+    for sim in sims[1:]:
+        assert "pause" not in sim.calls() and "refit_load" not in sim.calls()
+
+
+def test_queue_runs_refits_of_a_fleet_one_at_a_time(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[0].fleet.set_fault("refit_load", "delay", 2.0)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    fleet.apply_refit("wr-a", "v1", ckpt["v1"], sims[0].port)
+    fleet.apply_refit("wr-b", "v2", ckpt["v2"], sims[0].port)
+    op.start()
+    fleet.wait_phase("wr-a", "Progressing", 30, op)
+    queued = fleet.wait_phase("wr-b", "Queued", 30, op)["status"]
+    assert queued["queuePosition"] == 1
+    fleet.wait_phase("wr-a", "Succeeded", 60, op)
+    st = fleet.wait_phase("wr-b", "Succeeded", 60, op)["status"]
+    assert st["previous"]["version"] == "v1" and st["previous"]["refit"] == "wr-a"
+    assert all(s.state()["weight_version"] == "v2" for s in sims)
+
+
+def test_latest_wins_supersedes_queued_refits(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[0].fleet.set_fault("refit_load", "delay", 2.0)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2", "v3")
+    op.start()
+    fleet.apply_refit("wr-a", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_phase("wr-a", "Progressing", 30, op)
+    fleet.apply_refit("wr-b", "v2", ckpt["v2"], sims[0].port)
+    fleet.wait_phase("wr-b", "Queued", 30, op)
+    fleet.apply_refit("wr-c", "v3", ckpt["v3"], sims[0].port, queuePolicy="LatestWins")
+    st = fleet.wait_phase("wr-b", "Superseded", 30, op)["status"]
+    assert "wr-c" in st["message"]
+    fleet.wait_phase("wr-c", "Succeeded", 90, op)
+    assert all(s.state()["weight_version"] == "v3" for s in sims)
+    assert all("refit_load" in s.calls() for s in sims)
+    loads = [c for c in sims[0].call_log() if c["step"] == "refit_load"]
+    assert len(loads) == 2  # v1 and v3, never v2
+
+
+def test_late_and_restarted_pods_converge_before_ready(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = sim_fleet(3, allowed_root=tmp_path)
+    for i in range(2):
+        fleet.add_pod(f"pod-{i}", sims[i])
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_phase("wr", "Succeeded", 60, op)
+    fleet.add_pod("late", sims[2])
+    fleet.wait_for(lambda: fleet.ready(fleet.pod("late")) is True, 60, "late pod Ready")
+    assert sims[2].state()["weight_version"] == "v1"
+    # A container restart loses the weights: the pod is refitted again before Ready.
+    sims[1].restart()
+    fleet.restart_container("pod-1")
+    fleet.wait_for(lambda: sims[1].state()["weight_version"] == "v1", 60, "pod-1 refitted")
+    fleet.wait_for(lambda: fleet.ready(fleet.pod("pod-1")) is True, 60, "pod-1 Ready")
+    st = fleet.refit("wr")["status"]
+    assert st["phase"] == "Succeeded" and st["targetPods"] == 3 and st["updatedPods"] == 3
+
+
+def test_rollback_returns_moved_pods_to_the_previous_version(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 3)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2", drift={"v2": 0.0})
+    op.start()
+    fleet.apply_refit("wr-1", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_phase("wr-1", "Succeeded", 60, op)
+    sims[2].set_fault("completions", "drift", -1.0, times=1)
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port, onFailure="Rollback")
+    st = fleet.wait_phase("wr-2", {"RolledBack", "Failed", "Halted", "Succeeded"}, 90, op)
+    st = st["status"]
+    assert st["phase"] == "RolledBack", st
+    assert st["previous"] == {"version": "v1", "path": str(ckpt["v1"]), "refit": "wr-1"}
+    assert all(s.state()["weight_version"] == "v1" for s in sims)
+    for i in range(3):
+        assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+    assert {p["phase"] for p in st["pods"]} == {"RolledBack"}
+
+
+def test_deleting_a_refit_mid_way_leaves_pods_safe(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[0].fleet.set_fault("refit_load", "delay", 3.0)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_for(
+        lambda: (fleet.progress(fleet.pod("pod-0")) or {}).get("step") == "load", 30, "load"
+    )
+    fleet.custom.delete_namespaced_custom_object(
+        "refit.rollout.dev", "v1alpha1", fleet.ns, "weightrefits", "wr"
+    )
+
+    def gone() -> bool:
+        try:
+            fleet.refit("wr")
+        except Exception:
+            return True
+        return False
+
+    fleet.wait_for(gone, 60, "the finalizer to let go")
+    # The passes in flight finished before the finalizer was released: no pod is asleep,
+    # paused or half loaded, and each one is Ready only with a passed probe.
+    for i, sim in enumerate(sims):
+        state = sim.state()
+        p = fleet.progress(fleet.pod(f"pod-{i}"))
+        assert p is not None and p["outcome"] == "Succeeded", p
+        assert state["weight_version"] == "v1" and not state["paused"] and not state["asleep"]
+
+
+def test_pod_deleted_mid_refit_is_dropped(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 3)
+    sims[2].set_fault("refit_load", "hang")
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    seq = {"loadTimeoutSeconds": 30}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, sequence=seq)
+    fleet.wait_for(
+        lambda: (fleet.progress(fleet.pod("pod-2")) or {}).get("step") == "load", 30, "load"
+    )
+    fleet.core.delete_namespaced_pod("pod-2", fleet.ns, grace_period_seconds=0)
+    st = fleet.wait_phase("wr", {"Succeeded", "Failed", "Halted"}, 90, op)["status"]
+    assert st["phase"] == "Succeeded" and st["targetPods"] == 2, st
+    dropped = next(p for p in st["pods"] if p["name"] == "pod-2")
+    assert (dropped["phase"], dropped["reason"]) == ("Dropped", "PodDeleted")

@@ -1,0 +1,199 @@
+"""Every fault of the simulated worker, and every kind of bad input, ends in its documented
+outcome (docs/operator.md): the refit stops, the pod stays out of traffic with a reason."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+
+__all__ = ["harness"]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+FAST = {"stepTimeoutSeconds": 2, "loadTimeoutSeconds": 3, "probeTimeoutSeconds": 2, "retries": 1}
+END = {"Succeeded", "Failed", "Halted", "RolledBack"}
+
+# (step, kind, value, code) -> (refit phase, pod phase, pod reason)
+FAULTS: list[tuple[str, str, Any, str | None, str, str]] = [
+    ("refit_load", "error", 500, "LoadFailed", "Failed", "LoadFailed"),
+    ("refit_preflight", "error", 500, "ManifestMismatch", "Failed", "ManifestMismatch"),
+    ("sleep", "error", 500, None, "Failed", "WorkerHttpError"),
+    ("wake_up", "hang", None, None, "Failed", "WakeWeightsTimeout"),
+    ("pause", "crash", None, None, "Failed", "PodUnreachable"),
+    ("weight_info", "wrong_version", "v0", None, "Failed", "VersionMismatch"),
+    ("reset_prefix_cache", "refuse", None, None, "Failed", "WorkerRejected"),
+    ("completions", "nan", "nan", None, "Inconclusive", "ProbeNaN"),
+    ("completions", "garbage", None, None, "Failed", "ProbeGarbage"),
+    ("completions", "drift", -0.5, None, "Failed", "LogprobDrift"),
+    ("completions", "missing", None, None, "Inconclusive", "ProbeNoData"),
+    ("completions", "hang", None, None, "Inconclusive", "ProbeTimeout"),
+]
+
+
+@pytest.mark.parametrize(("step", "kind", "value", "code", "pod_phase", "reason"), FAULTS)
+def test_fault_fails_closed(
+    harness, sim_fleet, tmp_path, step, kind, value, code, pod_phase, reason
+):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    # pod-1 gets the fault: the preflight scores the reference on pod-0 (before touching any).
+    if kind == "crash":
+        sims[1].set_fault(step, kind)
+    else:
+        sims[1].set_fault(step, kind, value, code=code)
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, sequence=FAST)
+    st = fleet.wait_phase("wr", END, 120, op)["status"]
+    assert st["phase"] == "Halted", st
+    bad = next(p for p in st["pods"] if p["name"] == "pod-1")
+    assert (bad["phase"], bad["reason"]) == (pod_phase, reason), bad
+    pod = fleet.pod("pod-1")
+    assert fleet.ready(pod) is False
+    cond = next(c for c in pod["status"]["conditions"] if c["type"].endswith("weights-ready"))
+    assert cond["reason"] == reason
+    assert fleet.events("PodRefit" + pod_phase)
+    # The healthy pod finished its own pass (AllAtOnce ran both) and alone is Ready.
+    assert fleet.ready(fleet.pod("pod-0")) is True
+
+
+def test_transient_fault_is_retried(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 1)
+    sims[0].set_fault("refit_load", "error", 500, code="LoadFailed", times=1)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, sequence=FAST)
+    st = fleet.wait_phase("wr", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded"
+    assert st["pods"][0]["attempts"] == 0 and fleet.events("PodStepRetry")
+    assert sims[0].counts()["refit_load"] == 2
+
+
+def _untouched(sims: list[Any]) -> bool:
+    return all(not ({"pause", "sleep", "refit_load"} & set(s.calls())) for s in sims)
+
+
+def _expect_refused(fleet: Any, op: Any, reason: str) -> dict[str, Any]:
+    st = fleet.wait_phase("wr", END, 60, op)["status"]
+    assert st["phase"] == "Failed", st
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == reason, ready
+    events = [e for e in fleet.events(reason) if e["type"] == "Warning"]
+    assert events, fleet.events()
+    return dict(st)
+
+
+def test_selector_matching_no_pods(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], 8000)
+    _expect_refused(fleet, op, "NoPodsSelected")
+
+
+def test_missing_secret(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2, admin_token="s3cret")
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    ref = {"adminTokenSecretRef": {"name": "nope"}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=ref)
+    _expect_refused(fleet, op, "SecretMissing")
+    assert _untouched(sims)
+
+
+def test_admin_token_from_secret(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2, admin_token="s3cret")
+    secret = {
+        "metadata": {"name": "vllm-admin"},
+        "data": {"token": base64.b64encode(b"s3cret").decode()},
+    }
+    fleet.core.create_namespaced_secret(fleet.ns, secret)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    ref = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=ref)
+    assert fleet.wait_phase("wr", END, 60, op)["status"]["phase"] == "Succeeded"
+
+
+def test_pod_without_readiness_gate(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = sim_fleet(2, allowed_root=tmp_path)
+    fleet.add_pod("pod-0", sims[0])
+    fleet.add_pod("pod-1", sims[1], gate=False)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    st = _expect_refused(fleet, op, "MissingReadinessGate")
+    assert "pod-1" in st["message"]
+    assert _untouched(sims)
+
+
+def test_unreachable_pod(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[1].crash()
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    _expect_refused(fleet, op, "PodUnreachable")
+    assert _untouched(sims)
+
+
+def test_unsafe_backend_refused_unless_allowed(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[1].set_state(capabilities=["verified-reload"])
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    st = _expect_refused(fleet, op, "UnsafeBackend")
+    assert "flashinfer-bmm-scales-per-forward" in st["message"]
+    assert _untouched(sims)
+    fleet.apply_refit("wr-unsafe", "v1", ckpt["v1"], sims[0].port, allowUnsafeBackends=True)
+    assert fleet.wait_phase("wr-unsafe", END, 60, op)["status"]["phase"] == "Succeeded"
+
+
+def test_reference_the_model_cannot_score(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    reference = {
+        "formatVersion": 1, "version": "v1", "dtype": "float32",
+        "prompts": [{"tokenIds": [1, 99999, 3], "logprobs": [None, -1.0, -1.0]}],
+    }  # fmt: skip
+    cm = {"metadata": {"name": "ref"}, "data": {"refit-probe.json": json.dumps(reference)}}
+    fleet.core.create_namespaced_config_map(fleet.ns, cm)
+    op.start()
+    probe = {"reference": {"source": "ConfigMap", "configMapRef": {"name": "ref"}}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, probe=probe)
+    _expect_refused(fleet, op, "ReferenceUnscorable")
+    assert _untouched(sims)
+
+
+def test_late_pod_without_gate_or_safe_backend_is_refused(harness, sim_fleet, tmp_path):
+    fleet, op = harness
+    sims = sim_fleet(3, allowed_root=tmp_path)
+    fleet.add_pod("pod-0", sims[0])
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_phase("wr", "Succeeded", 60, op)
+    sims[2].set_state(capabilities=[])
+    fleet.add_pod("no-gate", sims[1], gate=False)
+    fleet.add_pod("unsafe", sims[2])
+
+    def refused() -> dict[str, str]:
+        pods = fleet.refit("wr")["status"]["pods"]
+        return {p["name"]: p["reason"] for p in pods if p["phase"] == "Failed"}
+
+    fleet.wait_for(lambda: len(refused()) == 2, 60, "both late pods refused")
+    assert refused() == {"no-gate": "MissingReadinessGate", "unsafe": "UnsafeBackend"}
+    assert _untouched(sims[1:])
+    assert fleet.ready(fleet.pod("pod-0")) is True

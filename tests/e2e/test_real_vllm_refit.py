@@ -1,0 +1,61 @@
+"""The whole product on real parts: the `refit-operator` process on the real API server
+refits a real vLLM CPU server (plugin, admin guard, worker extension) to checkpoint A, then B,
+and refuses a mixed checkpoint whose weights do not match its reference."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.cluster.test_operator_kit import Fleet, OperatorProc, harness
+from tests.support.vllm_testbed import start_vllm_server
+
+__all__ = ["harness"]
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+END = {"Succeeded", "Failed", "Halted"}
+
+
+def refit(fleet: Fleet, op: OperatorProc, name: str, path: str, version: str, port: int) -> dict:
+    ref = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+    fleet.apply_refit(name, version, path, port, fleet=ref, sequence={"sleepLevel": 1})
+    return dict(fleet.wait_phase(name, END, 180, op)["status"])
+
+
+def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
+    fleet, op = harness
+    with start_vllm_server(tiny_model, host="127.0.0.1") as server:
+        token = base64.b64encode(server.admin_token.encode()).decode()
+        fleet.core.create_namespaced_secret(
+            fleet.ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
+        )
+
+        class Pod:  # what Fleet.add_pod needs of a worker
+            ip = server.host
+
+        fleet.add_pod("vllm-0", Pod())  # type: ignore[arg-type]
+        op.start()
+        ckpts = tiny_model.checkpoints
+
+        st = refit(fleet, op, "to-a", str(ckpts["A"]), "A", server.port)
+        assert st["phase"] == "Succeeded", (st, op.logs())
+        pod = st["pods"][0]
+        assert pod["version"] == "A" and pod["probe"]["verdict"] == "Pass"
+        # fp32 server against an fp32 reference: agreement far inside the bf16 defaults.
+        assert pod["probe"]["maxAbsLogprobDiff"] < 1e-3
+        assert abs(pod["probe"]["nll"] - pod["probe"]["referenceNll"]) < 1e-3
+        assert fleet.ready(fleet.pod("vllm-0")) is True
+
+        st = refit(fleet, op, "to-b", str(ckpts["B"]), "B", server.port)
+        assert st["phase"] == "Succeeded", (st, op.logs())
+        assert st["previous"]["version"] == "A"
+        nll_a = fleet.refit("to-a")["status"]["pods"][0]["probe"]["nll"]
+        assert st["pods"][0]["probe"]["nll"] != pytest.approx(nll_a, abs=1e-3)
+
+        # Mixed weights with A's reference: the load works, only the probe can tell.
+        st = refit(fleet, op, "to-mixed", str(ckpts["mixed"]), "mixed", server.port)
+        assert st["phase"] == "Halted", (st, op.logs())
+        bad = st["pods"][0]
+        assert bad["phase"] == "Failed" and bad["probe"]["verdict"] == "Fail", bad
+        assert fleet.ready(fleet.pod("vllm-0")) is False

@@ -1,0 +1,101 @@
+"""api.py mirrors crds/weightrefit.yaml: same spec defaults, same status fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+from refit_operator import api
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "weightrefit.yaml"
+
+
+def schema() -> dict[str, Any]:
+    doc = yaml.safe_load(CRD.read_text())
+    version = next(v for v in doc["spec"]["versions"] if v["name"] == api.VERSION)
+    props: dict[str, Any] = version["schema"]["openAPIV3Schema"]["properties"]
+    return props
+
+
+def crd_defaults(node: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Every leaf default the CRD declares, by dotted camelCase path."""
+    out = {}
+    if "default" in node and node.get("type") != "object":
+        out[path] = node["default"]
+    for name, child in (node.get("properties") or {}).items():
+        out.update(crd_defaults(child, f"{path}.{name}" if path else name))
+    return out
+
+
+def model_value(model: BaseModel, path: str) -> Any:
+    value: Any = model.dump()
+    for part in path.split("."):
+        value = value[part]
+    return value
+
+
+def minimal_spec() -> api.WeightRefitSpec:
+    return api.WeightRefitSpec.model_validate(
+        {
+            "fleet": {"selector": {"matchLabels": {"app": "x"}}},
+            "checkpoint": {"path": "/c", "version": "v"},
+            "probe": {"reference": {}, "thresholds": {}},
+        }
+    )
+
+
+def test_spec_defaults_match_the_crd():
+    defaults = crd_defaults(schema()["spec"])
+    # Defaults on optional objects (adminTokenSecretRef.key, configMapRef.key) apply only
+    # when the object is given; they are compared below.
+    nested_optional = {
+        k for k in defaults if ".adminTokenSecretRef." in f".{k}" or "configMapRef" in k
+    }
+    assert len(defaults) - len(nested_optional) >= 15
+    spec = minimal_spec()
+    for path, default in defaults.items():
+        if path in nested_optional:
+            continue
+        assert model_value(spec, path) == default, path
+    assert api.SecretKeyRef(name="s").key == defaults["fleet.adminTokenSecretRef.key"]
+    assert api.ConfigMapKeyRef(name="c").key == defaults["probe.reference.configMapRef.key"]
+
+
+def test_every_status_field_is_declared_in_the_crd():
+    declared = schema()["status"]["properties"]
+    status = api.WeightRefitStatus(
+        previous=api.Previous(),
+        pods=[api.PodResult(name="p", probe=api.PodProbe(verdict="Pass"))],
+        conditions=[api.Condition(type="Ready", status="True", reason="R")],
+    ).dump()
+    for key in status:
+        assert key in declared, key
+    pod_fields = declared["pods"]["items"]["properties"]
+    assert set(status["pods"][0]) <= set(pod_fields)
+    assert set(status["pods"][0]["probe"]) <= set(pod_fields["probe"]["properties"])
+    assert set(status["probeSummary"]) <= set(declared["probeSummary"]["properties"])
+    assert set(status["previous"]) <= set(declared["previous"]["properties"])
+
+
+def test_phases_match_the_crd_enum():
+    declared = schema()["status"]["properties"]["phase"].get("enum")
+    assert declared is not None and set(declared) == set(api.Phase.__args__)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("value", "total", "want"),
+    [(1, 10, 1), (3, 10, 3), ("25%", 10, 2), ("100%", 4, 4), ("1%", 10, 1), (50, 4, 4)],
+)
+def test_max_unavailable(value, total, want):
+    assert api.max_unavailable_count(value, total) == want
+
+
+def test_selector_canonical_is_order_independent():
+    a = api.LabelSelector.model_validate(
+        {"matchLabels": {"b": "2", "a": "1"},
+         "matchExpressions": [{"key": "t", "operator": "In", "values": ["y", "x"]}]}
+    )  # fmt: skip
+    assert a.canonical() == "a=1,b=2,t in (x,y)"

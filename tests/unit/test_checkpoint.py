@@ -1,0 +1,193 @@
+"""refit_worker.checkpoint: manifests written and verified on real files (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from refit_worker import checkpoint
+from refit_worker.contract import MANIFEST_FILE, Manifest, ManifestTensor, RefitRejected
+from safetensors.numpy import save_file
+
+ExpectedParam = checkpoint.ExpectedParam
+
+
+def make_checkpoint(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    save_file(
+        {"a.weight": np.ones((4, 8), np.float32), "a.bias": np.zeros(4, np.float32)},
+        str(directory / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"b.weight": np.arange(6, dtype=np.float16).reshape(2, 3)},
+        str(directory / "model-00002-of-00002.safetensors"),
+    )
+    checkpoint.write_manifest(directory)
+    return directory
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "root"
+    make_checkpoint(r / "ckpt")
+    return r
+
+
+def rejected(code: str, fn: Callable[..., object], *args: object) -> str:
+    with pytest.raises(RefitRejected) as info:
+        fn(*args)
+    assert info.value.code == code, info.value
+    return info.value.detail
+
+
+def test_manifest_describes_every_file_and_tensor(root: Path) -> None:
+    doc = json.loads((root / "ckpt" / MANIFEST_FILE).read_text())
+    m = Manifest.from_json_dict(doc)
+    assert doc["formatVersion"] == 1
+    assert [f.name for f in m.files] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert m.tensors["a.weight"] == ManifestTensor(
+        "model-00001-of-00002.safetensors", "F32", (4, 8)
+    )
+    assert m.tensors["b.weight"].dtype == "F16"
+    assert all(len(f.sha256) == 64 for f in m.files)
+    assert not list(root.glob("ckpt/.*tmp"))
+
+
+def test_verify_accepts_a_good_checkpoint(root: Path) -> None:
+    directory, manifest = checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
+    assert directory == (root / "ckpt").resolve()
+    assert set(manifest.tensors) == {"a.weight", "a.bias", "b.weight"}
+
+
+@pytest.mark.parametrize("path", ["ckpt", "/x/../ckpt"])
+def test_relative_and_dotdot_paths_are_refused(root: Path, path: str) -> None:
+    p = path if path == "ckpt" else str(root) + path
+    rejected("PathNotAllowed", checkpoint.verify_checkpoint, p, str(root))
+
+
+def test_paths_outside_the_root_and_symlink_escapes_are_refused(root: Path, tmp_path: Path) -> None:
+    outside = make_checkpoint(tmp_path / "outside")
+    rejected("PathNotAllowed", checkpoint.verify_checkpoint, str(outside), str(root))
+    os.symlink(outside, root / "escape")
+    detail = rejected(
+        "PathNotAllowed", checkpoint.verify_checkpoint, str(root / "escape"), str(root)
+    )
+    assert "outside the allowed root" in detail
+    # A symlink that stays inside the root is fine.
+    os.symlink(root / "ckpt", root / "alias")
+    checkpoint.verify_checkpoint(str(root / "alias"), str(root))
+    rejected("PathNotAllowed", checkpoint.verify_checkpoint, str(root / "ckpt"), "")
+
+
+def test_missing_directory_and_manifest(root: Path) -> None:
+    rejected("CheckpointMissing", checkpoint.verify_checkpoint, str(root / "nope"), str(root))
+    (root / "ckpt" / MANIFEST_FILE).unlink()
+    rejected("CheckpointMissing", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root))
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("{not json", "not JSON"),
+        ('{"formatVersion": 9}', "formatVersion 9"),
+        ("[]", "not a JSON object"),
+    ],
+)
+def test_invalid_manifest(root: Path, content: str, needle: str) -> None:
+    (root / "ckpt" / MANIFEST_FILE).write_text(content)
+    assert needle in rejected(
+        "ManifestInvalid", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root)
+    )
+
+
+def test_truncated_changed_missing_and_unlisted_files(root: Path) -> None:
+    d = root / "ckpt"
+    shard = d / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-2])
+    assert "bytes" in rejected("ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root))
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert "sha256" in rejected("ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root))
+    shard.unlink()
+    assert "missing" in rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root)
+    )
+    shard.write_bytes(data)
+    checkpoint.verify_checkpoint(str(d), str(root))
+    save_file({"c": np.ones(1, np.float32)}, str(d / "extra.safetensors"))
+    assert "extra.safetensors" in rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root)
+    )
+
+
+def test_manifest_tensors_must_match_the_headers(root: Path) -> None:
+    d = root / "ckpt"
+    doc = json.loads((d / MANIFEST_FILE).read_text())
+    doc["tensors"]["a.weight"]["shape"] = [8, 4]
+    (d / MANIFEST_FILE).write_text(json.dumps(doc))
+    assert "a.weight" in rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root)
+    )
+
+
+def test_header_reader_refuses_garbage(tmp_path: Path) -> None:
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="too short"):
+        checkpoint.read_safetensors_header(bad)
+    bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="exceeds"):
+        checkpoint.read_safetensors_header(bad)
+    header = json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        checkpoint.read_safetensors_header(bad)
+
+
+def test_build_manifest_needs_safetensors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        checkpoint.build_manifest(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        checkpoint.build_manifest(tmp_path / "nope")
+
+
+TENSORS = {
+    "w": ManifestTensor("f", "BF16", (4, 8)),
+    "s": ManifestTensor("f", "F8_E4M3", (4,)),
+    "inv_freq": ManifestTensor("f", "F32", (2,)),
+}
+
+
+def test_verify_params_accepts_compatible_tensors() -> None:
+    expected = {"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam(None, "F8_E4M3")}
+    checkpoint.verify_params(TENSORS, expected, ignored=lambda n: n == "inv_freq")
+
+
+@pytest.mark.parametrize(
+    ("expected", "needle"),
+    [
+        (
+            {
+                "w": ExpectedParam((4, 8), "F32"),
+                "s": ExpectedParam((4,), "F8_E4M3"),
+                "x": ExpectedParam((1,), "F32"),
+            },
+            "lacks x",
+        ),
+        ({"w": ExpectedParam((8, 4), "F32"), "s": ExpectedParam((4,), "F8_E4M3")}, "shape [4, 8]"),
+        ({"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam((4,), "BF16")}, "dtype F8_E4M3"),
+        ({"w": ExpectedParam((4, 8), "F32")}, "no parameter for s"),
+    ],
+)
+def test_verify_params_refuses(expected: dict[str, ExpectedParam], needle: str) -> None:
+    detail = rejected(
+        "TensorMismatch", checkpoint.verify_params, TENSORS, expected, lambda n: n == "inv_freq"
+    )
+    assert needle in detail

@@ -1,0 +1,137 @@
+"""kubectl refit without a cluster: the plan it derives from the operator's own decisions,
+and the tables it prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from refit_operator import api
+from refit_operator.cluster import CONDITION, PROGRESS_ANNOTATION
+from refit_operator.kubectl_plugin import (
+    describe,
+    history_rows,
+    parse_timeout,
+    plan_batches,
+    plan_report,
+    table,
+)
+from refit_operator.reconcile import RefitView
+
+
+def pod(name: str, *, gate: bool = True, running: bool = True, progress: dict | None = None,
+        ready: bool = False) -> dict:  # fmt: skip
+    meta: dict = {"name": name}
+    if progress is not None:
+        meta["annotations"] = {PROGRESS_ANNOTATION: json.dumps(progress)}
+    return {
+        "metadata": meta,
+        "spec": {"readinessGates": [{"conditionType": CONDITION}] if gate else []},
+        "status": {
+            "phase": "Running" if running else "Pending",
+            "podIP": "127.0.0.2" if running else "",
+            "conditions": [{"type": CONDITION, "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def refit_doc(version: str = "v2", **spec: object) -> dict:
+    return {
+        "metadata": {"name": "wr", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"fleet": {"selector": {"matchLabels": {"app": "r"}}},
+                 "checkpoint": {"path": "/c/" + version, "version": version}, **spec},
+    }  # fmt: skip
+
+
+def view(doc: dict) -> RefitView:
+    spec = api.WeightRefitSpec.model_validate(doc["spec"])
+    return RefitView("wr", "u1", 1, "2026-01-01T00:00:00Z", spec, api.WeightRefitStatus())
+
+
+def views(*docs: dict) -> list:
+    from refit_operator.cluster import pod_view
+
+    return [pod_view(d) for d in docs]
+
+
+def test_rolling_plan_with_canary_and_width():
+    doc = refit_doc(strategy={"type": "Rolling", "maxUnavailable": 2, "canary": 1})
+    active, batches, done = plan_batches(view(doc), views(*(pod(f"p{i}") for i in range(5))))
+    assert (active, done) == ([], [])
+    assert batches == [["p0"], ["p1", "p2"], ["p3", "p4"]]
+
+
+def test_all_at_once_plan_skips_pods_already_verified_at_the_version():
+    at_v2 = {"refit": "old", "uid": "u0", "version": "v2", "path": "/c/v2", "outcome": "Succeeded",
+             "step": "", "probe": {"verdict": "Pass"}}  # fmt: skip
+    in_flight = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "step": "load"}
+    pods = views(pod("a", progress=at_v2, ready=True), pod("b", progress=in_flight), pod("c"))
+    active, batches, done = plan_batches(view(refit_doc()), pods)
+    assert (active, batches, done) == (["b"], [["c"]], ["a"])
+
+
+def test_plan_report_names_preflight_problems_and_the_queue():
+    doc = refit_doc(strategy={"type": "AllAtOnce", "canary": 1})
+    ahead = {
+        "metadata": {"name": "older", "creationTimestamp": "2025-12-31T00:00:00Z"},
+        "spec": {"checkpoint": {"version": "v1"}},
+        "status": {"phase": "Progressing"},
+    }
+    text = plan_report(doc, [pod("a"), pod("b", gate=False), pod("c", running=False)], [ahead])
+    assert "batch 1 (canary: must pass before the rest)  a" in text
+    assert "batch 2" in text and "b, c" in text
+    assert "Queue: waits behind 1 refit(s) of this fleet (older)" in text
+    assert "b: no readiness gate" in text and "MissingReadinessGate" in text
+    assert "c: not Running" in text
+    assert "NoPodsSelected" in plan_report(doc, [], [])
+
+
+def test_describe_shows_each_pods_step_version_and_probe():
+    doc = refit_doc()
+    doc["metadata"]["namespace"] = "ns"
+    doc["status"] = {
+        "phase": "Halted", "updatedPods": 1, "targetPods": 2, "failedPods": 1,
+        "message": "halted: 1 pods failed",
+        "conditions": [{"type": "Degraded", "status": "True", "reason": "FailureLimitExceeded",
+                        "message": "halted: 1 pods failed"}],
+        "pods": [
+            {"name": "a", "phase": "Succeeded", "step": "ready", "version": "v2",
+             "probe": {"verdict": "Pass", "nll": 2.5, "referenceNll": 2.5,
+                       "meanAbsLogprobDiff": 1e-6, "maxAbsLogprobDiff": 3e-6}},
+            {"name": "b", "phase": "Failed", "step": "probe", "reason": "NllDrift",
+             "probe": {"verdict": "Fail", "nll": 3.0, "referenceNll": 2.5}},
+        ],
+    }  # fmt: skip
+    text = describe(doc, [pod("a", ready=True), pod("b"), pod("c")])
+    lines = text.splitlines()
+    assert "Phase: Halted   Updated: 1/2   Failed: 1" in lines[1]
+    assert "Reason: FailureLimitExceeded" in text
+    row = {line.split()[0]: line.split() for line in lines if line[:2] in ("a ", "b ", "c ")}
+    assert row["a"][:8] == ["a", "Succeeded", "ready", "v2", "yes", "0", "Pass", "2.5000"]
+    assert row["b"][1:3] == ["Failed", "probe"] and row["b"][-1] == "NllDrift"
+    assert row["c"][1] == "Pending"
+
+
+def test_history_marks_the_fleets_target_and_durations():
+    def d(name: str, created: str, phase: str, took: int) -> dict:
+        return {"metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"checkpoint": {"version": name.upper()}},
+                "status": {"phase": phase, "updatedPods": 3, "targetPods": 3,
+                           "startTime": "2026-01-01T00:00:00Z",
+                           "completionTime": f"2026-01-01T00:00:{took:02d}Z"}}  # fmt: skip
+
+    rows = history_rows([d("v1", "2026-01-01T00:00:00Z", "Succeeded", 5),
+                         d("v2", "2026-01-01T00:01:00Z", "Succeeded", 7),
+                         d("v3", "2026-01-01T00:02:00Z", "RolledBack", 30)])  # fmt: skip
+    assert [r[0] for r in rows] == ["  v1", "* v2", "  v3"]
+    assert [r[-1] for r in rows] == ["5s", "7s", "30s"]
+
+
+def test_table_and_timeouts():
+    assert table(("A", "LONGER"), [["xx", 1]]) == "A   LONGER\nxx  1"
+    assert parse_timeout("90") == 90 and parse_timeout("10m") == 600
+    assert parse_timeout("1h30m") == 5400 and parse_timeout("2.5s") == 2.5
+    for bad in ("", "ten", "0s", "5d"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_timeout(bad)

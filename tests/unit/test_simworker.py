@@ -1,0 +1,208 @@
+"""The simulated worker itself: addresses, control API, model semantics, fault lifetimes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from refit_operator.worker import WorkerClient, WorkerError
+
+from tests.support.simworker import (
+    SIM_VOCAB,
+    SimFleet,
+    SimPod,
+    loopback_ips,
+    make_sim_checkpoint,
+    sim_logprobs,
+)
+
+Fleet = Callable[..., list[SimPod]]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient() as client:
+        yield client
+
+
+def test_loopback_ips_skip_network_and_broadcast_parts() -> None:
+    ips = loopback_ips(300, "127.9.0.250")
+    assert ips[:5] == ["127.9.0.250", "127.9.0.251", "127.9.0.252", "127.9.0.253", "127.9.0.254"]
+    assert ips[5] == "127.9.1.1"
+    assert len(set(ips)) == 300
+    with pytest.raises(ValueError, match="loopback"):
+        loopback_ips(3, "127.255.255.253")
+
+
+async def test_every_pod_has_its_own_address_and_state(
+    sim_fleet: Fleet, http: httpx.AsyncClient
+) -> None:
+    pods = sim_fleet(5)
+    others = sim_fleet(2)
+    assert len({p.ip for p in pods + others}) == 7  # fleets of one test never share addresses
+    assert len({p.port for p in pods}) == 1
+    assert pods[2].base_url == f"http://{pods[2].ip}:{pods[2].port}"
+    await WorkerClient(pods[2].base_url, http=http).update_weight_version("v9")
+    versions = [await WorkerClient(p.base_url, http=http).weight_version() for p in pods]
+    assert versions == ["default", "default", "v9", "default", "default"]
+    assert pods[2].calls() == ["update_weight_version", "weight_info"]
+    assert pods[0].calls() == ["weight_info"]
+    assert pods[2].calls(clear=True) and pods[2].calls() == []
+
+
+async def test_fault_fires_the_given_number_of_times(
+    sim_fleet: Fleet, http: httpx.AsyncClient
+) -> None:
+    (pod,) = sim_fleet(1)
+    pod.set_fault("weight_info", "error", 503, times=2)
+    c = WorkerClient(pod.base_url, http=http)
+    for _ in range(2):
+        with pytest.raises(WorkerError) as err:
+            await c.weight_version()
+        assert err.value.status == 503
+    assert await c.weight_version() == "default"
+    assert pod.state()["faults"] == {}
+    assert [e["status"] for e in pod.call_log()] == [503, 503, 200]
+
+
+@pytest.mark.parametrize(
+    ("step", "kind", "code"),
+    [
+        ("no_such_step", "error", None),
+        ("weight_info", "nan", None),
+        ("pause", "error", "LoadFailed"),
+        ("refit_load", "error", "NoSuchCode"),
+    ],
+)
+def test_control_refuses_bad_faults(
+    sim_fleet: Fleet, step: str, kind: str, code: str | None
+) -> None:
+    (pod,) = sim_fleet(1)
+    with pytest.raises(ValueError, match="simworker control fault"):
+        pod.set_fault(step, kind, code=code)
+    assert pod.state()["faults"] == {}
+    with pytest.raises(ValueError, match="cannot set"):
+        pod.set_state(up=False)
+
+
+async def test_crash_drops_kept_alive_connections_and_restarts_fresh(
+    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path)
+    c = WorkerClient(pod.base_url, http=http)
+    await c.load(str(make_sim_checkpoint(tmp_path / "a", "a")), "a")
+    await c.update_weight_version("a")  # the connection is now kept alive
+    pod.crash(restart_after=0.5)
+    assert pod.state()["up"] is False
+    with pytest.raises(WorkerError) as err:
+        await c.weight_version()
+    assert err.value.kind == "connect"
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if pod.state()["up"]:
+            break
+    # A restarted pod is a fresh vLLM: default version, dummy weights.
+    assert await c.weight_version() == "default"
+    assert (await c.refit_info()).weight_version == "default"
+    assert await c.score([1, 2]) == [None, -math.log(SIM_VOCAB)]
+
+
+async def test_completions_wait_while_paused_or_asleep(
+    sim_fleet: Fleet, http: httpx.AsyncClient
+) -> None:
+    (pod,) = sim_fleet(1)
+    c = WorkerClient(pod.base_url, http=http)
+    await c.pause("keep")
+    with pytest.raises(WorkerError) as err:
+        await c.score([1, 2], timeout=0.3)
+    assert err.value.kind == "timeout"
+    await c.resume()
+    await c.sleep(0)
+    queued = asyncio.create_task(c.score([1, 2], timeout=10))
+    await asyncio.sleep(0.2)
+    assert not queued.done()
+    assert await c.wake_up(["scheduling"]) is True
+    assert await queued == [None, -math.log(SIM_VOCAB)]
+
+
+async def test_sleep_level_2_discards_weights_until_the_next_load(
+    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path)
+    ckpt = make_sim_checkpoint(tmp_path / "a", "a")
+    c = WorkerClient(pod.base_url, http=http)
+    await c.load(str(ckpt), "a")
+    ids = list((await c.probe_reference(str(ckpt))).prompts[0].token_ids)
+    expected = sim_logprobs("a", ids)
+    await c.sleep(1)
+    await c.wake_up()
+    assert await c.score(ids) == expected  # level 1 keeps the weights
+    await c.sleep(2)
+    await c.wake_up()
+    assert await c.score(ids) != expected
+    assert pod.state()["weights_discarded"] is True
+    await c.load(str(ckpt), "a")
+    assert await c.score(ids) == expected
+
+
+async def test_checkpoint_drift_shows_in_the_scores(
+    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path)
+    ckpt = make_sim_checkpoint(tmp_path / "d", "d", drift=-0.125)
+    c = WorkerClient(pod.base_url, http=http)
+    await c.load(str(ckpt), "d")
+    prompt = (await c.probe_reference(str(ckpt))).prompts[1]
+    scores = await c.score(list(prompt.token_ids))
+    diffs = {
+        round(s - r, 9)
+        for s, r in zip(scores[1:], prompt.logprobs[1:], strict=True)
+        if s is not None and r is not None
+    }
+    assert diffs == {-0.125}
+
+
+async def test_load_of_a_foreign_directory_is_refused(
+    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path / "root")
+    (tmp_path / "root").mkdir()
+    ckpt = make_sim_checkpoint(tmp_path / "elsewhere", "e")
+    with pytest.raises(WorkerError) as err:
+        await WorkerClient(pod.base_url, http=http).load(str(ckpt), "e")
+    assert err.value.code == "PathNotAllowed"
+    assert pod.state()["dummy"] is True
+
+
+async def test_unknown_rpc_method_answers_like_vllm(
+    sim_fleet: Fleet, http: httpx.AsyncClient
+) -> None:
+    (pod,) = sim_fleet(1)
+    response = await http.post(
+        f"{pod.base_url}/collective_rpc", json={"method": "no_such_method", "args": []}
+    )
+    assert response.status_code == 500
+    assert "has no attribute 'no_such_method'" in response.json()["error"]["message"]
+
+
+async def test_capabilities_can_be_withheld(sim_fleet: Fleet, http: httpx.AsyncClient) -> None:
+    (pod,) = sim_fleet(1)
+    pod.set_state(capabilities=["verified-reload"], unsafe_reasons=["full cudagraphs + fp8"])
+    info = await WorkerClient(pod.base_url, http=http).refit_info()
+    assert info.capabilities == ("verified-reload",)
+    assert info.unsafe_reasons == ("full cudagraphs + fp8",)
+
+
+async def test_close_stops_the_process_and_every_address(http: httpx.AsyncClient) -> None:
+    fleet = SimFleet(3)
+    pod = fleet.pods[1]
+    assert await WorkerClient(pod.base_url, http=http).weight_version() == "default"
+    fleet.close()
+    assert fleet.proc.poll() is not None
+    with pytest.raises(WorkerError) as err:
+        await WorkerClient(pod.base_url, http=http).weight_version()
+    assert err.value.kind == "connect"

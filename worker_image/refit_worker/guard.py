@@ -1,0 +1,154 @@
+"""Admin guard: an ASGI middleware for vLLM's ``--middleware refit_worker.guard.AdminGuard``.
+
+vLLM's ``--api-key`` covers only paths under /v1, /v2, /inference and /cohere; with
+VLLM_SERVER_DEV_MODE=1 everything else that changes the engine (/collective_rpc calls any
+worker method, /weight_checker can zero the weights, /sleep, /pause, ...) answers anyone who
+reaches the port. This guard requires ``Authorization: Bearer <token>`` (the token read from
+the file named by REFIT_ADMIN_TOKEN_FILE) on every path outside those prefixes, except the
+probes a kubelet and Prometheus need. An unknown path is an admin path: deny by default.
+
+Fails closed: with no token file, an unreadable or an empty one, every admin path answers
+401 and the reason is logged (never sent to the client).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+TOKEN_FILE_ENV = "REFIT_ADMIN_TOKEN_FILE"
+# vLLM's own --api-key middleware guards exactly these prefixes (vllm/entrypoints/serve/
+# middleware/authenticate.py); the guard leaves them to it.
+API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+# Read-only probes that must work without credentials (kubelet, Prometheus, load balancers).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz"})
+OPEN_METHODS = frozenset({"GET", "HEAD"})
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("refit_worker.guard")
+
+
+def needs_admin(method: str, path: str) -> bool:
+    """Whether a request must carry the admin token (pure; the whole routing policy)."""
+    if path.startswith(API_KEY_PREFIXES):
+        return False
+    if path in OPEN_PATHS or path.rstrip("/") in OPEN_PATHS:
+        return method.upper() not in OPEN_METHODS
+    return True
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+GUARD_CLASS = "refit_worker.guard.AdminGuard"
+
+
+def guard_configured(argv: list[str] | None = None) -> bool:
+    """Whether this server runs the guard with a usable token. Asked from vLLM's engine
+    process, which cannot see the API server's app: multiprocessing hands every child the
+    parent's sys.argv, so the command line tells whether --middleware named the guard."""
+    args = sys.argv if argv is None else argv
+    named = any(
+        a == f"--middleware={GUARD_CLASS}" or (a == "--middleware" and nxt == GUARD_CLASS)
+        for a, nxt in zip(args, [*args[1:], ""], strict=True)
+    )
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not named or not path:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
+
+
+class TokenSource:
+    """The admin token from a file, re-read when the file changes (a rotated Secret)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._stamp: tuple[float, int] | None = None
+        self._token: bytes | None = None
+        self._warned: str | None = None
+
+    def get(self) -> bytes | None:
+        if not self.path:
+            self._fail(f"{TOKEN_FILE_ENV} is not set; admin endpoints are refused")
+            return None
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime, st.st_size)
+            if stamp != self._stamp:
+                with open(self.path, "rb") as f:
+                    self._token = f.read().strip() or None
+                self._stamp = stamp
+        except OSError as exc:
+            self._stamp, self._token = None, None
+            self._fail(f"admin token file unreadable ({exc}); admin endpoints are refused")
+            return None
+        if self._token is None:
+            self._fail(f"admin token file {self.path} is empty; admin endpoints are refused")
+            return None
+        self._warned = None
+        return self._token
+
+    def _fail(self, why: str) -> None:
+        if why != self._warned:  # log each distinct reason once, not per request
+            log.error("refit admin guard: %s", why)
+            self._warned = why
+        return None
+
+
+class AdminGuard:
+    """ASGI middleware; vLLM instantiates it with ``app.add_middleware(AdminGuard)``."""
+
+    def __init__(self, app: ASGIApp, token_file: str | None = None) -> None:
+        self.app = app
+        self.tokens = TokenSource(token_file or os.environ.get(TOKEN_FILE_ENV))
+        self.tokens.get()  # log a misconfiguration at start, not at the first request
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "GET") if scope["type"] == "http" else "GET"
+        if not needs_admin(method, scope.get("path", "")) or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
+
+    def _authorized(self, scope: Scope) -> bool:
+        expected = self.tokens.get()
+        given = bearer_token(scope.get("headers") or [])
+        if expected is None or given is None:
+            return False
+        return hmac.compare_digest(given, expected)
