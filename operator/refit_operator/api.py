@@ -81,6 +81,7 @@ class Fleet(_Model):
     selector: LabelSelector
     port: int = 8000
     admin_token_secret_ref: SecretKeyRef | None = None
+    api_key_secret_ref: SecretKeyRef | None = None
 
 
 class Checkpoint(_Model):

@@ -67,6 +67,10 @@ def pod_view(doc: dict[str, Any]) -> PodView:
     )
 
 
+class AccessDenied(PermissionError):
+    """RBAC forbids a read the refit needs: a user error, not a transient one."""
+
+
 @dataclass
 class Cluster:
     api_client: client.ApiClient
@@ -180,6 +184,11 @@ class Cluster:
         except ApiException as e:
             if e.status == 404:
                 return None
+            if e.status == 403:
+                raise AccessDenied(
+                    f"the operator may not read {kind} {name!r} in {namespace} (RBAC: add it to "
+                    "the chart's adminToken.secretNames or probeReferences.configMapNames)"
+                ) from e
             raise
         if kind == "Secret":
             raw = (doc.get("data") or {}).get(key)

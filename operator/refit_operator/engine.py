@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -19,7 +20,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
 from . import metrics, plan, reconcile
 from .api import Previous, WeightRefitSpec, WeightRefitStatus
-from .cluster import Cluster
+from .cluster import AccessDenied, Cluster
 from .reconcile import Decision, Observed, PodView, PreflightResult, RefitView
 from .runner import PassContext, run_pass
 from .worker import WorkerClient, WorkerError
@@ -27,6 +28,7 @@ from .worker import WorkerClient, WorkerError
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
+ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
 
@@ -36,7 +38,9 @@ class _RefitState:
     """In-memory state of one refit: nothing here is needed to resume after a restart."""
 
     tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-    token: str | None = None
+    token: str | None = None  # the pods' admin token
+    api_key: str | None = None  # vLLM's --api-key, for /v1
+    secrets_loaded: bool = False
     references: dict[str, ProbeReference] = field(default_factory=dict)
     pods: list[PodView] = field(default_factory=list)
     written: dict[str, Any] | None = None
@@ -48,6 +52,7 @@ class Engine:
         self.cluster = cluster
         self.http = http
         self.refits: dict[str, _RefitState] = {}
+        self.thresholds_published: set[str] = set()  # refit uids
 
     def state(self, uid: str) -> _RefitState:
         return self.refits.setdefault(uid, _RefitState())
@@ -78,6 +83,8 @@ class Engine:
         vanished = frozenset(n for n in st.tasks if n not in present)
         for pod in vanished:  # deleted mid-pass: nothing left to make safe
             st.tasks.pop(pod).cancel()
+        for gone in {p.name for p in view.status.pods} - present:
+            metrics.forget_pod(namespace, selector, gone)
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
             now=time.time(), previous=previous, vanished=vanished,
@@ -121,13 +128,9 @@ class Engine:
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
         spec = view.spec
-        ref = spec.fleet.admin_token_secret_ref
-        if ref is not None:
-            st.token = await self.cluster.read_key("Secret", view.namespace, ref.name, ref.key)
-            if st.token is None:
-                return PreflightResult(
-                    problem=("SecretMissing", f"Secret {ref.name} has no key {ref.key!r}")
-                )
+        problem = await self._load_secrets(view, st)
+        if problem is not None:
+            return PreflightResult(problem=problem)
         reachable = [p for p in st.pods if p.ip]
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
 
@@ -160,12 +163,18 @@ class Engine:
         client = self._client(view, st, pod)
         try:
             reference = await self._reference(view, st, view.spec.checkpoint.path, client)
-        except (WorkerError, ContractError, ValueError) as e:
+        except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return "ReferenceInvalid", f"probe reference unusable: {e}"
         try:
             await client.score(list(reference.prompts[0].token_ids),
                                timeout=float(view.spec.sequence.probe_timeout_seconds))  # fmt: skip
         except WorkerError as e:
+            if e.kind == "http" and e.status in (401, 403):
+                return (
+                    "ProbeUnauthorized",
+                    f"pod {pod.name} refused the probe's /v1 request (HTTP {e.status}): set "
+                    "spec.fleet.apiKeySecretRef to the Secret holding the pods' --api-key",
+                )
             if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
                 return (
                     "ReferenceUnscorable",
@@ -194,18 +203,34 @@ class Engine:
         st.references[path] = reference
         return reference
 
+    async def _load_secrets(self, view: RefitView, st: _RefitState) -> tuple[str, str] | None:
+        """Read the admin token and the /v1 API key the spec names; a problem or None."""
+        fleet = view.spec.fleet
+        for ref, attr in ((fleet.admin_token_secret_ref, "token"),
+                          (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
+            if ref is None:
+                continue
+            try:
+                value = await self.cluster.read_key("Secret", view.namespace, ref.name, ref.key)
+            except AccessDenied as e:
+                return "SecretForbidden", str(e)
+            if value is None:
+                return "SecretMissing", f"Secret {ref.name} has no key {ref.key!r}"
+            setattr(st, attr, value)
+        st.secrets_loaded = True
+        return None
+
     # ---------------------------------------------------------------- pod passes
     def _client(self, view: RefitView, st: _RefitState, pod: PodView) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        return WorkerClient(url, http=self.http, admin_token=st.token,
+        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds))  # fmt: skip
 
     async def _start(
         self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
     ) -> None:
-        ref = view.spec.fleet.admin_token_secret_ref
-        if ref is not None and st.token is None:
-            st.token = await self.cluster.read_key("Secret", namespace, ref.name, ref.key)
+        if not st.secrets_loaded:  # after a restart the preflight that read them is not rerun
+            await self._load_secrets(view, st)
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
             return await self._reference(view, st, path, client)
@@ -250,16 +275,42 @@ class Engine:
         for e in d.events:
             await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
         fleet = d.status.fleet
-        if d.status.phase != view.status.phase and d.status.phase in RESULTS:
-            metrics.refit_finished(namespace, fleet, RESULTS[d.status.phase])
+        phase = d.status.phase
+        if phase != view.status.phase and phase in RESULTS:
+            metrics.refit_finished(namespace, fleet, RESULTS[phase], refit=view.name)
+        # Only the refit that owns the fleet (the active one, or the finished one that is still
+        # the fleet's target) publishes fleet state, so two refits never alternate the series.
+        if phase not in ACTIVE_PHASES and (phase not in RESULTS or d.dormant):
+            return
+        target = view.spec.checkpoint.version
+        if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:
+            target = d.status.previous.version or target
         by_phase: dict[str, int] = {}
         for p in d.status.pods:
             by_phase[p.phase] = by_phase.get(p.phase, 0) + 1
-        out = sum(not p.ready for p in st.pods)
-        versions = {
-            p.progress.version for p in st.pods if p.progress and p.progress.outcome == "Succeeded"
-        }
+        live = [p for p in st.pods if not p.deleting]
+        active = phase in ACTIVE_PHASES
         metrics.fleet_state(
-            namespace, fleet, view.name, pods_by_phase=by_phase, out_of_traffic=out,
-            version_skew=max(len(versions) - 1, 0), target_version=view.spec.checkpoint.version,
+            namespace, fleet, view.name, pods_by_phase=by_phase,
+            out_of_traffic=sum(not p.ready for p in live),
+            version_skew=sum(not p.verified(target) for p in live),
+            target_version=target,
+            started_at=_epoch(d.status.start_time) if active else None,
+            timeout_seconds=float(view.spec.sequence.total_timeout_seconds) if active else None,
         )  # fmt: skip
+        if view.uid not in self.thresholds_published:
+            t = view.spec.probe.thresholds
+            metrics.probe_thresholds(
+                namespace, fleet, view.name, mean_abs_diff=t.mean_abs_logprob_diff,
+                max_abs_diff=t.max_abs_logprob_diff, nll_diff=t.nll_diff,
+            )  # fmt: skip
+            self.thresholds_published.add(view.uid)
+
+
+def _epoch(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    try:
+        return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -38,6 +38,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
     settings.posting.enabled = False  # our Events say what happened; kopf's repeat its logs
+    # The namespaces to watch come from the command line and the CRD is installed by the chart:
+    # without this kopf lists namespaces and CRDs cluster-wide, which least-privilege RBAC
+    # (rightly) forbids.
+    settings.scanning.disabled = True
 
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=5.0)

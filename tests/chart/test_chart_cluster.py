@@ -117,7 +117,10 @@ def installed(
     ).stdout
     # NOTES.txt: scope, the readable Secret and the security warning reach the installer.
     assert f"It watches WeightRefits in: {namespace} (namespaced Roles)" in out
-    assert "Admin-token Secrets the operator may read: vllm-admin-token." in out
+    assert (
+        "Secrets the operator may read (admin tokens, API keys): vllm-admin-token, vllm-api-key."
+        in out
+    )
     assert "whoever may create a WeightRefit decides which checkpoint" in out
     status = helm.run(
         "status",

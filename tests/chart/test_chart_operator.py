@@ -146,7 +146,8 @@ def chart_fleet(
     sim_fleet: Any,
     tmp_path: Path,
 ) -> ChartFleet:
-    """The chart installed with a trainer, the admin-token Secret, three simulated pods."""
+    """The chart installed with a trainer, the admin-token and API-key Secrets (as in
+    examples/fleet/), three simulated pods that require both."""
     cp = control_plane
     values = [
         f"--set=metrics.port={free_port()}",
@@ -160,13 +161,17 @@ def chart_fleet(
     container = one(rendered, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["refit-operator"]
 
-    token = secrets.token_hex(16)
-    for name, value in (("vllm-admin-token", token), ("db-password", token)):
+    token, api_key = secrets.token_hex(16), secrets.token_hex(16)
+    for name, key, value in (
+        ("vllm-admin-token", "token", token),
+        ("vllm-api-key", "key", api_key),
+        ("db-password", "token", token),
+    ):
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-                  "stringData": {"token": value}}  # fmt: skip
+                  "stringData": {key: value}}  # fmt: skip
         cp.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
     root = tmp_path / "checkpoints"
-    sims: list[SimPod] = sim_fleet(3, admin_token=token, allowed_root=root)
+    sims: list[SimPod] = sim_fleet(3, admin_token=token, api_key=api_key, allowed_root=root)
     for i, sim in enumerate(sims):
         _start_pod(cp, namespace, f"rollout-{i}", sim)
     return ChartFleet(
@@ -181,14 +186,6 @@ def chart_fleet(
     )
 
 
-# Strict: these turn into failures the moment the operator changes land, so the marks go.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="operator gap (handlers.configure): kopf scans namespaces and CRDs cluster-wide "
-    "unless settings.scanning.disabled = True; the chart rightly grants neither, so the "
-    "operator logs Forbidden for ~1 min before kopf falls back (the refit itself succeeds)",
-)
 def test_operator_refits_as_the_chart_service_account(chart_fleet: ChartFleet) -> None:
     f = chart_fleet
     log, standby_log = f.tmp / "operator-a.log", f.tmp / "operator-b.log"
@@ -235,12 +232,6 @@ def test_operator_refits_as_the_chart_service_account(chart_fleet: ChartFleet) -
     assert not refused, "the operator was refused:\n" + "\n".join(refused[:5])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="operator gap (engine/cluster.read_key): a 403 reading the admin-token Secret "
-    "is retried forever as a reconcile error instead of failing the refit with a reason",
-)
 def test_refit_naming_a_secret_outside_the_chart_allowlist_fails_clearly(
     chart_fleet: ChartFleet,
 ) -> None:

@@ -128,7 +128,7 @@ def test_default_render_is_namespaced_and_least_privilege(helm: Helm) -> None:
         {
             "apiGroups": [""],
             "resources": ["secrets"],
-            "resourceNames": ["vllm-admin-token"],
+            "resourceNames": ["vllm-admin-token", "vllm-api-key"],
             "verbs": ["get"],
         }
     ]

@@ -107,19 +107,24 @@ def test_missing_secret(harness, sim_fleet, tmp_path):
     assert _untouched(sims)
 
 
-def test_admin_token_from_secret(harness, sim_fleet, tmp_path):
+def test_admin_token_and_api_key_from_secrets(harness, sim_fleet, tmp_path):
+    """Pods guard their admin endpoints with a token and /v1 with vLLM's --api-key: the
+    operator reads both from the Secrets the spec names (the probe fails without the key)."""
     fleet, op = harness
-    sims = start_fleet(fleet, sim_fleet, tmp_path, 2, admin_token="s3cret")
-    secret = {
-        "metadata": {"name": "vllm-admin"},
-        "data": {"token": base64.b64encode(b"s3cret").decode()},
-    }
-    fleet.core.create_namespaced_secret(fleet.ns, secret)
-    ckpt = make_checkpoints(tmp_path, "v1")
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2, admin_token="s3cret", api_key="k3y")
+    for name, key, value in (("vllm-admin", "token", b"s3cret"), ("vllm-api", "key", b"k3y")):
+        secret = {"metadata": {"name": name}, "data": {key: base64.b64encode(value).decode()}}
+        fleet.core.create_namespaced_secret(fleet.ns, secret)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
     op.start()
-    ref = {"adminTokenSecretRef": {"name": "vllm-admin"}}
-    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=ref)
-    assert fleet.wait_phase("wr", END, 60, op)["status"]["phase"] == "Succeeded"
+    admin = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=admin)
+    st = _expect_refused(fleet, op, "ProbeUnauthorized")
+    assert "apiKeySecretRef" in st["message"], st["message"]
+    assert _untouched(sims)
+    both = {**admin, "apiKeySecretRef": {"name": "vllm-api", "key": "key"}}
+    fleet.apply_refit("wr2", "v2", ckpt["v2"], sims[0].port, fleet=both)
+    assert fleet.wait_phase("wr2", END, 60, op)["status"]["phase"] == "Succeeded"
 
 
 def test_pod_without_readiness_gate(harness, sim_fleet, tmp_path):
