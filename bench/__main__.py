@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -29,15 +30,20 @@ def log(msg: str) -> None:
 
 
 def run_one(
-    name: str, quick: bool, sizes: list[int] | None = None, small_repeats: int = 3
+    name: str,
+    quick: bool,
+    sizes: list[int] | None = None,
+    small_repeats: int = 3,
+    large_timeout: float = 360.0,
 ) -> tuple[list[Metric], dict[str, Any], list[str]]:
     if name == "scale":
         from bench import scale
 
         sizes = sizes or ([5, 20] if quick else [10, 100, 1000])
         repeats = {n: 1 if quick else (small_repeats if n <= 100 else 1) for n in sizes}
-        metrics, raw = scale.run_suite(sizes, repeats, log)
-        return metrics, raw, []
+        metrics, raw = scale.run_suite(sizes, repeats, log, large_timeout)
+        notes = [f"failed run: {f}" for f in raw["failures"]]
+        return metrics, raw, notes
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {
@@ -58,7 +64,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scale-repeats", type=int, default=3, help="runs per strategy of fleets <= 100 pods"
     )
+    p.add_argument(
+        "--scale-timeout", type=float, default=360.0, help="seconds a run of > 100 pods may take"
+    )
+    p.add_argument(
+        "--reaggregate",
+        action="store_true",
+        help="rebuild scale.json's metrics from its raw runs and rewrite the table; run nothing",
+    )
     args = p.parse_args(argv)
+    if args.reaggregate:
+        from bench import scale
+
+        path = args.out / "scale.json"
+        result = SuiteResult.from_json(json.loads(path.read_text()))
+        runs = [scale.RunResult(**r) for r in result.raw["runs"]]
+        result.metrics = scale.metrics_of(runs, sorted({r.pods for r in runs}))
+        write_result(args.out, result)
+        log(f"table: {write_table(args.out, SUITES)}")
+        return 0
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     failed: list[str] = []
     for name in args.only or SUITES:
@@ -67,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         log(f"{name}: start (load {machine['loadavg_before']})")
         try:
-            metrics, raw, notes = run_one(name, args.quick, args.scale_sizes, args.scale_repeats)
+            metrics, raw, notes = run_one(
+                name, args.quick, args.scale_sizes, args.scale_repeats, args.scale_timeout
+            )
         except Exception as e:  # one failed suite must not lose the others' results
             log(f"{name}: FAILED: {type(e).__name__}: {e}")
             failed.append(name)

@@ -52,6 +52,12 @@ class Engine:
         self.cluster = cluster
         self.http = http
         self.refits: dict[str, _RefitState] = {}
+        # One small connection pool per pod address, not one pool for the fleet: httpx scans
+        # every connection and queued request of a pool on each event, so one pool shared by
+        # 1000 pods turns quadratic (bench/results: a 1000-pod refit did not finish in 6 min).
+        # One TLS context for all: building one per client costs ~18 ms of CPU.
+        self._tls = httpx.create_ssl_context()
+        self._pod_http: dict[str, httpx.AsyncClient] = {}
         self.thresholds_published: set[str] = set()  # refit uids
 
     def state(self, uid: str) -> _RefitState:
@@ -79,6 +85,7 @@ class Engine:
         selector = spec.fleet.selector.canonical()
         fleet, previous = await self._fleet(namespace, view, selector)
         st.pods = await self.cluster.list_pods(namespace, selector)
+        await self._prune_pod_http()
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(n for n in st.tasks if n not in present)
         for pod in vanished:  # deleted mid-pass: nothing left to make safe
@@ -124,6 +131,17 @@ class Engine:
                 version=spec.checkpoint.version, path=spec.checkpoint.path, refit=name
             )
         return refs, previous
+
+    async def _prune_pod_http(self) -> None:
+        """Close the clients of addresses no watched fleet has any more (pods come and go)."""
+        live = {p.ip for st in self.refits.values() for p in st.pods}
+        for url in [u for u in self._pod_http if u.split("//", 1)[1].rsplit(":", 1)[0] not in live]:
+            await self._pod_http.pop(url).aclose()
+
+    async def aclose(self) -> None:
+        for http in self._pod_http.values():
+            await http.aclose()
+        self._pod_http.clear()
 
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
@@ -223,7 +241,10 @@ class Engine:
     # ---------------------------------------------------------------- pod passes
     def _client(self, view: RefitView, st: _RefitState, pod: PodView) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
+        http = self._pod_http.get(url)
+        if http is None:
+            http = self._pod_http[url] = httpx.AsyncClient(verify=self._tls)
+        return WorkerClient(url, http=http, admin_token=st.token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds))  # fmt: skip
 
     async def _start(

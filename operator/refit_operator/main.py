@@ -51,7 +51,8 @@ async def run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     holder = asyncio.create_task(lease.hold(lost))
     async with httpx.AsyncClient() as http:
-        handlers.install(Engine(cluster.Cluster(api_client, identity), http))
+        engine = Engine(cluster.Cluster(api_client, identity), http)
+        handlers.install(engine)
         kopf_task = asyncio.create_task(
             kopf.operator(
                 standalone=True,
@@ -63,6 +64,7 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.wait({kopf_task, holder}, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         await kopf_task
+        await engine.aclose()
     holder.cancel()
     await api_client.close()
     if lost.is_set():

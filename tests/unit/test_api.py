@@ -49,10 +49,14 @@ def minimal_spec() -> api.WeightRefitSpec:
 
 def test_spec_defaults_match_the_crd():
     defaults = crd_defaults(schema()["spec"])
-    # Defaults on optional objects (adminTokenSecretRef.key, configMapRef.key) apply only
+    # Defaults on optional objects (the Secret refs' key, configMapRef.key) apply only
     # when the object is given; they are compared below.
     nested_optional = {
-        k for k in defaults if ".adminTokenSecretRef." in f".{k}" or "configMapRef" in k
+        k
+        for k in defaults
+        if ".adminTokenSecretRef." in f".{k}"
+        or ".apiKeySecretRef." in f".{k}"
+        or "configMapRef" in k
     }
     assert len(defaults) - len(nested_optional) >= 15
     spec = minimal_spec()
@@ -61,6 +65,7 @@ def test_spec_defaults_match_the_crd():
             continue
         assert model_value(spec, path) == default, path
     assert api.SecretKeyRef(name="s").key == defaults["fleet.adminTokenSecretRef.key"]
+    assert api.SecretKeyRef(name="s").key == defaults["fleet.apiKeySecretRef.key"]
     assert api.ConfigMapKeyRef(name="c").key == defaults["probe.reference.configMapRef.key"]
 
 

@@ -128,3 +128,17 @@ def test_results_round_trip_and_render(tmp_path: Path) -> None:
     assert table.index("| scale |") < table.index("| memory |")
     assert "`python -m bench --only scale`" in table and "2 cores" in table
     assert "- wall: why" in table and "- a note" in table
+
+
+def test_an_unfinished_run_is_a_lower_bound_and_gets_no_per_pod_verdict() -> None:
+    timed_out = _run(1000, "AllAtOnce", 180.0, 4000)
+    timed_out.completed, timed_out.updated, timed_out.timeout = False, 12, 180.0
+    runs = [_run(10, "AllAtOnce", 1.0, 150), timed_out]
+    by_name = {m.name: m for m in metrics_of(runs, [10, 1000])}
+    wall = by_name["AllAtOnce 1000 pods: wall apply->Succeeded"]
+    assert wall.met is False and "NOT finished at the 180 s limit" in wall.note
+    assert "[12]" in wall.note
+    writes = by_name["AllAtOnce 1000 pods: API writes per pod"]
+    assert writes.target is None and writes.met is None and writes.note.startswith("PARTIAL")
+    k = by_name["AllAtOnce: wall-time growth exponent 10->1000"]
+    assert "lower bound" in k.note

@@ -191,3 +191,33 @@ def test_verify_params_refuses(expected: dict[str, ExpectedParam], needle: str) 
         "TensorMismatch", checkpoint.verify_params, TENSORS, expected, lambda n: n == "inv_freq"
     )
     assert needle in detail
+
+
+def test_a_verified_file_is_hashed_once_until_it_changes(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """preflight then refit_load verify the same files: the second pass reuses the digests,
+    but any write to a file (same size, even same mtime) makes it hashed and checked again."""
+    hashed: list[str] = []
+    real = checkpoint.sha256_file
+
+    def counting(path: Path) -> str:
+        hashed.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", counting)
+    checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
+    assert len(hashed) == 2
+    checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
+    assert len(hashed) == 2
+    shard = root / "ckpt" / "model-00002-of-00002.safetensors"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size; the timestamp is put back below
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    message = rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root)
+    )
+    assert "sha256" in message
+    assert hashed[2:] == [shard.name]

@@ -117,6 +117,26 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+# Digests of files hashed earlier in this process, keyed by the file's identity: preflight
+# hashes a checkpoint and refit_load verifies it again right after; without the memo a refit
+# reads every byte twice more than the reload itself does. Any write to a file changes its
+# ctime, which the key includes, so a changed file is always hashed again.
+_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
+_DIGESTS_MAX = 4096
+
+
+def sha256_file_memo(path: Path) -> str:
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = sha256_file(path)
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.clear()
+        _DIGESTS[key] = digest
+    return digest
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.name.endswith(SAFETENSORS_SUFFIX))
 
@@ -201,7 +221,7 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
             raise _reject_manifest_mismatch(
                 f"{entry.name} has {size} bytes, the manifest says {entry.size}"
             )
-        digest = sha256_file(path)
+        digest = sha256_file_memo(path)
         if digest != entry.sha256:
             raise _reject_manifest_mismatch(
                 f"{entry.name} sha256 {digest[:16]}… differs from the manifest's "
