@@ -26,11 +26,11 @@ from typing import Any
 import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.cluster import CONDITION
 
 from bench import apiserver
 from bench.results import Metric, summarize
 from tests.support.controlplane import ControlPlane
+from tests.support.pods import register_pod
 from tests.support.simworker import SimFleet, make_sim_checkpoint
 
 OPERATOR = Path(sys.executable).with_name("refit-operator")
@@ -80,19 +80,8 @@ class Bench:
     def make_pods(self, ns: str, ips: list[str]) -> None:
         def one(i_ip: tuple[int, str]) -> None:
             i, ip = i_ip
-            name = f"pod-{i}"
-            body = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "labels": LABELS},
-                "spec": {
-                    "containers": [{"name": "vllm", "image": "vllm/vllm-openai:bench"}],
-                    "readinessGates": [{"conditionType": CONDITION}],
-                },
-            }
-            self.core.create_namespaced_pod(ns, body)
-            status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
-            self.core.patch_namespaced_pod_status(name, ns, status)
+            register_pod(self.core, ns, f"pod-{i}", ip, labels=LABELS,
+                         image="vllm/vllm-openai:bench")  # fmt: skip
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, enumerate(ips)))

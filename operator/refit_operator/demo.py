@@ -187,23 +187,12 @@ def start_servers(
 
 def register_pods(core: Any, servers: list[Any]) -> list[str]:
     """One Pod object per server: the readiness gate, Running, status.podIP = its address."""
-    names = []
-    for i, server in enumerate(servers):
-        name = f"rollout-{i}"
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "labels": LABELS},
-            "spec": {
-                "containers": [{"name": "vllm", "image": "refit-worker:cpu-demo"}],
-                "readinessGates": [{"conditionType": CONDITION}],
-            },
-        }
-        core.create_namespaced_pod(NAMESPACE, body)
-        ip = server.host
-        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
-        core.patch_namespaced_pod_status(name, NAMESPACE, status)
-        names.append(name)
+    from tests.support.pods import register_pod
+
+    names = [f"rollout-{i}" for i in range(len(servers))]
+    for name, server in zip(names, servers, strict=True):
+        register_pod(core, NAMESPACE, name, server.host, labels=LABELS,
+                     image="refit-worker:cpu-demo")  # fmt: skip
     return names
 
 

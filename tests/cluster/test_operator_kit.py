@@ -23,6 +23,7 @@ from kubernetes import config as k8s_config
 from refit_operator.cluster import CONDITION, PROGRESS_ANNOTATION
 
 from tests.support.controlplane import ControlPlane
+from tests.support.pods import register_pod
 from tests.support.simworker import SimPod, make_sim_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,18 +94,8 @@ class Fleet:
     def add_pod(
         self, name: str, sim: SimPod, *, gate: bool = True, labels: dict[str, str] | None = None
     ) -> None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "labels": labels or LABELS},
-            "spec": {
-                "containers": [{"name": "vllm", "image": "vllm/vllm-openai:test"}],
-                "readinessGates": [{"conditionType": CONDITION}] if gate else [],
-            },
-        }
-        self.core.create_namespaced_pod(self.ns, body)
-        status = {"status": {"phase": "Running", "podIP": sim.ip, "podIPs": [{"ip": sim.ip}]}}
-        self.core.patch_namespaced_pod_status(name, self.ns, status)
+        register_pod(self.core, self.ns, name, sim.ip, labels=labels or LABELS,
+                     image="vllm/vllm-openai:test", gate=gate)  # fmt: skip
 
     def restart_container(self, name: str) -> None:
         """What the kubelet reports when the container restarted."""
