@@ -33,15 +33,17 @@ def run_one(
     name: str,
     quick: bool,
     sizes: list[int] | None = None,
-    small_repeats: int = 3,
+    scale_repeats: int = 3,
     large_timeout: float = 360.0,
+    strategies: list[str] | None = None,
+    profile: Path | None = None,
 ) -> tuple[list[Metric], dict[str, Any], list[str]]:
     if name == "scale":
         from bench import scale
 
         sizes = sizes or ([5, 20] if quick else [10, 100, 1000])
-        repeats = {n: 1 if quick else (small_repeats if n <= 100 else 1) for n in sizes}
-        metrics, raw = scale.run_suite(sizes, repeats, log, large_timeout)
+        repeats = {n: 1 if quick else scale_repeats for n in sizes}
+        metrics, raw = scale.run_suite(sizes, repeats, log, large_timeout, strategies, profile)
         notes = [f"failed run: {f}" for f in raw["failures"]]
         return metrics, raw, notes
     from bench import vllm_suites
@@ -62,10 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="default: bench/results")
     p.add_argument("--scale-sizes", type=int, nargs="+", help="fleet sizes of the scale suite")
     p.add_argument(
-        "--scale-repeats", type=int, default=3, help="runs per strategy of fleets <= 100 pods"
+        "--scale-repeats", type=int, default=3, help="runs per fleet size and strategy"
     )
     p.add_argument(
         "--scale-timeout", type=float, default=360.0, help="seconds a run of > 100 pods may take"
+    )
+    p.add_argument(
+        "--scale-strategies",
+        nargs="+",
+        choices=["AllAtOnce", "Rolling25"],
+        help="strategies of the scale suite (default: both)",
+    )
+    p.add_argument(
+        "--scale-profile",
+        type=Path,
+        metavar="DIR",
+        help="run each operator under py-spy; collapsed stacks per run go to DIR",
     )
     p.add_argument(
         "--reaggregate",
@@ -92,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: start (load {machine['loadavg_before']})")
         try:
             metrics, raw, notes = run_one(
-                name, args.quick, args.scale_sizes, args.scale_repeats, args.scale_timeout
+                name,
+                args.quick,
+                args.scale_sizes,
+                args.scale_repeats,
+                args.scale_timeout,
+                args.scale_strategies,
+                args.scale_profile,
             )
         except Exception as e:  # one failed suite must not lose the others' results
             log(f"{name}: FAILED: {type(e).__name__}: {e}")

@@ -10,6 +10,7 @@ the requests this harness itself made in that window (one create, its status pol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from tests.support.pods import register_pod
 from tests.support.simworker import SimFleet, make_sim_checkpoint
 
 OPERATOR = Path(sys.executable).with_name("refit-operator")
+PY_SPY = Path(sys.executable).with_name("py-spy")
 LABELS = {"app": "bench"}
 GROUP, VERSION, PLURAL = "refit.rollout.dev", "v1alpha1", "weightrefits"
 STRATEGIES = {
@@ -63,8 +65,9 @@ class RunResult:
 
 
 class Bench:
-    def __init__(self, cp: ControlPlane, work: Path) -> None:
+    def __init__(self, cp: ControlPlane, work: Path, profile: Path | None = None) -> None:
         self.cp, self.work = cp, work
+        self.profile = profile  # py-spy flame data of each operator run goes here
         cfg = k8s.Configuration()
         k8s_config.load_kube_config(str(cp.kubeconfig), client_configuration=cfg)
         cfg.connection_pool_maxsize = 16
@@ -88,9 +91,17 @@ class Bench:
 
     def start_operator(self, ns: str, lease: str) -> subprocess.Popen[bytes]:
         log = (self.work / f"{lease}.log").open("wb")
+        wrap: list[str] = []
+        if self.profile is not None:
+            self.profile.mkdir(parents=True, exist_ok=True)
+            out = self.profile / f"{lease}.txt"
+            # Collapsed stacks (one line per stack, sample count last): grep-able, and
+            # flamegraph tools read them. --idle off: only time the operator spends on CPU.
+            wrap = [str(PY_SPY), "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
         with log:
             proc = subprocess.Popen(
                 [
+                    *wrap,
                     str(OPERATOR),
                     "--kubeconfig",
                     str(self.cp.kubeconfig),
@@ -142,7 +153,7 @@ class Bench:
         lease = f"bench-{n}-{self.runs}"
         proc = self.start_operator(ns, lease)
         try:
-            me = psutil.Process(proc.pid)
+            me = operator_process(proc)
             before = apiserver.request_totals(self.cp)
             cpu0 = sum(me.cpu_times()[:2])
             body = {
@@ -177,7 +188,7 @@ class Bench:
             wall = time.monotonic() - t0
             cpu = sum(me.cpu_times()[:2]) - cpu0
             after = apiserver.request_totals(self.cp)
-            peak_kib = _vm_hwm_kib(proc.pid)
+            peak_kib = _vm_hwm_kib(me.pid)
         except BaseException:
             stop(proc)
             raise
@@ -213,6 +224,18 @@ class Bench:
         )
 
 
+def operator_process(proc: subprocess.Popen[bytes]) -> psutil.Process:
+    """The operator itself: the process started, or py-spy's child when profiling."""
+    me = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 10
+    while me.name() == "py-spy" and time.monotonic() < deadline:
+        kids = me.children()
+        if kids:
+            return kids[0]
+        time.sleep(0.05)
+    return me
+
+
 def _vm_hwm_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -221,6 +244,12 @@ def _vm_hwm_kib(pid: int) -> int:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        me = operator_process(proc)
+        if me.pid != proc.pid:  # py-spy writes its profile once the operator has exited
+            me.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -231,7 +260,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_suite(
-    sizes: list[int], repeats: dict[int, int], log: Any, large_timeout: float = 360.0
+    sizes: list[int],
+    repeats: dict[int, int],
+    log: Any,
+    large_timeout: float = 360.0,
+    strategies: list[str] | None = None,
+    profile: Path | None = None,
 ) -> tuple[list[Metric], dict]:
     """Measure every (size, strategy) `repeats[size]` times; returns metrics and raw runs."""
     runs: list[RunResult] = []
@@ -243,7 +277,7 @@ def run_suite(
         bench: Bench | None = None
         try:
             cp.install_crds()
-            bench = Bench(cp, work)
+            bench = Bench(cp, work, profile)
             for n in sizes:
                 ckpt_root = work / f"ckpt-{n}"
                 ckpt_root.mkdir()
@@ -251,7 +285,7 @@ def run_suite(
                 fleet = SimFleet(n, allowed_root=ckpt_root, start_timeout=180)
                 try:
                     for rep in range(repeats[n]):
-                        for strategy in STRATEGIES:
+                        for strategy in strategies or list(STRATEGIES):
                             # A fresh namespace per run: no earlier refit or pass in the way.
                             ns = cp.create_namespace(f"bench-{n}")
                             bench.make_pods(ns, [p.ip for p in fleet.pods])

@@ -19,7 +19,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from . import api
-from .podflow import Progress
+from .podflow import Progress, Readiness
 from .reconcile import PodView, rfc3339
 
 log = logging.getLogger(__name__)
@@ -31,12 +31,22 @@ SMP = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 
 
-async def read_json(resp: Any) -> Any:
+async def _body(resp: Any) -> bytes:
     """The body of a ``_preload_content=False`` answer, which does not raise on errors."""
-    body = await resp.read()
+    body: bytes = await resp.read()
     if not 200 <= resp.status <= 299:
         raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:500])
-    return json.loads(body)
+    return body
+
+
+async def read_json(resp: Any) -> Any:
+    return json.loads(await _body(resp))
+
+
+async def _done(resp: Any) -> None:
+    """Check a write's answer without building client-side models of the object returned
+    (deserializing a Pod costs more CPU than sending the patch)."""
+    await _body(resp)
 
 
 async def connect(kubeconfig: str | None = None) -> client.ApiClient:
@@ -63,6 +73,7 @@ def pod_view(doc: dict[str, Any]) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")),
         ready=conds.get(CONDITION, {}).get("status") == "True",
         restarts=restarts,
+        uid=meta.get("uid", ""),
         progress=Progress.from_annotation((meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)),
     )
 
@@ -93,23 +104,31 @@ class Cluster:
         doc = await read_json(resp)
         return [pod_view(item) for item in doc.get("items", [])]
 
-    async def write_progress(self, namespace: str, pod: str, progress: Progress) -> None:
-        body = {"metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}}
-        await self.core.patch_namespaced_pod(pod, namespace, body, _content_type=MERGE)
-
-    async def set_condition(
-        self, namespace: str, pod: str, ready: bool, reason: str, message: str
+    async def record(
+        self, namespace: str, pod: str, progress: Progress, readiness: Readiness | None = None
     ) -> None:
-        """The readiness gate condition: False takes the pod out of Service endpoints."""
-        cond = {
-            "type": CONDITION,
-            "status": "True" if ready else "False",
-            "reason": reason,
-            "message": message[:1000],
-            "lastTransitionTime": rfc3339(time.time()),
+        """Record a pass's progress on the pod and, when given, its readiness-gate condition
+        (False takes the pod out of Service endpoints), in ONE patch of pods/status: the
+        status subresource also takes metadata.annotations, so a pod is never Ready without
+        the record of its passed probe, and the operator needs no right to patch pods (which
+        would let it change their spec)."""
+        body: dict[str, Any] = {
+            "metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}
         }
-        body = {"status": {"conditions": [cond]}}
-        await self.core.patch_namespaced_pod_status(pod, namespace, body, _content_type=SMP)
+        if readiness is not None:
+            cond = {
+                "type": CONDITION,
+                "status": "True" if readiness.ready else "False",
+                "reason": readiness.reason,
+                "message": readiness.message[:1000],
+                "lastTransitionTime": rfc3339(time.time()),
+            }
+            body["status"] = {"conditions": [cond]}
+        await _done(
+            await self.core.patch_namespaced_pod_status(
+                pod, namespace, body, _content_type=SMP, _preload_content=False
+            )
+        )
 
     # --------------------------------------------------------------- WeightRefits
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -132,10 +151,18 @@ class Cluster:
         return items
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        await self.custom.patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status},
-            _content_type=MERGE,
-        )  # fmt: skip
+        await _done(
+            await self.custom.patch_namespaced_custom_object_status(
+                api.GROUP,
+                api.VERSION,
+                namespace,
+                api.PLURAL,
+                name,
+                {"status": status},
+                _content_type=MERGE,
+                _preload_content=False,
+            )
+        )
 
     # -------------------------------------------------------------------- Events
     async def event(
@@ -164,7 +191,9 @@ class Cluster:
             "reportingInstance": self.identity,
         }
         try:
-            await self.core.create_namespaced_event(namespace, body)
+            await _done(
+                await self.core.create_namespaced_event(namespace, body, _preload_content=False)
+            )
         except ApiException as e:
             log.warning("event %s on %s not recorded: %s", reason, meta["name"], e.reason)
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-import httpx
+import aiohttp
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
 from . import metrics, plan, reconcile
 from .api import Previous, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, Cluster
+from .podflow import Progress
 from .reconcile import Decision, Observed, PodView, PreflightResult, RefitView
 from .runner import PassContext, run_pass
 from .worker import WorkerClient, WorkerError
@@ -43,21 +44,17 @@ class _RefitState:
     secrets_loaded: bool = False
     references: dict[str, ProbeReference] = field(default_factory=dict)
     pods: list[PodView] = field(default_factory=list)
+    admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
+    live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
     written: dict[str, Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Engine:
-    def __init__(self, cluster: Cluster, http: httpx.AsyncClient) -> None:
+    def __init__(self, cluster: Cluster, http: aiohttp.ClientSession) -> None:
         self.cluster = cluster
-        self.http = http
+        self.http = http  # worker.session(): one for every pod
         self.refits: dict[str, _RefitState] = {}
-        # One small connection pool per pod address, not one pool for the fleet: httpx scans
-        # every connection and queued request of a pool on each event, so one pool shared by
-        # 1000 pods turns quadratic (bench/results: a 1000-pod refit did not finish in 6 min).
-        # One TLS context for all: building one per client costs ~18 ms of CPU.
-        self._tls = httpx.create_ssl_context()
-        self._pod_http: dict[str, httpx.AsyncClient] = {}
         self.thresholds_published: set[str] = set()  # refit uids
 
     def state(self, uid: str) -> _RefitState:
@@ -84,8 +81,7 @@ class Engine:
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
         fleet, previous = await self._fleet(namespace, view, selector)
-        st.pods = await self.cluster.list_pods(namespace, selector)
-        await self._prune_pod_http()
+        st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(n for n in st.tasks if n not in present)
         for pod in vanished:  # deleted mid-pass: nothing left to make safe
@@ -104,6 +100,16 @@ class Engine:
         await self._write(namespace, doc, view, st, d)
         metrics.reconcile_done()
         return d
+
+    @staticmethod
+    def _with_live(pods: list[PodView], st: _RefitState) -> list[PodView]:
+        """Pods as listed, with the in-memory progress of the passes in flight: a pass records
+        its progress on the pod only at checkpoints, and the status shows every step."""
+        for name in [n for n in st.live if n not in st.tasks]:  # in place: passes hold it
+            del st.live[name]
+        return [
+            replace(pod, progress=st.live[pod.name]) if pod.name in st.live else pod for pod in pods
+        ]
 
     async def _fleet(
         self, namespace: str, me: RefitView, selector: str
@@ -131,17 +137,6 @@ class Engine:
                 version=spec.checkpoint.version, path=spec.checkpoint.path, refit=name
             )
         return refs, previous
-
-    async def _prune_pod_http(self) -> None:
-        """Close the clients of addresses no watched fleet has any more (pods come and go)."""
-        live = {p.ip for st in self.refits.values() for p in st.pods}
-        for url in [u for u in self._pod_http if u.split("//", 1)[1].rsplit(":", 1)[0] not in live]:
-            await self._pod_http.pop(url).aclose()
-
-    async def aclose(self) -> None:
-        for http in self._pod_http.values():
-            await http.aclose()
-        self._pod_http.clear()
 
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
@@ -171,21 +166,29 @@ class Engine:
         problem = None
         if reachable and all(not isinstance(i, str) for i in infos.values()):
             problem = await self._check_reference(view, st, reachable[0])
+        identity = {p.name: (p.uid, p.restarts) for p in reachable}
+        st.admitted = {
+            name: identity[name]
+            for name, info in infos.items()
+            if reconcile.admission_problem(info, spec.allow_unsafe_backends) is None
+        }
         return PreflightResult(infos=infos, problem=problem)
 
     async def _check_reference(
         self, view: RefitView, st: _RefitState, pod: PodView
     ) -> tuple[str, str] | None:
-        """Fetch the probe reference and score its first prompt on one pod: a reference the
-        model cannot score fails the refit before any pod is touched."""
+        """Fetch the probe reference and score it on one pod (one request for all prompts): a
+        reference the model cannot score fails the refit before any pod is touched."""
         client = self._client(view, st, pod)
         try:
             reference = await self._reference(view, st, view.spec.checkpoint.path, client)
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return "ReferenceInvalid", f"probe reference unusable: {e}"
         try:
-            await client.score(list(reference.prompts[0].token_ids),
-                               timeout=float(view.spec.sequence.probe_timeout_seconds))  # fmt: skip
+            await client.score_prompts(
+                [list(p.token_ids) for p in reference.prompts],
+                timeout=float(view.spec.sequence.probe_timeout_seconds),
+            )
         except WorkerError as e:
             if e.kind == "http" and e.status in (401, 403):
                 return (
@@ -241,10 +244,7 @@ class Engine:
     # ---------------------------------------------------------------- pod passes
     def _client(self, view: RefitView, st: _RefitState, pod: PodView) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        http = self._pod_http.get(url)
-        if http is None:
-            http = self._pod_http[url] = httpx.AsyncClient(verify=self._tls)
-        return WorkerClient(url, http=http, admin_token=st.token, api_key=st.api_key,
+        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds))  # fmt: skip
 
     async def _start(
@@ -261,6 +261,7 @@ class Engine:
             refit_uid=view.uid, fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
             client=lambda pod: self._client(view, st, pod), reference=reference,
             peer_nlls=lambda version: reconcile.peer_nlls(st.pods, version),
+            admitted=st.admitted, live=st.live,
         )  # fmt: skip
         pods = {p.name: p for p in st.pods}
         for start in d.start:

@@ -10,10 +10,9 @@ import socket
 import sys
 from typing import Any
 
-import httpx
 import kopf
 
-from . import cluster, handlers, metrics
+from . import cluster, handlers, metrics, worker
 from .engine import Engine
 from .leader import Lease
 
@@ -50,7 +49,7 @@ async def run(args: argparse.Namespace) -> int:
     lost = asyncio.Event()  # set by the lease holder only
     stop = asyncio.Event()
     holder = asyncio.create_task(lease.hold(lost))
-    async with httpx.AsyncClient() as http:
+    async with worker.session() as http:
         engine = Engine(cluster.Cluster(api_client, identity), http)
         handlers.install(engine)
         kopf_task = asyncio.create_task(
@@ -64,7 +63,6 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.wait({kopf_task, holder}, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         await kopf_task
-        await engine.aclose()
     holder.cancel()
     await api_client.close()
     if lost.is_set():
@@ -104,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # One line per HTTP request to a pod drowns the log of a large fleet.
-    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     sys.exit(asyncio.run(run(args)))
 
 

@@ -1,9 +1,13 @@
 """The per-pod refit sequence as plain data: where a pod stands and what to do next.
 
 A pod's progress is stored on the pod itself (annotation ``refit.rollout.dev/progress``, JSON),
-written after every completed step, so an operator that restarts resumes at the first step not
-recorded as done. Every step is idempotent; the one that is not safe to repeat blindly, the load,
-is preceded by a read-back of the pod's weight version (see ``load_needed``).
+so an operator that restarts resumes at the first step not recorded as done. It is recorded at
+the pass's checkpoints only (``must_record``): when the pass starts, once the new weights are
+loaded, on every failed try and when the pass ends; a thousand-pod refit would otherwise write
+each pod ten times. A restart therefore repeats at most the steps since the last checkpoint,
+which is safe because every step is idempotent; the one that is not safe to repeat blindly, the
+load, is preceded by a read-back of the pod's weight version whenever it may already have run
+(``must_read_back``, ``load_needed``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ STEPS: tuple[str, ...] = (
     "probe",
     "ready",  # readiness condition True
 )
+# Steps after which the progress is recorded on the pod (besides start, failures and the end):
+# past the load, a restart must not redo the preflight's full read of the checkpoint.
+CHECKPOINT_STEPS = frozenset({"load"})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
 _FINAL_CODES = frozenset(
     {
@@ -206,6 +213,43 @@ def probe_judged(
     return replace(
         progress, outcome=outcome, reason=reason, message=message, finished=now, not_before=0.0
     )
+
+
+def must_record(before: Progress, after: Progress) -> bool:
+    """Whether the step that turned ``before`` into ``after`` is a checkpoint to record: the
+    pass ended, a try failed (attempts and backoff must survive a restart), or a checkpoint
+    step completed."""
+    if after.finished_pass or after.attempts > before.attempts:
+        return True
+    return before.step in CHECKPOINT_STEPS and after.step != before.step
+
+
+def must_read_back(progress: Progress, resumed: bool) -> bool:
+    """Whether the pod's weight version must be read back before loading: only when a load of
+    this pass may already have run, that is the pass was resumed from a record (an operator
+    restart) or an earlier try of the load failed (a timed-out load may still have finished)."""
+    return resumed or progress.attempts > 0
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """The pod's readiness-gate condition that goes with a pass's progress."""
+
+    ready: bool
+    reason: str
+    message: str
+
+
+def readiness(progress: Progress) -> Readiness:
+    """Out of traffic while the pass runs and after it failed (with the reason: fail closed);
+    back in traffic only once it Succeeded, which requires a passed probe."""
+    if progress.outcome == "Succeeded":
+        return Readiness(True, "ProbePassed", f"weights {progress.version} probed")
+    if progress.finished_pass:
+        reason = progress.reason or "RefitFailed"
+        return Readiness(False, reason, f"{reason}: {progress.message}")
+    what = "rollback" if progress.rollback else "refit"
+    return Readiness(False, "Refitting", f"{what} to {progress.version} in progress")
 
 
 def load_needed(read_back_version: str | None, target: str) -> bool:

@@ -45,6 +45,7 @@ class PodView:
     ready: bool  # the weights-ready condition is True
     restarts: int
     progress: Progress | None
+    uid: str = ""  # a pod recreated under the same name (StatefulSet) is another pod
 
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""
@@ -178,15 +179,27 @@ def pod_state(pod: PodView, refit: RefitView, version: str, rollback: bool) -> p
 
 
 def _conditions(
-    phase: str, message: str, reason: str, generation: int, old: Sequence[Condition], now: float
+    phase: str,
+    message: str,
+    reason: str,
+    generation: int,
+    old: Sequence[Condition],
+    now: float,
+    tolerated: int = 0,
 ) -> list[Condition]:
+    """Ready, Progressing, Degraded. A refit that Succeeded with ``tolerated`` pods failed or
+    inconclusive within the failure limits is Ready and Degraded (PodsFailedWithinLimits): the
+    fleet serves the new version, and someone should look at those pods."""
     ready = phase == "Succeeded"
     progressing = phase in ("Pending", "Preflight", "Progressing", "RollingBack")
-    degraded = phase in ("Failed", "Halted", "RollingBack", "RolledBack")
+    degraded = phase in ("Failed", "Halted", "RollingBack", "RolledBack") or (
+        ready and tolerated > 0
+    )
+    why_degraded = "PodsFailedWithinLimits" if ready else reason
     wanted = [
         ("Ready", ready, reason if not ready else "Succeeded"),
         ("Progressing", progressing, reason if progressing else phase),
-        ("Degraded", degraded, reason if degraded else "AsExpected"),
+        ("Degraded", degraded, why_degraded if degraded else "AsExpected"),
     ]
     before = {c.type: c for c in old}
     out = []
@@ -312,8 +325,9 @@ def decide(obs: Observed) -> Decision:
         st.message = message
         if phase in TERMINAL_PHASES and not st.completion_time:
             st.completion_time = rfc3339(obs.now)
+        tolerated = st.failed_pods + st.inconclusive_pods if phase == "Succeeded" else 0
         st.conditions = _conditions(
-            phase, message, reason, refit.generation, old.conditions, obs.now
+            phase, message, reason, refit.generation, old.conditions, obs.now, tolerated
         )
 
     # ---- queue: one active refit per fleet

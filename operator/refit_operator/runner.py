@@ -1,13 +1,18 @@
-"""Runs one pod's refit pass: executes the step podflow names, records the result on the pod,
-repeats until the pass ends. I/O only; what to do next is always podflow's decision."""
+"""Runs one pod's refit pass: executes the step podflow names, records the progress on the pod
+at podflow's checkpoints, repeats until the pass ends. I/O only; what to do next, and what to
+record when, is always podflow's decision.
+
+The live progress of every pass is also kept in memory (``PassContext.live``): the reconcile
+loop folds it into the WeightRefit status once per tick, so users see each pod's current step
+without a write per step."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 from refit_worker.contract import ProbeReference
 
@@ -47,6 +52,10 @@ class PassContext:
     client: Callable[[PodView], WorkerClient]
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
+    # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
+    # with no restart since is not asked for its refit_info again.
+    admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    live: dict[str, Progress] = field(default_factory=dict)  # pod -> its pass's progress now
 
 
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
@@ -64,7 +73,8 @@ def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
 
 async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     worker = ctx.client(pod)
-    progress = pod.progress if start.resume and pod.progress else None
+    resumed = bool(start.resume and pod.progress)
+    progress = pod.progress if resumed else None
     if progress is None:
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
@@ -77,17 +87,13 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
             progress = podflow.step_failed(
                 progress, progress.step, *refused, time.time(), retries=0, final=True
             )
-            await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
+            ctx.live[pod.name] = progress
             await _finish(ctx, pod, progress)
             return progress
-        # Out of traffic before anything is recorded: a pod whose progress names a new pass
-        # is never Ready on the strength of an older probe.
-        await ctx.cluster.set_condition(
-            ctx.namespace, pod.name, False, "Refitting", f"refit to {start.version} in progress"
-        )
-        await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
-        what = "rollback" if start.rollback else "refit"
-        await _event(ctx, "PodRefitStarted", f"pod {pod.name}: {what} to {start.version} started")
+        # Out of traffic in the same write that records the new pass: a pod whose progress
+        # names a new pass is never Ready on the strength of an older probe.
+        await ctx.cluster.record(ctx.namespace, pod.name, progress, podflow.readiness(progress))
+    ctx.live[pod.name] = progress
     while True:
         action = podflow.next_action(progress, time.time())
         if isinstance(action, Finished):
@@ -96,10 +102,13 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
             await asyncio.sleep(max(0.0, action.at - time.time()))
             continue
         assert isinstance(action, RunStep)
-        progress = await _run_step(ctx, pod, worker, progress, action.step)
-        await ctx.cluster.write_progress(ctx.namespace, pod.name, progress)
+        before = progress
+        progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
+        ctx.live[pod.name] = progress
         if progress.finished_pass:
             await _finish(ctx, pod, progress)
+        elif podflow.must_record(before, progress):
+            await ctx.cluster.record(ctx.namespace, pod.name, progress)
 
 
 async def _admission(
@@ -107,6 +116,8 @@ async def _admission(
 ) -> tuple[str, str] | None:
     if not pod.has_gate:
         return "MissingReadinessGate", "the pod does not declare the readiness gate"
+    if ctx.admitted.get(pod.name) == (pod.uid, pod.restarts):
+        return None  # checked by the fleet preflight, and the container has not restarted
     try:
         info = await worker.refit_info(timeout=float(ctx.spec.sequence.step_timeout_seconds))
     except WorkerError:
@@ -115,14 +126,19 @@ async def _admission(
 
 
 async def _run_step(
-    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, step: str
+    ctx: PassContext,
+    pod: PodView,
+    worker: WorkerClient,
+    progress: Progress,
+    step: str,
+    resumed: bool,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
     began = time.monotonic()
     try:
         if step == "probe":
             return await _probe(ctx, pod, worker, progress)
-        await _execute(ctx, pod, worker, progress, step)
+        await _execute(ctx, worker, progress, step, resumed)
     except WorkerError as e:
         reason, final = worker_error_reason(e, step)
         result = "timeout" if e.kind == "timeout" else "failure"
@@ -146,7 +162,7 @@ async def _run_step(
 
 
 async def _execute(
-    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, step: str
+    ctx: PassContext, worker: WorkerClient, progress: Progress, step: str, resumed: bool
 ) -> None:
     seq = ctx.spec.sequence
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
@@ -163,9 +179,11 @@ async def _execute(
         await worker.preflight(progress.path, timeout=t_load)
     elif step == "load":
         # Never reload blindly: a load that finished before a restart stamped the version.
-        info = await worker.refit_info(timeout=t_step)
-        if podflow.load_needed(info.weight_version, progress.version):
-            await worker.load(progress.path, progress.version, timeout=t_load)
+        if podflow.must_read_back(progress, resumed):
+            info = await worker.refit_info(timeout=t_step)
+            if not podflow.load_needed(info.weight_version, progress.version):
+                return
+        await worker.load(progress.path, progress.version, timeout=t_load)
     elif step == "wakeKV":
         await worker.wake_up(["kv_cache"], timeout=t_step)
     elif step == "resetCache":
@@ -180,9 +198,7 @@ async def _execute(
                 "VersionMismatch", f"pod reports {got!r}, expected {progress.version!r}"
             )
     elif step == "ready":
-        await ctx.cluster.set_condition(
-            ctx.namespace, pod.name, True, "ProbePassed", f"weights {progress.version} probed"
-        )
+        pass  # the pass's last record sets the condition True (runner._finish)
     else:
         raise ValueError(f"unknown step {step!r}")
 
@@ -207,7 +223,9 @@ async def _probe(
     outcome: probe.ProbeOutcome | None = None
     try:
         reference = await ctx.reference(progress.path, worker)
-        scored = [await worker.score(list(p.token_ids), timeout=timeout) for p in reference.prompts]
+        # One request for every prompt: the probe's cost is then one forward pass's overhead.
+        prompts = [list(p.token_ids) for p in reference.prompts]
+        scored = await worker.score_prompts(prompts, timeout=timeout)
     except WorkerError as e:
         if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
             outcome = probe.inconclusive("ReferenceUnscorable", e.message)
@@ -248,20 +266,17 @@ async def _probe(
 
 
 async def _finish(ctx: PassContext, pod: PodView, progress: Progress) -> None:
+    """The pass's last record: progress and readiness condition in one write (True only for a
+    pass that Succeeded; otherwise the pod stays out of traffic and the condition says why),
+    then the pod's one Event."""
+    await ctx.cluster.record(ctx.namespace, pod.name, progress, podflow.readiness(progress))
     if progress.outcome == "Succeeded":
         what = "rolled back" if progress.rollback else "refitted"
         await _event(
             ctx, "PodRefitSucceeded", f"pod {pod.name}: {what} to {progress.version}, probe passed"
         )
         return
-    # Fail closed: the pod stays out of traffic, and the condition says why.
     msg = f"{progress.reason}: {progress.message}"
-    try:
-        await ctx.cluster.set_condition(
-            ctx.namespace, pod.name, False, progress.reason or "RefitFailed", msg
-        )
-    except Exception as e:  # the annotation already records the reason
-        log.warning("pod %s: condition not updated: %s", pod.name, e)
     await _event(ctx, f"PodRefit{progress.outcome}", f"pod {pod.name}: {msg}", "Warning")
 
 

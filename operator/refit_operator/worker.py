@@ -5,8 +5,8 @@ retries and backoff). Every failure surfaces as :class:`WorkerError` whose ``kin
 the caller what it may assume:
 
 - ``connect``: no answer came back because the connection failed or dropped (refused,
-  unreachable, reset mid-request: a crashed pod), or the shared client's pool had no free
-  connection in time. A refused connect or a pool wait never reached the pod.
+  unreachable, not established within ``CONNECT_TIMEOUT_SECONDS``, reset mid-request: a
+  crashed pod). A refused or timed-out connect never reached the pod.
 - ``timeout``: the pod accepted the request but did not answer in time; the step may still
   be running there.
 - ``http``: the pod answered with a non-2xx status (``status`` holds it).
@@ -19,7 +19,7 @@ Authentication: the admin bearer token goes on every path outside ``/v1`` (vLLM'
 endpoints are guarded by refit_worker's admin guard), vLLM's ``--api-key`` on ``/v1``.
 """
 
-# The agreed interface takes a per-call `timeout`; httpx applies it to the request itself.
+# The agreed interface takes a per-call `timeout`; it bounds the request itself.
 # ruff: noqa: ASYNC109
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from refit_worker import contract
 
 ErrorKind = Literal["http", "timeout", "connect", "protocol", "rejected"]
 
+# A pod that has not accepted the connection by then is unreachable, not slow.
+CONNECT_TIMEOUT_SECONDS = 10.0
 # Gauges whose sum is the number of requests a drain still waits for.
 IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -85,6 +88,27 @@ def _logprob(entry: Any, token_id: int, where: str) -> float | None:
     raise WorkerError("protocol", f"{where}: logprob of token {token_id} is {value!r}")
 
 
+def _prompt_scores(choice: Any, token_ids: list[int], index: int) -> list[float | None]:
+    """One completion choice's prompt_logprobs as the logprob of each of token_ids."""
+    where = f"completions: prompt {index}"
+    echoed = _field(choice, "prompt_token_ids", list, where)
+    if echoed != token_ids:
+        raise WorkerError(
+            "protocol", f"{where}: the choice scored other tokens than the prompt holds"
+        )
+    entries = _field(choice, "prompt_logprobs", list, where)
+    if len(entries) != len(token_ids):
+        raise WorkerError(
+            "protocol", f"{where}: {len(entries)} prompt_logprobs for {len(token_ids)} tokens"
+        )
+    scores = [
+        _logprob(entry, tok, f"{where}: prompt_logprobs[{i}]")
+        for i, (entry, tok) in enumerate(zip(entries, token_ids, strict=True))
+    ]
+    scores[0] = None
+    return scores
+
+
 # vLLM wraps a worker exception raised under /collective_rpc as
 # {"error": {"message": "Call to collective_rpc method failed: Worker failed with error
 # '<str(exc)>', please check the stack trace above for the root cause", ...}}.
@@ -102,12 +126,41 @@ def _rpc_error_text(body: str) -> str:
     return message.split(_VLLM_RPC_ERROR_SUFFIX, 1)[0]
 
 
+def session() -> aiohttp.ClientSession:
+    """The HTTP session for all pods of all fleets (create it inside the event loop). No cap on
+    connections overall, since every pod runs its own pass at once; per pod, a pass makes one
+    request at a time. Proxies from the environment are ignored (trust_env off): pods are
+    reached directly at their pod IPs."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30.0)
+    )
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A pod's answer, read in full."""
+
+    status: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
 class WorkerClient:
+    """Talks to one pod through ``http``, an aiohttp session the caller owns and shares
+    (aiohttp's C HTTP parser costs a fraction of httpx's CPU per request, which bounds how
+    fast one operator process drives a thousand pods: bench/results)."""
+
     def __init__(
         self,
         base_url: str,
         *,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         admin_token: str | None = None,
         api_key: str | None = None,
         timeout: float = 30.0,
@@ -128,7 +181,7 @@ class WorkerClient:
         timeout: float | None,
         params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
         json: Any = None,
-    ) -> httpx.Response:
+    ) -> Answer:
         token = self._api_key if path.startswith("/v1/") else self._admin_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if path == "/collective_rpc":
@@ -137,37 +190,39 @@ class WorkerClient:
             # "connect" error on the next call). RPCs are rare: give each its own connection.
             headers["Connection"] = "close"
         where = f"{method} {path}"
+        seconds = self._timeout if timeout is None else timeout
+        # `connect` also bounds the wait for a free pooled connection: a request that never
+        # left is a connect error, not a timeout (which says the pod may still be working).
+        budget = min(seconds, CONNECT_TIMEOUT_SECONDS)
+        limits = aiohttp.ClientTimeout(total=seconds, connect=budget, sock_connect=budget)
         try:
-            response = await self._http.request(
+            async with self._http.request(
                 method,
                 self.base_url + path,
                 params=params,
                 json=json,
                 headers=headers,
-                timeout=self._timeout if timeout is None else timeout,
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                timeout=limits,
+            ) as response:
+                answer = Answer(response.status, await response.read())
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise WorkerError("connect", f"{where}: cannot connect: {exc!r}") from exc
-        except httpx.PoolTimeout as exc:  # never sent: every pooled connection was busy
-            raise WorkerError("connect", f"{where}: no free connection in the pool") from exc
-        except httpx.TimeoutException as exc:
-            raise WorkerError("timeout", f"{where}: no answer in time: {exc!r}") from exc
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        except TimeoutError as exc:  # connected, sent, no (full) answer in time
+            raise WorkerError("timeout", f"{where}: no answer in time ({seconds:g}s)") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             raise WorkerError("connect", f"{where}: connection lost: {exc!r}") from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise WorkerError("connect", f"{where}: transport failed: {exc!r}") from exc
-        if response.is_success:
-            return response
-        text = response.text
+        if 200 <= answer.status < 300:
+            return answer
+        text = answer.text
         if path == "/collective_rpc":
             rejection = contract.parse_rejection(_rpc_error_text(text))
             if rejection is not None:
                 code, detail = rejection
-                raise WorkerError("rejected", detail, status=response.status_code, code=code)
+                raise WorkerError("rejected", detail, status=answer.status, code=code)
         raise WorkerError(
-            "http",
-            f"{where}: HTTP {response.status_code}: {text[:500]}",
-            status=response.status_code,
+            "http", f"{where}: HTTP {answer.status}: {text[:500]}", status=answer.status
         )
 
     async def _json(
@@ -296,31 +351,49 @@ class WorkerClient:
         self, token_ids: list[int], *, timeout: float | None = None
     ) -> list[float | None]:
         """Teacher-forced logprob of each prompt token; entry 0 is None (nothing before it)."""
+        return (await self.score_prompts([token_ids], timeout=timeout))[0]
+
+    async def score_prompts(
+        self, prompts: list[list[int]], *, timeout: float | None = None
+    ) -> list[list[float | None]]:
+        """Teacher-forced logprobs of several prompts in ONE request; ``result[i]`` belongs
+        to ``prompts[i]`` and its entry 0 is None (nothing before it).
+
+        vLLM takes a list of token-id lists as the prompt and answers one choice per
+        prompt, numbered by ``index``; the choices are matched by that index, not by
+        their order, and each must echo the tokens it scored.
+        """
+        if not prompts:
+            raise ValueError("score_prompts: no prompts to score")
         model = await self.model_name(timeout=timeout)
         body = {
             "model": model,
-            "prompt": token_ids,
+            "prompt": prompts,
             "max_tokens": 1,
             "temperature": 0,
             "prompt_logprobs": 0,
             "return_token_ids": True,
         }
         doc = await self._json("POST", "/v1/completions", timeout=timeout, json=body)
-        choices = _field(doc, "choices", list, "completions")
-        if not choices:
-            raise WorkerError("protocol", "completions: no choices")
-        entries = _field(choices[0], "prompt_logprobs", list, "completions")
-        if len(entries) != len(token_ids):
+        by_index: dict[int, Any] = {}
+        for choice in _field(doc, "choices", list, "completions"):
+            index = _field(choice, "index", int, "completions: choice")
+            if not 0 <= index < len(prompts):
+                raise WorkerError(
+                    "protocol",
+                    f"completions: a choice has index {index}, "
+                    f"the request had {len(prompts)} prompts",
+                )
+            if index in by_index:
+                raise WorkerError("protocol", f"completions: two choices for prompt {index}")
+            by_index[index] = choice
+        missing = [i for i in range(len(prompts)) if i not in by_index]
+        if missing:
             raise WorkerError(
                 "protocol",
-                f"completions: {len(entries)} prompt_logprobs for {len(token_ids)} tokens",
+                f"completions: no choice for prompt(s) {missing} of {len(prompts)}",
             )
-        scores = [
-            _logprob(entry, tok, f"completions: prompt_logprobs[{i}]")
-            for i, (entry, tok) in enumerate(zip(entries, token_ids, strict=True))
-        ]
-        scores[0] = None
-        return scores
+        return [_prompt_scores(by_index[i], tokens, i) for i, tokens in enumerate(prompts)]
 
     async def requests_in_flight(self, *, timeout: float | None = None) -> int:
         """Running + waiting requests from /metrics: what a drain still waits for."""

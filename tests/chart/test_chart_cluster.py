@@ -179,6 +179,15 @@ def test_installed_service_account_is_refused_what_it_must_not_do(
     # What it must not do: each a real request, refused by the API server.
     refused = {
         "delete a fleet pod": ("delete", "pod", "victim", "-n", ns, "--wait=false"),
+        # Pods are written only through pods/status: no right to change a pod's spec.
+        "change a fleet pod's image": (
+            "set",
+            "image",
+            "pod/victim",
+            "c=evil:latest",
+            "-n",
+            ns,
+        ),
         "read another Secret": ("get", "secret", "db-password", "-n", ns),
         "list Secrets": ("get", "secrets", "-n", ns),
         "read the admin token in another namespace": (
@@ -196,7 +205,10 @@ def test_installed_service_account_is_refused_what_it_must_not_do(
     }
     for what, args in refused.items():
         rc, out = _as(cp, sa, *args)
-        assert rc != 0 and "Forbidden" in out, f"{what}: expected Forbidden, got rc={rc}: {out}"
+        # kubectl words some refusals "is forbidden"
+        assert rc != 0 and "forbidden" in out.lower(), (
+            f"{what}: expected Forbidden, got {rc}: {out}"
+        )
     rc, out = _as(cp, sa, "create", "-n", ns, "-f", "-", input=_pod("intruder"))
     assert rc != 0 and "Forbidden" in out, out
     rc, out = _as(cp, sa, "create", "-n", ns, "-f", "-", input=_secret("planted"))
@@ -210,10 +222,20 @@ def test_installed_service_account_is_refused_what_it_must_not_do(
     assert not _can_i(cp, sa, "update", "customresourcedefinitions")
     assert not _can_i(cp, sa, "create", "rolebindings", "-n", ns)
     assert not _can_i(cp, sa, "patch", "pods", "-n", other)
+    assert not _can_i(cp, sa, "patch", "pods", "-n", ns)
+    assert _can_i(cp, sa, "patch", "pods", "--subresource=status", "-n", ns)
     assert not _can_i(cp, sa, "update", "leases.coordination.k8s.io/some-other-lease", "-n", ns)
 
+    # The right it has, pods/status, does not reach the spec either: the API server keeps the
+    # old spec on a status patch (the request itself is accepted).
+    spec_patch = {"spec": {"containers": [{"name": "c", "image": "evil:latest"}]}}
+    rc, out = _as(cp, sa, "patch", "pod", "victim", "-n", ns, "--subresource=status",
+                  "--type=strategic", "-p", json.dumps(spec_patch))  # fmt: skip
+    assert rc == 0, out
+
     # Nothing it was refused happened.
-    assert cp.kubectl("get", "pod", "victim", "-n", ns, "-o", "name").stdout.strip()
+    mine = json.loads(cp.kubectl("get", "pod", "victim", "-n", ns, "-o", "json").stdout)
+    assert [c["image"] for c in mine["spec"]["containers"]] == ["example.invalid/none"]
     labels = json.loads(cp.kubectl("get", "pod", "victim", "-n", other, "-o", "json").stdout)
     assert "pwned" not in labels["metadata"].get("labels", {})
 
@@ -243,7 +265,7 @@ def test_cluster_scope_reads_every_namespace_but_still_only_named_secrets(
         assert rc == 0, out
         rc, out = _as(cp, sa, "get", "configmap", "unrelated-config", "-n", other)
         assert rc != 0 and "Forbidden" in out, out
-        assert _can_i(cp, sa, "patch", "pods/status", "-n", other)
+        assert _can_i(cp, sa, "patch", "pods", "--subresource=status", "-n", other)
         assert _can_i(cp, sa, "watch", "weightrefits", "--all-namespaces")
         rc, out = _as(cp, sa, "get", "secret", "vllm-admin-token", "-n", other)
         assert rc == 0, out

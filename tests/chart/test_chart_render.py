@@ -119,7 +119,7 @@ def test_default_render_is_namespaced_and_least_privilege(helm: Helm) -> None:
     }
     assert _verbs_on(rules, "refit.rollout.dev", "weightrefits/status") >= {"patch"}
     assert _verbs_on(rules, "refit.rollout.dev", "weightrefits/finalizers") == {"update"}
-    assert _verbs_on(rules, "", "pods") == {"get", "list", "watch", "patch"}
+    assert _verbs_on(rules, "", "pods") == {"get", "list", "watch"}
     assert _verbs_on(rules, "", "pods/status") == {"get", "patch"}
     assert not _verbs_on(rules, "apiextensions.k8s.io", "customresourcedefinitions")
     # Secrets: get only, by name only.

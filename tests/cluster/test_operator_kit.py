@@ -182,6 +182,33 @@ class Fleet:
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {why}")
 
+    def wait_serving(
+        self,
+        sim: SimPod,
+        endpoint: str,
+        tags: str | None = None,
+        *,
+        after: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        """Until ``sim`` has received a call of ``endpoint`` (made after a call of ``after``,
+        when given) and not yet answered it: a step slowed by a delay fault is then in
+        progress. The pod's progress record does not say: it is written at the pass's
+        checkpoints, not at every step."""
+
+        def serving() -> bool:
+            log = sim.call_log()
+            steps = [c["step"] for c in log]
+            first = steps.index(after) + 1 if after in steps else 0 if after is None else None
+            return first is not None and any(
+                c["step"] == endpoint
+                and c["status"] is None
+                and (tags is None or c["params"].get("tags") == tags)
+                for c in log[first:]
+            )
+
+        self.wait_for(serving, timeout, f"{sim.ip} serving {endpoint}")
+
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
         items = self.core.list_namespaced_event(self.ns, _preload_content=False)
         evs = list(json.loads(items.data)["items"])

@@ -15,20 +15,16 @@ from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fle
 __all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-# The simulator endpoint behind each step (slowed down so the kill lands inside the step).
+# The simulator endpoint behind each step (slowed down so the kill lands inside the step),
+# and the wake_up tag that tells the two wakes apart.
 ENDPOINT = {
     "drain": "pause", "sleep": "sleep", "wakeWeights": "wake_up", "preflight": "refit_preflight",
     "load": "refit_load", "wakeKV": "wake_up", "resetCache": "reset_prefix_cache",
     "stampVersion": "update_weight_version", "probe": "completions",
 }  # fmt: skip
-
-
-def wait_step(fleet, pod: str, step: str, timeout: float = 60.0) -> None:
-    def at() -> bool:
-        p = fleet.progress(fleet.pod(pod))
-        return p is not None and p["step"] == step
-
-    fleet.wait_for(at, timeout, f"{pod} at step {step}")
+TAGS = {"wakeWeights": "weights", "wakeKV": "kv_cache"}
+# The fleet preflight also scores a prompt: the probe's completions come after the stamp.
+AFTER = {"probe": "weight_info"}
 
 
 @pytest.mark.parametrize("step", [s for s in STEPS if s in ENDPOINT])
@@ -39,7 +35,7 @@ def test_killed_at_step_resumes(harness, sim_fleet, tmp_path, step):
     ckpt = make_checkpoints(tmp_path, "v1")
     first = op.start()
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
-    wait_step(fleet, "pod-0", step)
+    fleet.wait_serving(sims[0], ENDPOINT[step], TAGS.get(step), after=AFTER.get(step))
     time.sleep(0.5)  # inside the (slowed) step
     op.kill(first)
     assert fleet.refit("wr")["status"]["phase"] == "Progressing"
@@ -68,7 +64,7 @@ def test_ha_standby_takes_over_mid_refit(harness, sim_fleet, tmp_path):
     lease = k8s.CoordinationV1Api(fleet.api).read_namespaced_lease("refit-operator", fleet.ns)
     assert lease.spec.holder_identity.startswith("op0-")
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
-    wait_step(fleet, "pod-0", "load")
+    fleet.wait_serving(sims[0], "refit_load")
     op.kill(leader)
     st = fleet.wait_phase("wr", {"Succeeded", "Failed", "Halted"}, 90, op)["status"]
     assert st["phase"] == "Succeeded", st

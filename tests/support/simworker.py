@@ -4,8 +4,8 @@ Each simulated pod listens on its own loopback address (127.x.y.z, all on one po
 answers the endpoints :class:`refit_operator.worker.WorkerClient` uses with the response
 shapes of a real vLLM 0.32 pod running the refit_worker plugin (tests/worker/test_contract.py
 holds the two to the same shapes): ``/health``, ``/metrics``, ``/v1/models``,
-``/v1/completions`` (token-id prompts, ``prompt_logprobs``), ``/pause``, ``/resume``,
-``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
+``/v1/completions`` (a token-id prompt or a list of them, ``prompt_logprobs``), ``/pause``,
+``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
 ``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
 ``refit_info``, ``refit_preflight``, ``refit_load`` and ``refit_probe_reference``.
 
@@ -60,10 +60,11 @@ Steps and faults
     RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
 
 Use
-    def test_x(sim_fleet):
+    async def test_x(sim_fleet):
         pods = sim_fleet(3, admin_token="t")
         pods[1].set_fault("refit_load", "error", code="LoadFailed", times=1)
-        ... WorkerClient(pods[1].base_url, http=..., admin_token="t") ...
+        async with refit_operator.worker.session() as http:
+            ... WorkerClient(pods[1].base_url, http=http, admin_token="t") ...
         assert pods[1].calls() == ["pause", "sleep", ...]
 
 The subprocess (``python -m tests.support.simworker``) reads its configuration as one JSON
@@ -530,15 +531,49 @@ class SimServer:
             return vllm_error(
                 404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
             )
-        ids = body.get("prompt")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        prompts = body.get("prompt")
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]  # one prompt of token ids
+        if not isinstance(prompts, list) or not prompts:
+            # vLLM 0.32's words for an empty list of prompts.
+            return vllm_error(400, "You must pass at least one prompt", "BadRequestError")
+        if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
             return vllm_error(400, "the simulator scores token-id prompts only", "BadRequestError")
-        for t in ids:
-            if not 0 <= t < self.vocab:
-                return vllm_error(400, f"Token id {t} is out of vocabulary", "BadRequestError")
+        for ids in prompts:
+            if not ids:
+                return vllm_error(400, "The decoder prompt cannot be empty", "BadRequestError")
+            for t in ids:
+                if not 0 <= t < self.vocab:
+                    # One bad prompt fails the whole request, as in vLLM.
+                    return vllm_error(400, f"Token id {t} is out of vocabulary", "BadRequestError")
         await pod.serving.wait()  # vLLM 0.32 queues requests while paused or asleep
         if not pod.up:
             return web.Response(status=503)
+        choices = [self._choice(pod, i, ids, fault) for i, ids in enumerate(prompts)]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        answer = {
+            "id": f"cmpl-sim-{random.getrandbits(64):016x}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": SIM_MODEL,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": f"vllm-{SIM_VLLM_VERSION}",
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + len(prompts),
+                "completion_tokens": len(prompts),
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+        return web.json_response(answer)
+
+    def _choice(self, pod: PodState, index: int, ids: list[int], fault: Any) -> dict[str, Any]:
+        """The completion choice of one prompt: its teacher-forced prompt_logprobs."""
         scores: list[float | None]
         kind = fault.kind if fault is not None else None
         if pod.weights_discarded or kind == "garbage":
@@ -559,38 +594,17 @@ class SimServer:
             prompt_logprobs.append(
                 {str(shown): {"logprob": scores[i], "rank": 1, "decoded_token": f"<{shown}>"}}
             )
-        answer = {
-            "id": f"cmpl-sim-{random.getrandbits(64):016x}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": SIM_MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "token_ids": [ids[-1]],
-                    "prompt_logprobs": prompt_logprobs,
-                    "prompt_token_ids": ids,
-                    "routed_experts": None,
-                }
-            ],
-            "service_tier": None,
-            "system_fingerprint": f"vllm-{SIM_VLLM_VERSION}",
-            "usage": {
-                "prompt_tokens": len(ids),
-                "total_tokens": len(ids) + 1,
-                "completion_tokens": 1,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
+        return {
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [ids[-1]],
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": ids,
+            "routed_experts": None,
         }
-        return web.json_response(answer)
 
     async def on_pause(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         mode = request.query.get("mode", "abort")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -221,3 +224,93 @@ def test_a_verified_file_is_hashed_once_until_it_changes(
     )
     assert "sha256" in message
     assert hashed[2:] == [shard.name]
+
+
+def make_sharded(directory: Path, n: int) -> list[Path]:
+    directory.mkdir(parents=True)
+    for k in range(n):
+        save_file(
+            {f"l{k}.weight": np.full((64, 64), k, np.float32)},
+            str(directory / f"model-{k + 1:05d}-of-{n:05d}.safetensors"),
+        )
+    checkpoint.write_manifest(directory)
+    return checkpoint.safetensors_files(directory)
+
+
+def test_shards_are_hashed_concurrently_and_a_bad_last_byte_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard is hashed, in several threads, and the refusal names the first bad shard
+    in manifest order with its digest, whichever thread hashed it; the digest memo stays keyed
+    by the file's stat, so the repaired file is hashed again and accepted."""
+    shards = make_sharded(tmp_path / "ckpt", 6)
+    hashed: list[tuple[str, str]] = []  # (file, thread)
+    real = checkpoint.sha256_file
+    both = threading.Barrier(2, timeout=30)  # breaks unless two shards are hashed at once
+
+    def recording(path: Path) -> str:
+        hashed.append((path.name, threading.current_thread().name))
+        if path in shards[:2]:
+            both.wait()
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", recording)
+    checkpoint.verify_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))
+    assert sorted(name for name, _ in hashed) == [p.name for p in shards]
+    assert checkpoint.hash_workers(len(shards)) >= 2
+    assert len({thread for _, thread in hashed}) >= 2, hashed
+    assert threading.current_thread().name not in {thread for _, thread in hashed}
+
+    last = shards[-1]
+    good = last.read_bytes()
+    last.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    entry = checkpoint.load_manifest(tmp_path / "ckpt").files[-1]
+    bad = hashlib.sha256(last.read_bytes()).hexdigest()
+    hashed.clear()
+    detail = rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
+    )
+    assert detail == (
+        f"{last.name} sha256 {bad[:16]}… differs from the manifest's {entry.sha256[:16]}…"
+    )
+    assert [name for name, _ in hashed] == [last.name]  # the others are memo hits
+    last.write_bytes(good)
+    checkpoint.verify_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))
+    assert [name for name, _ in hashed] == [last.name, last.name]
+
+
+def test_sizes_are_checked_before_any_hashing_and_a_refusal_stops_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_sharded(tmp_path / "ckpt", 6)
+    other = make_sharded(tmp_path / "other", 6)
+    hashed: list[str] = []
+    real = checkpoint.sha256_file
+
+    def slow(path: Path) -> str:
+        hashed.append(path.name)
+        if path != other[0]:
+            time.sleep(0.2)  # still hashing when the first shard's refusal comes back
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", slow)
+    monkeypatch.setattr(checkpoint, "hash_workers", lambda n: 2)
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-1])
+    detail = rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
+    )
+    assert "bytes, the manifest says" in detail
+    assert hashed == []
+
+    data = other[0].read_bytes()
+    other[0].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "other"), str(tmp_path)
+    )
+    assert len(hashed) <= 3, hashed  # the shards not started when it was refused are dropped
+
+
+def test_hash_workers_are_bounded() -> None:
+    assert checkpoint.hash_workers(1) == 1
+    assert 1 <= checkpoint.hash_workers(1000) <= 8
+    assert checkpoint.hash_workers(0) == 1

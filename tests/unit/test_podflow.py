@@ -77,3 +77,45 @@ def test_sleep_level_zero_skips_sleep_and_wakes():
     skipped = [s for s in STEPS if not podflow.step_applies(s, 0)]
     assert skipped == ["sleep", "wakeWeights", "wakeKV"]
     assert all(podflow.step_applies(s, 1) for s in STEPS)
+
+
+def test_progress_is_recorded_at_checkpoints_only():
+    p = fresh()
+    recorded = []
+    for step in STEPS:
+        after = podflow.step_done(p, step, 0.1, 1.0)
+        if podflow.must_record(p, after):
+            recorded.append(step)
+        p = after
+    # Start is recorded by the caller; then once the weights are loaded, and at the end.
+    assert recorded == ["load", "ready"]
+
+
+def test_failed_tries_and_verdicts_are_recorded():
+    p = podflow.step_done(fresh(), "drain", 0.1, 1.0)
+    retry = podflow.step_failed(p, "sleep", "SleepTimeout", "slow", now=2.0, retries=3)
+    assert retry.outcome == "" and podflow.must_record(p, retry)
+    failed = podflow.probe_judged(p, "Fail", "NllDrift", "drift", {}, 3.0)
+    assert podflow.must_record(p, failed)
+
+
+def test_read_back_before_load_only_when_a_load_may_have_run():
+    at_load = fresh()
+    assert not podflow.must_read_back(at_load, resumed=False)
+    assert podflow.must_read_back(at_load, resumed=True)
+    retried = podflow.step_failed(at_load, "load", "LoadTimeout", "slow", now=2.0, retries=3)
+    assert podflow.must_read_back(retried, resumed=False)
+
+
+def test_readiness_follows_the_pass():
+    p = fresh()
+    assert podflow.readiness(p) == podflow.Readiness(False, "Refitting", "refit to v2 in progress")
+    for step in STEPS[:-1]:
+        p = podflow.step_done(p, step, 0.1, 1.0)
+        assert not podflow.readiness(p).ready
+    done = podflow.step_done(p, "ready", 0.1, 1.0)
+    assert podflow.readiness(done) == podflow.Readiness(True, "ProbePassed", "weights v2 probed")
+    failed = podflow.probe_judged(p, "Fail", "NllDrift", "nll 9.1 vs 2.0", {}, 3.0)
+    assert podflow.readiness(failed) == podflow.Readiness(
+        False, "NllDrift", "NllDrift: nll 9.1 vs 2.0"
+    )

@@ -228,3 +228,16 @@ def test_pod_deleted_before_its_first_status_write_is_still_recorded():
     assert (gone.phase, gone.reason) == ("Dropped", "PodDeleted")
     d = decide(observe(refit(s, d.status), [pod("p1", done(prog))]))
     assert any(p.name == "p0" and p.phase == "Dropped" for p in d.status.pods)
+
+
+def test_success_with_tolerated_failures_is_ready_and_degraded():
+    s = spec(probe={"failureLimit": 1})
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
+    d = decide(observe(r, [pod("p0", done(prog, "Failed")), pod("p1", done(prog))]))
+    assert d.status.phase == "Succeeded" and d.status.failed_pods == 1
+    conds = {c.type: (c.status, c.reason) for c in d.status.conditions}
+    assert conds["Ready"] == ("True", "Succeeded")
+    assert conds["Degraded"] == ("True", "PodsFailedWithinLimits")
+    clean = decide(observe(r, [pod("p0", done(prog)), pod("p1", done(prog))]))
+    assert {c.type: c.status for c in clean.status.conditions}["Degraded"] == "False"

@@ -7,8 +7,9 @@ import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import httpx
+import aiohttp
 import pytest
+from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
 
 from tests.support.simworker import (
@@ -24,9 +25,9 @@ Fleet = Callable[..., list[SimPod]]
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with worker.session() as session:
+        yield session
 
 
 def test_loopback_ips_skip_network_and_broadcast_parts() -> None:
@@ -39,7 +40,7 @@ def test_loopback_ips_skip_network_and_broadcast_parts() -> None:
 
 
 async def test_every_pod_has_its_own_address_and_state(
-    sim_fleet: Fleet, http: httpx.AsyncClient
+    sim_fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
     pods = sim_fleet(5)
     others = sim_fleet(2)
@@ -55,7 +56,7 @@ async def test_every_pod_has_its_own_address_and_state(
 
 
 async def test_fault_fires_the_given_number_of_times(
-    sim_fleet: Fleet, http: httpx.AsyncClient
+    sim_fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
     (pod,) = sim_fleet(1)
     pod.set_fault("weight_info", "error", 503, times=2)
@@ -90,7 +91,7 @@ def test_control_refuses_bad_faults(
 
 
 async def test_crash_drops_kept_alive_connections_and_restarts_fresh(
-    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     (pod,) = sim_fleet(1, allowed_root=tmp_path)
     c = WorkerClient(pod.base_url, http=http)
@@ -112,7 +113,7 @@ async def test_crash_drops_kept_alive_connections_and_restarts_fresh(
 
 
 async def test_completions_wait_while_paused_or_asleep(
-    sim_fleet: Fleet, http: httpx.AsyncClient
+    sim_fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
     (pod,) = sim_fleet(1)
     c = WorkerClient(pod.base_url, http=http)
@@ -130,7 +131,7 @@ async def test_completions_wait_while_paused_or_asleep(
 
 
 async def test_sleep_level_2_discards_weights_until_the_next_load(
-    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     (pod,) = sim_fleet(1, allowed_root=tmp_path)
     ckpt = make_sim_checkpoint(tmp_path / "a", "a")
@@ -150,7 +151,7 @@ async def test_sleep_level_2_discards_weights_until_the_next_load(
 
 
 async def test_checkpoint_drift_shows_in_the_scores(
-    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     (pod,) = sim_fleet(1, allowed_root=tmp_path)
     ckpt = make_sim_checkpoint(tmp_path / "d", "d", drift=-0.125)
@@ -167,7 +168,7 @@ async def test_checkpoint_drift_shows_in_the_scores(
 
 
 async def test_load_of_a_foreign_directory_is_refused(
-    sim_fleet: Fleet, http: httpx.AsyncClient, tmp_path: Path
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     (pod,) = sim_fleet(1, allowed_root=tmp_path / "root")
     (tmp_path / "root").mkdir()
@@ -179,17 +180,17 @@ async def test_load_of_a_foreign_directory_is_refused(
 
 
 async def test_unknown_rpc_method_answers_like_vllm(
-    sim_fleet: Fleet, http: httpx.AsyncClient
+    sim_fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
     (pod,) = sim_fleet(1)
-    response = await http.post(
-        f"{pod.base_url}/collective_rpc", json={"method": "no_such_method", "args": []}
-    )
-    assert response.status_code == 500
-    assert "has no attribute 'no_such_method'" in response.json()["error"]["message"]
+    body = {"method": "no_such_method", "args": []}
+    async with http.post(f"{pod.base_url}/collective_rpc", json=body) as response:
+        assert response.status == 500
+        doc = await response.json()
+    assert "has no attribute 'no_such_method'" in doc["error"]["message"]
 
 
-async def test_capabilities_can_be_withheld(sim_fleet: Fleet, http: httpx.AsyncClient) -> None:
+async def test_capabilities_can_be_withheld(sim_fleet: Fleet, http: aiohttp.ClientSession) -> None:
     (pod,) = sim_fleet(1)
     pod.set_state(capabilities=["verified-reload"], unsafe_reasons=["full cudagraphs + fp8"])
     info = await WorkerClient(pod.base_url, http=http).refit_info()
@@ -197,7 +198,7 @@ async def test_capabilities_can_be_withheld(sim_fleet: Fleet, http: httpx.AsyncC
     assert info.unsafe_reasons == ("full cudagraphs + fp8",)
 
 
-async def test_close_stops_the_process_and_every_address(http: httpx.AsyncClient) -> None:
+async def test_close_stops_the_process_and_every_address(http: aiohttp.ClientSession) -> None:
     fleet = SimFleet(3)
     pod = fleet.pods[1]
     assert await WorkerClient(pod.base_url, http=http).weight_version() == "default"
@@ -206,3 +207,58 @@ async def test_close_stops_the_process_and_every_address(http: httpx.AsyncClient
     with pytest.raises(WorkerError) as err:
         await WorkerClient(pod.base_url, http=http).weight_version()
     assert err.value.kind == "connect"
+
+
+async def test_a_list_of_prompts_is_scored_in_one_request_like_vllm(
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path)
+    ckpt = make_sim_checkpoint(tmp_path / "a", "a")
+    c = WorkerClient(pod.base_url, http=http)
+    await c.load(str(ckpt), "a")
+    prompts = [list(p.token_ids) for p in (await c.probe_reference(str(ckpt))).prompts]
+    prompts.append(prompts[0][:5])
+    body = {"model": await c.model_name(), "prompt": prompts, "prompt_logprobs": 0}
+    async with http.post(f"{pod.base_url}/v1/completions", json=body) as response:
+        assert response.status == 200
+        answer = await response.json()
+    assert [ch["index"] for ch in answer["choices"]] == list(range(len(prompts)))
+    for choice, ids in zip(answer["choices"], prompts, strict=True):
+        assert choice["prompt_token_ids"] == ids
+        entries = zip(choice["prompt_logprobs"], ids, strict=True)
+        got = [e and e[str(t)]["logprob"] for e, t in entries]
+        assert got == sim_logprobs("a", ids)
+    total = sum(len(ids) for ids in prompts)
+    assert answer["usage"] == {
+        "prompt_tokens": total,
+        "completion_tokens": len(prompts),
+        "total_tokens": total + len(prompts),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert pod.counts()["completions"] == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([[1, 2], [3, SIM_VOCAB]], f"Token id {SIM_VOCAB} is out of vocabulary"),
+        ([[1, 2], []], "The decoder prompt cannot be empty"),
+        ([], "You must pass at least one prompt"),
+    ],
+    ids=["oov-in-one", "empty-prompt", "no-prompts"],
+)
+async def test_a_bad_prompt_in_a_list_fails_the_whole_request_like_vllm(
+    sim_fleet: Fleet, http: aiohttp.ClientSession, prompt: list[list[int]], message: str
+) -> None:
+    (pod,) = sim_fleet(1)
+    body = {"model": await WorkerClient(pod.base_url, http=http).model_name(), "prompt": prompt}
+    async with http.post(f"{pod.base_url}/v1/completions", json=body) as response:
+        assert response.status == 400
+        doc = await response.json()
+    assert doc["error"] == {
+        "message": message,
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
+from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract
 
@@ -52,17 +56,17 @@ def pod(fleet: SimFleet) -> SimPod:
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient() as client:
-        yield client
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with worker.session() as session:  # the operator's own session
+        yield session
 
 
-def client(pod: SimPod, http: httpx.AsyncClient, **kwargs: Any) -> WorkerClient:
+def client(pod: SimPod, http: aiohttp.ClientSession, **kwargs: Any) -> WorkerClient:
     kwargs = {"admin_token": ADMIN, "api_key": API_KEY, **kwargs}
     return WorkerClient(pod.base_url, http=http, **kwargs)
 
 
-async def test_every_endpoint_of_a_fresh_pod(pod: SimPod, http: httpx.AsyncClient) -> None:
+async def test_every_endpoint_of_a_fresh_pod(pod: SimPod, http: aiohttp.ClientSession) -> None:
     c = client(pod, http)
     info = await c.refit_info()
     assert info.weight_version == "default"
@@ -111,7 +115,7 @@ async def test_every_endpoint_of_a_fresh_pod(pod: SimPod, http: httpx.AsyncClien
 
 
 async def test_refit_cycle_loads_and_scores_the_checkpoint(
-    pod: SimPod, http: httpx.AsyncClient, checkpoints: dict[str, Path]
+    pod: SimPod, http: aiohttp.ClientSession, checkpoints: dict[str, Path]
 ) -> None:
     c = client(pod, http)
     path = str(checkpoints["A"])
@@ -132,8 +136,37 @@ async def test_refit_cycle_loads_and_scores_the_checkpoint(
     assert pod.counts()["models"] == 1
 
 
+async def test_score_prompts_scores_every_prompt_in_one_request(
+    pod: SimPod, http: aiohttp.ClientSession, checkpoints: dict[str, Path]
+) -> None:
+    c = client(pod, http)
+    path = str(checkpoints["A"])
+    await c.load(path, "step-1")
+    reference = await c.probe_reference(path)
+    prompts = [list(p.token_ids) for p in reference.prompts]
+    pod.calls(clear=True)
+    scored = await c.score_prompts(prompts)
+    assert scored == [list(p.logprobs) for p in reference.prompts]
+    assert pod.calls() == ["models", "completions"]
+    # The same prompt twice, and a one-token prompt (nothing to score but its entry 0).
+    assert await c.score_prompts([prompts[1], [7], prompts[1]]) == [scored[1], [None], scored[1]]
+
+
+async def test_one_bad_prompt_fails_the_batch_and_no_prompts_is_refused(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    c = client(pod, http)
+    with pytest.raises(WorkerError) as err:
+        await c.score_prompts([[1, 2, 3], [4, SIM_VOCAB + 5], [6, 7]])
+    assert (err.value.kind, err.value.status) == ("http", 400)
+    assert "out of vocabulary" in err.value.message
+    with pytest.raises(ValueError, match="no prompts"):
+        await c.score_prompts([])
+    assert pod.calls() == ["models", "completions"]  # the empty call sent nothing
+
+
 async def test_another_checkpoint_scores_differently(
-    pod: SimPod, http: httpx.AsyncClient, checkpoints: dict[str, Path]
+    pod: SimPod, http: aiohttp.ClientSession, checkpoints: dict[str, Path]
 ) -> None:
     c = client(pod, http)
     await c.load(str(checkpoints["B"]), "step-2")
@@ -164,7 +197,7 @@ def _change_weights(directory: Path) -> None:
 )
 async def test_preflight_and_load_refuse_with_the_contract_code(
     pod: SimPod,
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     root: Path,
     make: Callable[[Path], Path],
     code: str,
@@ -188,7 +221,7 @@ def _damaged(root: Path, name: str, damage: Callable[[Path], None]) -> Path:
 
 
 async def test_probe_reference_missing_is_rejected(
-    pod: SimPod, http: httpx.AsyncClient, root: Path
+    pod: SimPod, http: aiohttp.ClientSession, root: Path
 ) -> None:
     directory = make_sim_checkpoint(root / "no-probe", "np")
     (directory / contract.PROBE_FILE).unlink()
@@ -212,7 +245,7 @@ CALLS: dict[str, Call] = {
     "reset_prefix_cache": lambda c: c.reset_prefix_cache(),
     "update_weight_version": lambda c: c.update_weight_version("v"),
     "weight_info": lambda c: c.weight_version(),
-    "completions": lambda c: c.score([1, 2, 3]),
+    "completions": lambda c: c.score_prompts([[1, 2, 3], [4, 5]]),
     "models": lambda c: c.score([1, 2, 3]),
     "metrics": lambda c: c.requests_in_flight(),
 }
@@ -224,7 +257,7 @@ CALLS: dict[str, Call] = {
     [("error", "http"), ("hang", "timeout"), ("malformed", "protocol"), ("crash", "connect")],
 )
 async def test_every_fault_maps_to_its_error_kind(
-    pod: SimPod, http: httpx.AsyncClient, step: str, fault: str, kind: str
+    pod: SimPod, http: aiohttp.ClientSession, step: str, fault: str, kind: str
 ) -> None:
     pod.set_fault(step, fault)
     with pytest.raises(WorkerError) as err:
@@ -243,7 +276,7 @@ async def test_every_fault_maps_to_its_error_kind(
 
 
 async def test_injected_rejection_code_reaches_the_caller(
-    pod: SimPod, http: httpx.AsyncClient, checkpoints: dict[str, Path]
+    pod: SimPod, http: aiohttp.ClientSession, checkpoints: dict[str, Path]
 ) -> None:
     pod.set_fault("refit_load", "error", code="LoadFailed", times=1)
     c = client(pod, http)
@@ -253,7 +286,7 @@ async def test_injected_rejection_code_reaches_the_caller(
     assert (await c.load(str(checkpoints["A"]), "step-1"))["version"] == "step-1"
 
 
-async def test_delay_within_the_timeout_answers(pod: SimPod, http: httpx.AsyncClient) -> None:
+async def test_delay_within_the_timeout_answers(pod: SimPod, http: aiohttp.ClientSession) -> None:
     pod.set_fault("pause", "delay", 0.2)
     c = client(pod, http, timeout=5.0)
     await c.pause("keep")
@@ -262,7 +295,7 @@ async def test_delay_within_the_timeout_answers(pod: SimPod, http: httpx.AsyncCl
     assert err.value.kind == "timeout"
 
 
-async def test_wrong_version_and_refused_reset(pod: SimPod, http: httpx.AsyncClient) -> None:
+async def test_wrong_version_and_refused_reset(pod: SimPod, http: aiohttp.ClientSession) -> None:
     c = client(pod, http)
     await c.update_weight_version("v2")
     pod.set_fault("weight_info", "wrong_version", "v1")
@@ -277,7 +310,7 @@ async def test_wrong_version_and_refused_reset(pod: SimPod, http: httpx.AsyncCli
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 async def test_non_finite_logprobs_are_kept(
-    pod: SimPod, http: httpx.AsyncClient, value: str
+    pod: SimPod, http: aiohttp.ClientSession, value: str
 ) -> None:
     pod.set_fault("completions", "nan", value)
     scores = await client(pod, http).score([1, 2, 3])
@@ -285,7 +318,7 @@ async def test_non_finite_logprobs_are_kept(
     assert all(repr(s) == repr(float(value)) for s in scores[1:])
 
 
-async def test_garbage_drift_and_missing_logprobs(pod: SimPod, http: httpx.AsyncClient) -> None:
+async def test_garbage_drift_and_missing_logprobs(pod: SimPod, http: aiohttp.ClientSession) -> None:
     c = client(pod, http)
     ids = list(range(2, 60))
     uniform = -math.log(SIM_VOCAB)
@@ -298,7 +331,9 @@ async def test_garbage_drift_and_missing_logprobs(pod: SimPod, http: httpx.Async
     assert await c.score(ids) == [None] * len(ids)
 
 
-async def test_out_of_vocabulary_token_is_an_http_400(pod: SimPod, http: httpx.AsyncClient) -> None:
+async def test_out_of_vocabulary_token_is_an_http_400(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
     with pytest.raises(WorkerError) as err:
         await client(pod, http).score([1, SIM_VOCAB + 5])
     assert (err.value.kind, err.value.status) == ("http", 400)
@@ -317,7 +352,12 @@ async def test_out_of_vocabulary_token_is_an_http_400(pod: SimPod, http: httpx.A
     ids=["no-admin", "wrong-admin", "admin", "no-key", "wrong-key", "metrics-open"],
 )
 async def test_authentication(
-    pod: SimPod, http: httpx.AsyncClient, admin: str | None, key: str | None, call: Call, ok: bool
+    pod: SimPod,
+    http: aiohttp.ClientSession,
+    admin: str | None,
+    key: str | None,
+    call: Call,
+    ok: bool,
 ) -> None:
     c = WorkerClient(pod.base_url, http=http, admin_token=admin, api_key=key)
     if ok:
@@ -329,28 +369,37 @@ async def test_authentication(
     assert await client(pod, http).is_paused() is False  # nothing changed
 
 
-async def test_nothing_listening_is_a_connect_error(http: httpx.AsyncClient) -> None:
+async def test_nothing_listening_is_a_connect_error(http: aiohttp.ClientSession) -> None:
     with pytest.raises(WorkerError) as err:
         await WorkerClient("http://127.0.0.1:9", http=http).weight_version()
     assert err.value.kind == "connect"
+    assert err.value.message.startswith("GET /weight_info: cannot connect: "), err.value.message
 
 
-async def test_a_full_connection_pool_is_a_connect_error(pod: SimPod) -> None:
+async def test_a_full_connection_pool_is_a_connect_error(
+    pod: SimPod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Waiting for a pooled connection is part of connecting: it is bounded by the connect
+    # budget, shrunk here so that it runs out well before the call's own timeout.
+    monkeypatch.setattr(worker, "CONNECT_TIMEOUT_SECONDS", 0.1)
     pod.set_fault("pause", "hang")
-    limits = httpx.Limits(max_connections=1)
-    async with httpx.AsyncClient(limits=limits) as small:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as small:
         c = client(pod, small)
         hanging = asyncio.create_task(c.pause("wait", timeout=5))
-        await asyncio.sleep(0.2)
-        with pytest.raises(WorkerError) as err:
-            await c.weight_version(timeout=0.2)
-        assert err.value.kind == "connect"
-        hanging.cancel()
+        try:
+            await asyncio.sleep(0.2)
+            with pytest.raises(WorkerError) as err:
+                await c.weight_version(timeout=2)
+            assert err.value.kind == "connect", err.value
+        finally:
+            hanging.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hanging
     assert pod.calls() == ["pause"]  # the second call never reached the pod
 
 
 async def test_a_call_right_after_a_rejection_is_not_hit_by_the_closed_connection(
-    pod: SimPod, http: httpx.AsyncClient, root: Path
+    pod: SimPod, http: aiohttp.ClientSession, root: Path
 ) -> None:
     # vLLM closes the connection after a refusing RPC (the simulator does too).
     c = client(pod, http)
@@ -359,3 +408,92 @@ async def test_a_call_right_after_a_rejection_is_not_hit_by_the_closed_connectio
             await c.preflight(str(root / "absent"))
         assert err.value.code == "CheckpointMissing"
         assert await c.is_paused() is False
+
+
+# --- transport failures against raw loopback sockets ------------------------------------
+# A raw asyncio server misbehaves at the socket level in ways no HTTP framework will: each
+# behaviour gets the connection after the request head was read.
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read()  # answer nothing until the client hangs up
+
+
+async def _close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+async def _reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    # SO_LINGER 0: the close sends RST, as a killed process's kernel does.
+    writer.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+    )
+    writer.transport.abort()
+
+
+async def _half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(HEAD + b'{"weight_version"')
+    await writer.drain()
+    writer.close()
+
+
+async def _half_answer_then_silent(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(HEAD + b'{"weight_version"')
+    await writer.drain()
+    await reader.read()
+
+
+async def _not_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    body = b"<html>502 Bad Gateway</html>"
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    await reader.read()
+
+
+@contextlib.asynccontextmanager
+async def raw_server(behave: Behaviour) -> AsyncIterator[str]:
+    """A loopback TCP server that reads each request head, then behaves; yields its URL."""
+    heads: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        await behave(reader, writer)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()
+    assert heads and all(h.startswith(b"GET /weight_info ") for h in heads)  # it was reached
+
+
+@pytest.mark.parametrize(
+    ("behave", "kind", "message"),
+    [
+        (_silent, "timeout", "no answer in time (0.3s)"),
+        (_half_answer_then_silent, "timeout", "no answer in time (0.3s)"),
+        (_close, "connect", "connection lost: ServerDisconnectedError"),
+        (_reset, "connect", "connection lost: ClientOSError(104"),
+        (_half_answer, "connect", "transport failed: ClientPayloadError"),
+        (_not_json, "protocol", "answer is not JSON: '<html>502 Bad Gateway</html>'"),
+    ],
+    ids=["silent", "half-answer-then-silent", "close", "reset", "half-answer", "not-json"],
+)
+async def test_a_misbehaving_socket_maps_to_its_error_kind(
+    http: aiohttp.ClientSession, behave: Behaviour, kind: str, message: str
+) -> None:
+    async with raw_server(behave) as url:
+        with pytest.raises(WorkerError) as err:
+            await WorkerClient(url, http=http, timeout=0.3).weight_version()
+    assert err.value.kind == kind, err.value
+    assert err.value.message.startswith(f"GET /weight_info: {message}"), err.value.message

@@ -1,12 +1,15 @@
 """Contract: the simulated worker answers like a real vLLM CPU pod with the refit_worker plugin.
 
 The same WorkerClient calls run against a real server (tests/support/vllm_testbed.py) and
-against the simulator; an httpx response hook records every answer. For each call both
-must agree on: the path and RPC method, the HTTP status, the JSON shape of the body (keys
-and value types, recursively; list elements as the set of their shapes; token-id keys as
-one key), and the client's outcome (a result, or WorkerError kind/status/code). This covers
+against the simulator; a client middleware on the aiohttp session records every answer. For
+each call both must agree on: the path and RPC method, the HTTP status, the JSON shape of the
+body (keys and value types, recursively; list elements as the set of their shapes; token-id
+keys as one key), and the client's outcome (a result, or WorkerError kind/status/code). This covers
 every WorkerClient method, the contract rejections (CheckpointMissing, PathNotAllowed,
 ManifestMismatch), out-of-vocabulary tokens and the 401 of the admin guard and the api key.
+Several prompts in one completions request (score_prompts) must also agree on the choices'
+indices in answer order, each choice's prompt_logprobs length and the summed usage; one bad
+prompt among them (out of vocabulary, empty) fails the whole request on both.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 from refit_operator.worker import WorkerClient, WorkerError
 
@@ -67,23 +70,40 @@ def distinct(shapes: Iterable[Any]) -> list[Any]:
     return [unique[k] for k in sorted(unique)]
 
 
-async def run_scenario(target: Target, token_ids: list[int]) -> list[Any]:
+def completion_counts(doc: Any) -> Any:
+    """What a completions answer must agree on beyond its shape: which prompt each choice
+    belongs to (in answer order), how many tokens each scored, and the usage."""
+    choices = [(c["index"], len(c["prompt_logprobs"])) for c in doc["choices"]]
+    usage = doc["usage"]
+    return choices, [usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")]
+
+
+async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
     """The same calls, in the same order, against one target; returns what was observed."""
     seen: list[Any] = []
+    token_ids = prompts[0]
 
-    async def record(response: httpx.Response) -> None:
-        await response.aread()
-        request = response.request
+    async def record(
+        request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        response = await handler(request)
+        raw = await response.read()  # kept by the response: the client reads it again
         what = request.url.path
         if what == "/collective_rpc":
-            what += ":" + json.loads(request.content)["method"]
+            assert isinstance(request.body, aiohttp.Payload)  # the JSON the client sent
+            what += ":" + json.loads(await request.body.as_bytes())["method"]
         try:
-            body = shape(response.json())
+            doc = json.loads(raw)
         except ValueError:
-            body = "text"
-        seen.append(("http", request.method, what, response.status_code, body))
+            body: Any = "text"
+        else:
+            body = shape(doc)
+        seen.append(("http", request.method, what, response.status, body))
+        if what == "/v1/completions" and response.status == 200:
+            seen.append(("counts", completion_counts(doc)))
+        return response
 
-    async with httpx.AsyncClient(event_hooks={"response": [record]}, timeout=120) as http:
+    async with aiohttp.ClientSession(middlewares=(record,)) as http:
         admin = WorkerClient(
             target.base_url, http=http, admin_token=target.admin_token, api_key=target.api_key
         )
@@ -123,6 +143,10 @@ async def run_scenario(target: Target, token_ids: list[int]) -> list[Any]:
             lambda: admin.preflight("/etc"),
             lambda: admin.preflight(str(target.mismatch)),
             lambda: admin.score([token_ids[0], 10**6]),
+            lambda: admin.score_prompts(prompts),
+            lambda: admin.score_prompts([prompts[2], prompts[0], prompts[2]]),
+            lambda: admin.score_prompts([prompts[0], [prompts[1][0], 10**6], prompts[2]]),
+            lambda: admin.score_prompts([prompts[0], []]),
             lambda: anonymous.pause("wait"),
             anonymous.refit_info,
             lambda: anonymous.score(token_ids),
@@ -178,9 +202,10 @@ def sim(
 def test_simulator_answers_with_the_real_shapes(
     real: Target, sim: Target, tiny_model: TinyModel
 ) -> None:
-    token_ids = list(tiny_model.reference("A").prompts[0].token_ids)
-    observed_real = asyncio.run(run_scenario(real, token_ids))
-    observed_sim = asyncio.run(run_scenario(sim, token_ids))
+    prompts = [list(p.token_ids) for p in tiny_model.reference("A").prompts]
+    assert len(prompts) >= 3
+    observed_real = asyncio.run(run_scenario(real, prompts))
+    observed_sim = asyncio.run(run_scenario(sim, prompts))
     for i, (r, s) in enumerate(itertools.zip_longest(observed_real, observed_sim)):
         context = [o for o in observed_real[:i] if o[0] != "http"][-3:]
         assert s == r, f"observation {i} (after {context}):\n real {r}\n sim  {s}"
@@ -188,3 +213,11 @@ def test_simulator_answers_with_the_real_shapes(
     assert rejected == ["CheckpointMissing", "PathNotAllowed", "ManifestMismatch"]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
     assert len(unauthorized) == 3
+    batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]
+    lengths = [len(p) for p in prompts]
+    assert batches == [
+        list(enumerate(lengths)),
+        list(enumerate([lengths[2], lengths[0], lengths[2]])),
+    ]
+    statuses = [o[2] for o in observed_real if o[:2] == ("error", "http")]
+    assert statuses == [400, 400, 400, 401, 401, 401]  # bad token, bad batch, empty prompt

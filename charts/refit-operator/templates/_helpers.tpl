@@ -57,11 +57,12 @@ app.kubernetes.io/part-of: refit
 - apiGroups: [refit.rollout.dev]
   resources: [weightrefits/finalizers]
   verbs: [update]
-# Fleet pods: read, annotate (per-pod step records); never create or delete.
+# Fleet pods: read only; never create, delete or patch (a pod patch could change its spec).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, patch]
-# The readiness-gate condition refit.rollout.dev/weights-ready lives in pod status.
+  verbs: [get, list, watch]
+# Every write to a pod is one patch of pods/status: the readiness-gate condition
+# refit.rollout.dev/weights-ready together with the pass's progress annotation.
 - apiGroups: [""]
   resources: [pods/status]
   verbs: [get, patch]
