@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", choices=SUITES, help="run only this suite")
     p.add_argument("--out", type=Path, default=RESULTS, help="default: bench/results")
     p.add_argument("--scale-sizes", type=int, nargs="+", help="fleet sizes of the scale suite")
-    p.add_argument(
-        "--scale-repeats", type=int, default=3, help="runs per fleet size and strategy"
-    )
+    p.add_argument("--scale-repeats", type=int, default=3, help="runs per fleet size and strategy")
     p.add_argument(
         "--scale-timeout", type=float, default=360.0, help="seconds a run of > 100 pods may take"
     )

@@ -155,6 +155,8 @@ def test_late_and_restarted_pods_converge_before_ready(harness, sim_fleet, tmp_p
     fleet.restart_container("pod-1")
     fleet.wait_for(lambda: sims[1].state()["weight_version"] == "v1", 60, "pod-1 refitted")
     fleet.wait_for(lambda: fleet.ready(fleet.pod("pod-1")) is True, 60, "pod-1 Ready")
+    # The status follows on the next reconcile tick (it is written per tick, not per pod).
+    fleet.wait_for(lambda: fleet.refit("wr")["status"]["updatedPods"] == 3, 15, "status")
     st = fleet.refit("wr")["status"]
     assert st["phase"] == "Succeeded" and st["targetPods"] == 3 and st["updatedPods"] == 3
 

@@ -10,10 +10,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from refit_worker import checkpoint
-from refit_worker.contract import MANIFEST_FILE, Manifest, ManifestTensor, RefitRejected
+from refit_worker.contract import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT_VERSION,
+    Manifest,
+    ManifestTensor,
+    RefitRejected,
+)
 from safetensors.numpy import save_file
 
 ExpectedParam = checkpoint.ExpectedParam
@@ -50,7 +57,8 @@ def rejected(code: str, fn: Callable[..., object], *args: object) -> str:
 def test_manifest_describes_every_file_and_tensor(root: Path) -> None:
     doc = json.loads((root / "ckpt" / MANIFEST_FILE).read_text())
     m = Manifest.from_json_dict(doc)
-    assert doc["formatVersion"] == 1
+    assert doc["formatVersion"] == MANIFEST_FORMAT_VERSION == 2
+    assert all(set(f) == {"name", "size", "blake3"} for f in doc["files"])
     assert [f.name for f in m.files] == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -59,7 +67,8 @@ def test_manifest_describes_every_file_and_tensor(root: Path) -> None:
         "model-00001-of-00002.safetensors", "F32", (4, 8)
     )
     assert m.tensors["b.weight"].dtype == "F16"
-    assert all(len(f.sha256) == 64 for f in m.files)
+    assert all(len(f.digest) == 64 for f in m.files)
+    assert m.algorithm == "blake3"
     assert not list(root.glob("ckpt/.*tmp"))
 
 
@@ -117,7 +126,7 @@ def test_truncated_changed_missing_and_unlisted_files(root: Path) -> None:
     shard.write_bytes(data[:-2])
     assert "bytes" in rejected("ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root))
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    assert "sha256" in rejected("ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root))
+    assert "blake3" in rejected("ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root))
     shard.unlink()
     assert "missing" in rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(d), str(root)
@@ -202,13 +211,13 @@ def test_a_verified_file_is_hashed_once_until_it_changes(
     """preflight then refit_load verify the same files: the second pass reuses the digests,
     but any write to a file (same size, even same mtime) makes it hashed and checked again."""
     hashed: list[str] = []
-    real = checkpoint.sha256_file
+    real = checkpoint.file_digest
 
-    def counting(path: Path) -> str:
+    def counting(path: Path, algorithm: str) -> str:
         hashed.append(path.name)
-        return real(path)
+        return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", counting)
+    monkeypatch.setattr(checkpoint, "file_digest", counting)
     checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
     assert len(hashed) == 2
     checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
@@ -222,7 +231,7 @@ def test_a_verified_file_is_hashed_once_until_it_changes(
     message = rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root)
     )
-    assert "sha256" in message
+    assert "blake3" in message
     assert hashed[2:] == [shard.name]
 
 
@@ -245,16 +254,16 @@ def test_shards_are_hashed_concurrently_and_a_bad_last_byte_is_still_refused(
     by the file's stat, so the repaired file is hashed again and accepted."""
     shards = make_sharded(tmp_path / "ckpt", 6)
     hashed: list[tuple[str, str]] = []  # (file, thread)
-    real = checkpoint.sha256_file
+    real = checkpoint.file_digest
     both = threading.Barrier(2, timeout=30)  # breaks unless two shards are hashed at once
 
-    def recording(path: Path) -> str:
+    def recording(path: Path, algorithm: str) -> str:
         hashed.append((path.name, threading.current_thread().name))
         if path in shards[:2]:
             both.wait()
-        return real(path)
+        return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", recording)
+    monkeypatch.setattr(checkpoint, "file_digest", recording)
     checkpoint.verify_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))
     assert sorted(name for name, _ in hashed) == [p.name for p in shards]
     assert checkpoint.hash_workers(len(shards)) >= 2
@@ -265,13 +274,13 @@ def test_shards_are_hashed_concurrently_and_a_bad_last_byte_is_still_refused(
     good = last.read_bytes()
     last.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     entry = checkpoint.load_manifest(tmp_path / "ckpt").files[-1]
-    bad = hashlib.sha256(last.read_bytes()).hexdigest()
+    bad = blake3.blake3(last.read_bytes()).hexdigest()
     hashed.clear()
     detail = rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
     )
     assert detail == (
-        f"{last.name} sha256 {bad[:16]}… differs from the manifest's {entry.sha256[:16]}…"
+        f"{last.name} blake3 {bad[:16]}… differs from the manifest's {entry.digest[:16]}…"
     )
     assert [name for name, _ in hashed] == [last.name]  # the others are memo hits
     last.write_bytes(good)
@@ -285,15 +294,15 @@ def test_sizes_are_checked_before_any_hashing_and_a_refusal_stops_the_rest(
     shards = make_sharded(tmp_path / "ckpt", 6)
     other = make_sharded(tmp_path / "other", 6)
     hashed: list[str] = []
-    real = checkpoint.sha256_file
+    real = checkpoint.file_digest
 
-    def slow(path: Path) -> str:
+    def slow(path: Path, algorithm: str) -> str:
         hashed.append(path.name)
         if path != other[0]:
             time.sleep(0.2)  # still hashing when the first shard's refusal comes back
-        return real(path)
+        return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", slow)
+    monkeypatch.setattr(checkpoint, "file_digest", slow)
     monkeypatch.setattr(checkpoint, "hash_workers", lambda n: 2)
     shards[-1].write_bytes(shards[-1].read_bytes()[:-1])
     detail = rejected(
@@ -314,3 +323,47 @@ def test_hash_workers_are_bounded() -> None:
     assert checkpoint.hash_workers(1) == 1
     assert 1 <= checkpoint.hash_workers(1000) <= 8
     assert checkpoint.hash_workers(0) == 1
+
+
+def test_a_format_1_manifest_is_still_verified_by_sha256(root: Path) -> None:
+    """Manifests written before BLAKE3 (formatVersion 1, files[].sha256) keep working, with
+    the same checks; a corrupt byte is refused naming sha256."""
+    path = root / "ckpt" / MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    doc["formatVersion"] = 1
+    for f in doc["files"]:
+        del f["blake3"]
+        f["sha256"] = hashlib.sha256((root / "ckpt" / f["name"]).read_bytes()).hexdigest()
+    path.write_text(json.dumps(doc))
+    _, manifest = checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
+    assert (manifest.formatVersion, manifest.algorithm) == (1, "sha256")
+    assert manifest.to_json_dict()["files"] == doc["files"]
+    shard = root / "ckpt" / doc["files"][0]["name"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    detail = rejected(
+        "ManifestMismatch", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root)
+    )
+    assert detail.startswith(f"{shard.name} sha256 ")
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda d: d["files"][0].pop("blake3"), "missing field 'blake3'"),
+        (lambda d: d["files"][0].update(blake3="ABC"), "64 lowercase hex digits"),
+        (lambda d: d.update(formatVersion=3), "formatVersion 3 is not supported (1, 2)"),
+    ],
+)
+def test_a_manifest_without_a_usable_digest_is_invalid(
+    root: Path, change: Callable[[dict], object], needle: str
+) -> None:
+    path = root / "ckpt" / MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+    detail = rejected(
+        "ManifestInvalid", checkpoint.verify_checkpoint, str(root / "ckpt"), str(root)
+    )
+    assert needle in detail, detail

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 from refit_worker import cli
-from refit_worker.contract import MANIFEST_FILE, PROBE_FILE, Manifest, ProbeReference
+from refit_worker.contract import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT_VERSION,
+    PROBE_FILE,
+    Manifest,
+    ProbeReference,
+)
 
 from tests.support.tiny_model import TinyModel
 
@@ -34,7 +40,7 @@ def test_manifest_command_reproduces_the_builders_manifest(
     written = json.loads((ckpt_a / MANIFEST_FILE).read_text())
     original = json.loads((tiny_model.checkpoints["A"] / MANIFEST_FILE).read_text())
     assert written == original
-    assert Manifest.from_json_dict(written).formatVersion == 1
+    assert Manifest.from_json_dict(written).formatVersion == MANIFEST_FORMAT_VERSION
 
 
 def test_reference_command_matches_the_fp32_reference(

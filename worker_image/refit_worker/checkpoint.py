@@ -19,8 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
+
 from refit_worker.contract import (
+    MANIFEST_DIGESTS,
     MANIFEST_FILE,
+    MANIFEST_FORMAT_VERSION,
     ContractError,
     Manifest,
     ManifestFile,
@@ -122,25 +126,30 @@ def hash_workers(n_files: int) -> int:
     return max(1, min(n_files, 2 * (cores or 1), _MAX_HASH_WORKERS))
 
 
-def sha256_file(path: Path) -> str:
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of the whole file: ``blake3`` (the blake3 package; vLLM depends on it too)
+    or ``sha256``. Both release the GIL while hashing, so several files hash in parallel."""
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        if algorithm == "blake3":
+            # blake3's stubs do not spell hashlib's protocol; the object does implement it.
+            return hashlib.file_digest(f, blake3.blake3).hexdigest()  # type: ignore[arg-type]
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
 # Digests of files hashed earlier in this process, keyed by the file's identity: preflight
 # hashes a checkpoint and refit_load verifies it again right after; without the memo a refit
 # reads every byte twice more than the reload itself does. Any write to a file changes its
 # ctime, which the key includes, so a changed file is always hashed again.
-_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
+_DIGESTS: dict[tuple[int, int, int, int, int, str], str] = {}
 _DIGESTS_MAX = 4096
 
 
-def sha256_file_memo(path: Path) -> str:
+def file_digest_memo(path: Path, algorithm: str) -> str:
     st = path.stat()
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, algorithm)
     digest = _DIGESTS.get(key)
     if digest is None:
-        digest = sha256_file(path)
+        digest = file_digest(path, algorithm)
         if len(_DIGESTS) >= _DIGESTS_MAX:
             _DIGESTS.clear()
         _DIGESTS[key] = digest
@@ -165,7 +174,8 @@ def build_manifest(directory: Path) -> Manifest:
             if name in tensors:
                 raise ValueError(f"tensor {name!r} is in both {tensors[name].file} and {path.name}")
             tensors[name] = tensor
-        entries.append(ManifestFile(path.name, path.stat().st_size, sha256_file(path)))
+        algorithm = MANIFEST_DIGESTS[MANIFEST_FORMAT_VERSION]
+        entries.append(ManifestFile(path.name, path.stat().st_size, file_digest(path, algorithm)))
     return Manifest(files=tuple(entries), tensors=tensors)
 
 
@@ -236,15 +246,15 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
     # Hashing bounds a refit: hash the shards concurrently (see hash_workers), and judge the
     # digests in manifest order so a refusal names the same shard whatever the timing.
     on_disk: dict[str, ManifestTensor] = {}
-    pool = ThreadPoolExecutor(hash_workers(len(paths)), thread_name_prefix="refit-sha256")
+    algorithm = manifest.algorithm
+    pool = ThreadPoolExecutor(hash_workers(len(paths)), thread_name_prefix="refit-digest")
     try:
-        for entry, path, digest in zip(
-            manifest.files, paths, pool.map(sha256_file_memo, paths), strict=True
-        ):
-            if digest != entry.sha256:
+        digests = pool.map(lambda p: file_digest_memo(p, algorithm), paths)
+        for entry, path, digest in zip(manifest.files, paths, digests, strict=True):
+            if digest != entry.digest:
                 raise _reject_manifest_mismatch(
-                    f"{entry.name} sha256 {digest[:16]}… differs from the manifest's "
-                    f"{entry.sha256[:16]}…"
+                    f"{entry.name} {algorithm} {digest[:16]}… differs from the manifest's "
+                    f"{entry.digest[:16]}…"
                 )
             try:
                 on_disk.update(read_safetensors_header(path))

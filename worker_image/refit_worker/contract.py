@@ -26,7 +26,11 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # --- Files a trainer writes into a checkpoint directory ---
 MANIFEST_FILE = "refit-manifest.json"
 PROBE_FILE = "refit-probe.json"
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION = 2  # what writers write
+# The file digest each manifest format version carries; readers accept every version here.
+# 2: BLAKE3, about 5x faster to verify than SHA-256 per core (bench/results: verification
+# bounds how fast a pod reads a checkpoint); 1: SHA-256, still read.
+MANIFEST_DIGESTS: dict[int, str] = {1: "sha256", 2: "blake3"}
 PROBE_FORMAT_VERSION = 1
 
 # --- Capabilities refit_info reports (each is a reload-safety property of the image) ---
@@ -76,7 +80,7 @@ def _check_version(doc: dict[str, Any], expected: int, where: str) -> None:
 class ManifestFile:
     name: str  # relative to the checkpoint directory, no '/' or '..'
     size: int
-    sha256: str
+    digest: str  # hex digest of the whole file, by the manifest version's algorithm
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,16 @@ class Manifest:
     format: str = "safetensors"
     formatVersion: int = MANIFEST_FORMAT_VERSION
 
+    @property
+    def algorithm(self) -> str:
+        """The digest algorithm of ``files[].digest``: ``sha256`` or ``blake3``."""
+        return MANIFEST_DIGESTS[self.formatVersion]
+
     def to_json_dict(self) -> dict[str, Any]:
         doc = asdict(self)
+        doc["files"] = [
+            {"name": f.name, "size": f.size, self.algorithm: f.digest} for f in self.files
+        ]
         doc["tensors"] = {
             name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
             for name, t in sorted(self.tensors.items())
@@ -106,7 +118,11 @@ class Manifest:
         where = MANIFEST_FILE
         if not isinstance(doc, dict):
             raise ContractError(f"{where}: not a JSON object")
-        _check_version(doc, MANIFEST_FORMAT_VERSION, where)
+        version = _require(doc, "formatVersion", int, where)
+        if version not in MANIFEST_DIGESTS:
+            known = ", ".join(map(str, MANIFEST_DIGESTS))
+            raise ContractError(f"{where}: formatVersion {version} is not supported ({known})")
+        algorithm = MANIFEST_DIGESTS[version]
         fmt = _require(doc, "format", str, where)
         files = []
         for i, f in enumerate(_require(doc, "files", list, where)):
@@ -116,9 +132,10 @@ class Manifest:
             name = _require(f, "name", str, w)
             if not name or "/" in name or name in (".", ".."):
                 raise ContractError(f"{w}: name {name!r} must be a plain file name")
-            files.append(
-                ManifestFile(name, _require(f, "size", int, w), _require(f, "sha256", str, w))
-            )
+            digest = _require(f, algorithm, str, w)
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ContractError(f"{w}: {algorithm} must be 64 lowercase hex digits")
+            files.append(ManifestFile(name, _require(f, "size", int, w), digest))
         tensors = {}
         for name, t in _require(doc, "tensors", dict, where).items():
             w = f"{where}: tensors[{name!r}]"
@@ -130,7 +147,7 @@ class Manifest:
             tensors[name] = ManifestTensor(
                 _require(t, "file", str, w), _require(t, "dtype", str, w), tuple(shape)
             )
-        return cls(files=tuple(files), tensors=tensors, format=fmt)
+        return cls(files=tuple(files), tensors=tensors, format=fmt, formatVersion=version)
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,7 +266,7 @@ REJECTION_CODES = (
     "PathNotAllowed",  # outside the allowed root, '..', or a symlink escape
     "CheckpointMissing",  # directory or manifest absent
     "ManifestInvalid",  # manifest unreadable or not of this contract
-    "ManifestMismatch",  # files on disk differ from the manifest (size, sha256, extra/missing)
+    "ManifestMismatch",  # files on disk differ from the manifest (size, digest, extra/missing)
     "TensorMismatch",  # a parameter the model loads is absent, or shape/dtype incompatible
     "ProbeReferenceInvalid",  # refit-probe.json missing or malformed
     "LoadFailed",  # vLLM's reload raised after preflight passed
