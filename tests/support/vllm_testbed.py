@@ -60,6 +60,7 @@ class VllmServer:
     log_path: Path
     process: subprocess.Popen[bytes]
     started_seconds: float = 0.0
+    stopped: bool = False  # stop() was called: an exit since then is not a crash
     _workdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
     @property
@@ -101,6 +102,7 @@ class VllmServer:
         return sum(self.rss_by_process().values())
 
     def stop(self) -> None:
+        self.stopped = True
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
@@ -255,7 +257,7 @@ def start_vllm_server(
         server.started_seconds = time.monotonic() - started
         yield server
     finally:
-        if process.poll() is not None:  # it died under the tests: say why
+        if process.poll() is not None and not server.stopped:  # it died: say why
             print(
                 f"\nvLLM server {server.base_url} exited with {process.returncode}; "
                 f"log tail:\n{server.log_tail()}",
