@@ -24,6 +24,22 @@ SOURCE_ALERTS = REPO / "monitoring" / "alerts.yaml"
 SOURCE_DASHBOARDS = REPO / "monitoring" / "dashboards"
 
 
+# The Prometheus Operator kinds the chart can render, and their CRD files.
+MONITORING_CRDS = {
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
+
+
+def prometheus_operator_crds() -> Path:
+    """The Prometheus Operator's own CRD files (hack/prometheus-operator-crds.sh)."""
+    script = REPO / "hack" / "prometheus-operator-crds.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(proc.stderr.strip() or f"{script.name} failed", pytrace=False)
+    return Path(proc.stdout.strip())
+
+
 def helm_binary() -> Path:
     proc = subprocess.run(
         ["bash", str(REPO / "hack" / "helm.sh")], capture_output=True, text=True, timeout=300

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chart.chartkit import Helm, helm_binary
+from tests.chart.chartkit import MONITORING_CRDS, Helm, helm_binary, prometheus_operator_crds
+from tests.support.controlplane import ControlPlane
 
 
 @pytest.fixture(scope="session")
 def helm() -> Helm:
     """The real Helm 3 binary (installed into ~/.cache/refit/bin by hack/helm.sh)."""
     return Helm(helm_binary())
+
+
+@pytest.fixture(scope="session")
+def monitoring_crds(control_plane: ControlPlane) -> dict[str, str]:
+    """The real ServiceMonitor and PrometheusRule CRDs of the Prometheus Operator, installed
+    in the test API server, so the chart's monitoring objects meet their actual schemas.
+    Returns kind -> CRD name."""
+    folder = prometheus_operator_crds()
+    names = {}
+    for kind, file in MONITORING_CRDS.items():
+        control_plane.kubectl("apply", "--server-side", "-f", str(folder / file))
+        names[kind] = file.removesuffix(".yaml").split("_", 1)[1] + ".monitoring.coreos.com"
+    for name in names.values():
+        control_plane.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s")
+    return names

@@ -17,9 +17,6 @@ pytestmark = pytest.mark.cluster
 
 RELEASE = "refit"
 SA = "refit-refit-operator"  # the chart's default ServiceAccount name for release "refit"
-# Kinds of the Prometheus Operator, whose CRDs do not exist offline: validated apart (schema
-# shape in test_chart_render.py), never sent to this API server.
-THIRD_PARTY_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
 def _apply_dry_run(cp: ControlPlane, docs: list[dict[str, Any]], namespace: str) -> str:
@@ -35,18 +32,44 @@ def _apply_dry_run(cp: ControlPlane, docs: list[dict[str, Any]], namespace: str)
 def test_rendered_chart_passes_server_side_dry_run(
     control_plane: ControlPlane,
     weightrefit_crd: str,
+    monitoring_crds: dict[str, str],
     helm: Helm,
     namespace: str,
     values: Path | None,
 ) -> None:
+    """Every object the chart renders, the ServiceMonitor and PrometheusRule included
+    (against the Prometheus Operator's real CRDs), is accepted by the API server."""
     docs = helm.template(*([values] if values else []), namespace=namespace)
-    sent = [d for d in docs if d["kind"] not in THIRD_PARTY_KINDS]
-    out = _apply_dry_run(control_plane, sent, namespace)
-    for d in sent:
+    if values is not None:
+        assert set(monitoring_crds) <= {d["kind"] for d in docs}
+    out = _apply_dry_run(control_plane, docs, namespace)
+    for d in docs:
         assert f"{d['metadata']['name']} created (server dry run)" in out, (d["kind"], out)
     # Nothing was persisted.
     got = control_plane.kubectl("get", "deploy", "-n", namespace, "-o", "name").stdout
     assert got.strip() == ""
+
+
+def test_monitoring_schemas_are_enforced(
+    control_plane: ControlPlane,
+    monitoring_crds: dict[str, str],
+    helm: Helm,
+    namespace: str,
+) -> None:
+    """The dry run above means something: the same CRDs refuse a ServiceMonitor and a
+    PrometheusRule with a field of the wrong type."""
+    docs = helm.template(ALL_OPTIONS, namespace=namespace)
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    monitor["spec"]["endpoints"][0]["interval"] = 30  # a duration string, not a number
+    rule["spec"]["groups"][0]["rules"] = "not a list"
+    for bad in (monitor, rule):
+        proc = control_plane.kubectl(
+            "apply", "--dry-run=server", "-n", namespace, "-f", "-",
+            input=yaml.safe_dump(bad), check=False,
+        )  # fmt: skip
+        assert proc.returncode != 0, (bad["kind"], proc.stdout)
+        assert "Invalid value" in proc.stderr or "must be of type" in proc.stderr, proc.stderr
 
 
 def test_example_fleet_passes_server_side_dry_run(
