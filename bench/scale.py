@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from kubernetes import config as k8s_config
 
 from bench import apiserver
 from bench.results import Metric, summarize
-from tests.support.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane, kill_group
 from tests.support.pods import register_pod
 from tests.support.simworker import SimFleet, make_sim_checkpoint
 
@@ -251,12 +250,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc.pid, grace=15.0)
+        proc.wait()
 
 
 def run_suite(

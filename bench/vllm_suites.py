@@ -500,7 +500,7 @@ def bandwidth(quick: bool, log: Log) -> SuiteOut:
     mb = size / 1e6
     algorithm = checkpoint.load_manifest(ckpt).algorithm
     rate = {a: digest_rate(a) for a in ("blake3", "sha256")}
-    sha = rate[algorithm]
+    one_core = rate[algorithm]
     workers = checkpoint.hash_workers(len(files))
 
     def bw(key: str) -> list[float]:
@@ -552,8 +552,8 @@ def bandwidth(quick: bool, log: Log) -> SuiteOut:
     notes = [
         f"verification hashes the shards ({algorithm}, the manifest's digest) in {workers} "
         f"threads ({cores} cores, sha_ni {'present' if _has_sha_ni() else 'absent'}); one "
-        f"core hashes {sha:,.0f} MB/s, so "
-        f"all cores at most {sha * cores:,.0f} MB/s against the disk's "
+        f"core hashes {one_core:,.0f} MB/s, so "
+        f"all cores at most {one_core * cores:,.0f} MB/s against the disk's "
         f"{mb / med('raw_cold'):,.0f} MB/s; the preflight RPC ran at {verify_share:.0%} of the "
         "raw cold read (median of same-rep ratios); cores each vLLM process used during it "
         f"(median): {busy}",

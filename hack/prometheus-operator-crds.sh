@@ -14,7 +14,7 @@ command -v go >/dev/null || die "the Go toolchain is needed (go mod download $mo
 work=$(mktemp -d "${TMPDIR:-/tmp}/refit-po-crds.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 # Outside any module, so the repo's own go.mod files are not consulted.
-(cd "$work" && GOFLAGS=-mod=mod go mod download -json "$module@$version") >"$work/out.json" \
+(cd "$work" && go mod download -json "$module@$version") >"$work/out.json" \
   2>"$work/err.log" || die "go mod download $module@$version failed: $(tail -3 "$work/err.log")"
 dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' "$work/out.json")
 crds="$dir/example/prometheus-operator-crd"

@@ -198,6 +198,8 @@ def register_pods(core: Any, servers: list[Any]) -> list[str]:
 
 @contextlib.contextmanager
 def operator_process(kubeconfig: Path, metrics_port: int, log: Path) -> Iterator[Any]:
+    from tests.support.controlplane import kill_group
+
     exe = Path(sys.executable).with_name("refit-operator")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_operator.main"]
     with log.open("wb") as out:
@@ -222,12 +224,8 @@ def operator_process(kubeconfig: Path, metrics_port: int, log: Path) -> Iterator
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_group(proc.pid, grace=15.0)
+            proc.wait()
 
 
 def _tail(path: Path, lines: int = 30) -> str:

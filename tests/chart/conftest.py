@@ -15,15 +15,15 @@ def helm() -> Helm:
 
 
 @pytest.fixture(scope="session")
-def monitoring_crds(control_plane: ControlPlane) -> dict[str, str]:
+def monitoring_crds(control_plane: ControlPlane) -> list[str]:
     """The real ServiceMonitor and PrometheusRule CRDs of the Prometheus Operator, installed
     in the test API server, so the chart's monitoring objects meet their actual schemas.
-    Returns kind -> CRD name."""
+    Returns the kinds."""
     folder = prometheus_operator_crds()
-    names = {}
-    for kind, file in MONITORING_CRDS.items():
+    for file in MONITORING_CRDS.values():
         control_plane.kubectl("apply", "--server-side", "-f", str(folder / file))
-        names[kind] = file.removesuffix(".yaml").split("_", 1)[1] + ".monitoring.coreos.com"
-    for name in names.values():
-        control_plane.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s")
-    return names
+    for file in MONITORING_CRDS.values():
+        control_plane.kubectl(
+            "wait", "--for=condition=Established", "-f", str(folder / file), "--timeout=30s"
+        )
+    return list(MONITORING_CRDS)

@@ -32,7 +32,7 @@ def _apply_dry_run(cp: ControlPlane, docs: list[dict[str, Any]], namespace: str)
 def test_rendered_chart_passes_server_side_dry_run(
     control_plane: ControlPlane,
     weightrefit_crd: str,
-    monitoring_crds: dict[str, str],
+    monitoring_crds: list[str],
     helm: Helm,
     namespace: str,
     values: Path | None,
@@ -52,7 +52,7 @@ def test_rendered_chart_passes_server_side_dry_run(
 
 def test_monitoring_schemas_are_enforced(
     control_plane: ControlPlane,
-    monitoring_crds: dict[str, str],
+    monitoring_crds: list[str],
     helm: Helm,
     namespace: str,
 ) -> None:
