@@ -181,6 +181,7 @@ def start_vllm_server(
     load_format: str = "dummy",
     model_dir: Path | None = None,
     extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
     timeout: float = START_TIMEOUT,
 ) -> Iterator[VllmServer]:
     """A real vLLM CPU server with the plugin, guard and extension.
@@ -188,6 +189,7 @@ def start_vllm_server(
     By default it starts from the tiny model's config with --load-format dummy (uniform
     logits) at weight version "default"; load_format="safetensors" with model_dir starts from
     a real checkpoint. admin_token="" writes an empty token file (the guard fails closed).
+    `env` adds to (or overrides) the server's environment, e.g. vLLM's CPU binding knobs.
     """
     workdir = tempfile.TemporaryDirectory(prefix="refit-vllm-")
     token = secrets.token_hex(16) if admin_token is None else admin_token
@@ -202,7 +204,7 @@ def start_vllm_server(
     model = model_dir or (tiny_model.base_dir if load_format == "dummy" else None)
     if model is None:
         raise ValueError("load_format other than dummy needs model_dir")
-    env = {
+    server_env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -215,6 +217,7 @@ def start_vllm_server(
         "PYTHONPATH": os.pathsep.join(
             [str(REPO), str(REPO / "worker_image"), os.environ.get("PYTHONPATH", "")]
         ),
+        **(env or {}),
     }
     cmd = [
         sys.executable,
@@ -248,7 +251,7 @@ def start_vllm_server(
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
         )
     server = VllmServer(host, port, token, api_key, log_path, process, _workdir=workdir)
     try:

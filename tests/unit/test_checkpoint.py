@@ -303,7 +303,7 @@ def test_sizes_are_checked_before_any_hashing_and_a_refusal_stops_the_rest(
         return real(path, algorithm)
 
     monkeypatch.setattr(checkpoint, "file_digest", slow)
-    monkeypatch.setattr(checkpoint, "hash_workers", lambda n: 2)
+    monkeypatch.setattr(checkpoint, "hash_workers", lambda n, cpus=None: 2)
     shards[-1].write_bytes(shards[-1].read_bytes()[:-1])
     detail = rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
@@ -323,6 +323,63 @@ def test_hash_workers_are_bounded() -> None:
     assert checkpoint.hash_workers(1) == 1
     assert 1 <= checkpoint.hash_workers(1000) <= 8
     assert checkpoint.hash_workers(0) == 1
+    assert checkpoint.hash_workers(1000, cpus=1) == 2
+    assert checkpoint.hash_workers(1000, cpus=64) == 8
+
+
+def test_digest_threads_run_on_every_core_of_the_process_not_the_callers_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As in a vLLM CPU worker: the thread that verifies is pinned to one core and another
+    thread of the process holds the other cores. The digest threads run on all of them (and
+    count them), not on the caller's core alone."""
+    cores = sorted(os.sched_getaffinity(0))
+    shards = make_sharded(tmp_path / "ckpt", 4)
+    manifest = checkpoint.load_manifest(tmp_path / "ckpt")
+    seen: list[set[int]] = []
+    real = checkpoint.file_digest_memo
+
+    def recording(path: Path, algorithm: str) -> str:
+        seen.append(os.sched_getaffinity(0))
+        return real(path, algorithm)
+
+    monkeypatch.setattr(checkpoint, "file_digest_memo", recording)
+    release = threading.Event()
+    holding = threading.Event()
+    errors: list[BaseException] = []
+
+    def hold_the_other_cores() -> None:
+        os.sched_setaffinity(0, cores[1:] or cores)
+        holding.set()
+        release.wait(30)
+
+    def verify_pinned() -> None:
+        try:
+            os.sched_setaffinity(0, cores[:1])
+            assert checkpoint.process_cpus() == set(cores)
+            assert checkpoint.hash_workers(len(shards)) == min(len(shards), 2 * len(cores), 8)
+            checkpoint.verify_files(tmp_path / "ckpt", manifest)
+        except BaseException as exc:
+            errors.append(exc)
+
+    holder = threading.Thread(target=hold_the_other_cores)
+    holder.start()
+    assert holding.wait(30)
+    try:
+        verifier = threading.Thread(target=verify_pinned)
+        verifier.start()
+        verifier.join(60)
+    finally:
+        release.set()
+        holder.join(30)
+    assert not errors, errors
+    assert len(seen) == len(shards)
+    assert all(s == set(cores) for s in seen), (cores, seen)
+
+
+def test_process_cpus_of_another_process_unions_its_threads() -> None:
+    assert checkpoint.process_cpus(os.getpid()) == checkpoint.process_cpus()
+    assert checkpoint.process_cpus() >= os.sched_getaffinity(0)
 
 
 def test_a_format_1_manifest_is_still_verified_by_sha256(root: Path) -> None:

@@ -10,6 +10,7 @@ Every refusal raises contract.RefitRejected with a code the operator reports as 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -117,13 +118,37 @@ def read_safetensors_header(path: Path) -> dict[str, ManifestTensor]:
     return tensors
 
 
-def hash_workers(n_files: int) -> int:
+def process_cpus(pid: int | None = None) -> set[int]:
+    """The cores a process's threads may run on, all threads together (this process by
+    default). Not one thread's affinity: vLLM's CPU worker pins each of its OpenMP threads,
+    the main thread included, to one core of the worker's binding, and a new thread inherits
+    the affinity of the thread that starts it."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set(range(os.cpu_count() or 1))
+    task = Path(f"/proc/{pid or 'self'}/task")
+    cpus: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(task):
+            with contextlib.suppress(OSError, ValueError):  # a thread may exit meanwhile
+                cpus |= os.sched_getaffinity(int(tid))
+    return cpus or os.sched_getaffinity(pid or 0)
+
+
+def hash_workers(n_files: int, cpus: int | None = None) -> int:
     """Threads that hash a checkpoint's shards at once. hashlib releases the GIL while it
     hashes and so does a file read, so each thread alternates between waiting on the disk
     and hashing: two per usable core keep both busy (a cold read of several files at once
     is also faster than one sequential reader). The cap bounds the disk queue."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(n_files, 2 * (cores or 1), _MAX_HASH_WORKERS))
+    cores = cpus if cpus is not None else len(process_cpus())
+    return max(1, min(n_files, 2 * cores, _MAX_HASH_WORKERS))
+
+
+def _run_on(cpus: set[int]) -> None:
+    """Digest thread initializer: run on every core of the process, not only on the core of
+    the thread that started the pool (in a vLLM CPU worker that core is OpenMP thread 0's,
+    which the idle scheduler process may be spinning on)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, cpus)
 
 
 def file_digest(path: Path, algorithm: str) -> str:
@@ -247,7 +272,13 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
     # digests in manifest order so a refusal names the same shard whatever the timing.
     on_disk: dict[str, ManifestTensor] = {}
     algorithm = manifest.algorithm
-    pool = ThreadPoolExecutor(hash_workers(len(paths)), thread_name_prefix="refit-digest")
+    cpus = process_cpus()
+    pool = ThreadPoolExecutor(
+        hash_workers(len(paths), len(cpus)),
+        thread_name_prefix="refit-digest",
+        initializer=_run_on,
+        initargs=(cpus,),
+    )
     try:
         digests = pool.map(lambda p: file_digest_memo(p, algorithm), paths)
         for entry, path, digest in zip(manifest.files, paths, digests, strict=True):
