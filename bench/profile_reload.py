@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.cores <= len(allowed):
             p.error(f"--cores must be between 1 and {len(allowed)}")
         os.sched_setaffinity(0, allowed[: args.cores])
+        # One torch thread per core: an inherited OMP_NUM_THREADS would oversubscribe them.
+        os.environ["OMP_NUM_THREADS"] = str(args.cores)
     # Before vLLM is imported: one process, offline.
     os.environ.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",

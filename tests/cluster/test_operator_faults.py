@@ -83,8 +83,12 @@ def _expect_refused(fleet: Any, op: Any, reason: str) -> dict[str, Any]:
     assert st["phase"] == "Failed", st
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == reason, ready
-    events = [e for e in fleet.events(reason) if e["type"] == "Warning"]
-    assert events, fleet.events()
+
+    # The operator writes the status, then posts the Event: the Event may trail the phase.
+    def warned() -> bool:
+        return any(e["type"] == "Warning" for e in fleet.events(reason))
+
+    fleet.wait_for(warned, 15, f"a Warning Event {reason}")
     return dict(st)
 
 
