@@ -36,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         allowed = sorted(os.sched_getaffinity(0))
         if not 0 < args.cores <= len(allowed):
             p.error(f"--cores must be between 1 and {len(allowed)}")
-        os.sched_setaffinity(0, allowed[: args.cores])
-        # One torch thread per core: an inherited OMP_NUM_THREADS would oversubscribe them.
+        cores = allowed[: args.cores]
+        os.sched_setaffinity(0, cores)
+        # vLLM's automatic CPU binding reads the machine's topology, not this affinity: name
+        # the cores to it, with one torch thread each.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         os.environ["OMP_NUM_THREADS"] = str(args.cores)
     # Before vLLM is imported: one process, offline.
     os.environ.update(
