@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every reload otherwise
     import torch
+    from refit_worker import checkpoint
     from vllm import LLM
 
     from bench.vllm_suites import WIDE, WIDE_QUICK, wide_model
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wide = wide_model(ensure_tiny_model(), WIDE_QUICK if args.quick else WIDE)
     ckpt = str(wide.allowed_root / "W")
-    size = sum(f.stat().st_size for f in (wide.allowed_root / "W").glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in checkpoint.safetensors_files(wide.allowed_root / "W"))
     llm = LLM(
         model=str(wide.base_dir),
         load_format="dummy",

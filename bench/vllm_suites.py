@@ -441,10 +441,8 @@ def server_cpu(server: VllmServer) -> dict[str, tuple[float, float]]:
     """CPU seconds (user, system) the server's processes have used so far, by title
     (APIServer, VLLM::EngineCore, VLLM::Worker); exited threads included."""
     out: dict[str, tuple[float, float]] = {}
-    root = psutil.Process(server.process.pid)
-    for p in [root, *root.children(recursive=True)]:
+    for title, p in server.processes():
         with contextlib.suppress(psutil.NoSuchProcess):
-            title = (" ".join(p.cmdline()[:1]) or p.name()).rsplit("/", 1)[-1]
             t = p.cpu_times()
             user, system = out.get(title, (0.0, 0.0))
             out[title] = (user + t.user, system + t.system)
@@ -469,22 +467,33 @@ RATIO_TARGET = ">= 0.5"
 def worker_cores(server: VllmServer) -> int:
     """Cores the server's model worker may run on: its threads' affinities together, as
     vLLM's binding set them (checkpoint.process_cpus)."""
-    root = psutil.Process(server.process.pid)
-    for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if "Worker" in " ".join(p.cmdline()[:1]):
-                return len(checkpoint.process_cpus(p.pid))
-    raise RuntimeError(f"no VLLM::Worker process under the server (pid {root.pid})")
+    for title, p in server.processes():
+        if "Worker" in title:
+            return len(checkpoint.process_cpus(p.pid))
+    raise RuntimeError(f"no VLLM::Worker process under the server (pid {server.process.pid})")
 
 
 @dataclass
 class BindingRun:
-    """One binding's reps: seconds per measurement, and what the worker process used."""
+    """One binding's reps: seconds per measurement, and the CPU the server used."""
 
     cores: int  # the worker's CPU affinity
     s: dict[str, list[float]]
-    preflight_cores: list[dict[str, float]]  # per rep: cores each server process used
-    preflight_worker_cpu: list[tuple[float, float]]  # per rep: the worker's (user, system) s
+    preflight_cpu: list[dict[str, tuple[float, float]]]  # per rep: (user, system) s by title
+
+    def preflight_cores(self) -> list[dict[str, float]]:
+        """Per rep: cores each server process used during the preflight."""
+        return [
+            {k: (u + sy) / t for k, (u, sy) in used.items()}
+            for used, t in zip(self.preflight_cpu, self.s["preflight"], strict=True)
+        ]
+
+    def preflight_worker_cpu(self) -> list[tuple[float, float]]:
+        """Per rep: the worker's (user, system) seconds during the preflight."""
+        return [
+            next((v for k, v in used.items() if "Worker" in k), (0.0, 0.0))
+            for used in self.preflight_cpu
+        ]
 
 
 def _bandwidth_reps(
@@ -493,8 +502,7 @@ def _bandwidth_reps(
     ckpt = str(wide.allowed_root / "W")
     keys = ("raw_cold", "raw_warm", "refit", "preflight", "load", "reload", "reload_cold")
     s: dict[str, list[float]] = {k: [] for k in keys}
-    preflight_cores: list[dict[str, float]] = []
-    worker_cpu: list[tuple[float, float]] = []
+    preflight_cpu: list[dict[str, tuple[float, float]]] = []
     with start_vllm_server(wide, env=env) as server, _client(server) as (loop, w):
         cores = worker_cores(server)
         first_completion(server)
@@ -510,12 +518,13 @@ def _bandwidth_reps(
             loop.run_until_complete(w.preflight(ckpt))
             t1 = time.perf_counter()
             cpu1 = server_cpu(server)
-            used = {
-                k: (u - cpu0.get(k, (0.0, 0.0))[0], sy - cpu0.get(k, (0.0, 0.0))[1])
-                for k, (u, sy) in cpu1.items()
-            }
-            preflight_cores.append({k: (u + sy) / (t1 - t0) for k, (u, sy) in used.items()})
-            worker_cpu.append(next((v for k, v in used.items() if "Worker" in k), (0.0, 0.0)))
+            zero = (0.0, 0.0)
+            preflight_cpu.append(
+                {
+                    k: (u - cpu0.get(k, zero)[0], sy - cpu0.get(k, zero)[1])
+                    for k, (u, sy) in cpu1.items()
+                }
+            )
             result = loop.run_until_complete(w.load(ckpt, f"w{i}"))
             t2 = time.perf_counter()
             s["refit"].append(t2 - t0)
@@ -531,7 +540,7 @@ def _bandwidth_reps(
                 f"{s['preflight'][-1]:.2f}s + load {s['load'][-1]:.2f}s (reload "
                 f"{s['reload'][-1]:.2f}s); reload from disk {s['reload_cold'][-1]:.2f}s"
             )
-    return BindingRun(cores, s, preflight_cores, worker_cpu)
+    return BindingRun(cores, s, preflight_cpu)
 
 
 def bandwidth(quick: bool, log: Log) -> SuiteOut:
@@ -615,9 +624,8 @@ def bandwidth(quick: bool, log: Log) -> SuiteOut:
         # hashing filled). The ratio can reach at most 1 / (1 + reload time / raw read time)
         # even with verification as fast as the raw read.
         reload_med, raw_med = median(s["reload"]), median(s["raw_cold"])
-        by_title = {
-            k: median([c.get(k, 0.0) for c in run.preflight_cores]) for k in run.preflight_cores[0]
-        }
+        cores_used = run.preflight_cores()
+        by_title = {k: median([c.get(k, 0.0) for c in cores_used]) for k in cores_used[0]}
         busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_title.items(), key=lambda kv: -kv[1]))
         verify_share = median([r / p for r, p in zip(s["raw_cold"], s["preflight"], strict=True)])
         notes.append(
@@ -629,15 +637,16 @@ def bandwidth(quick: bool, log: Log) -> SuiteOut:
         )
         per_rep = ", ".join(
             f"{t:.2f} s ({u:.2f}/{sy:.2f})"
-            for t, (u, sy) in zip(s["preflight"], run.preflight_worker_cpu, strict=True)
+            for t, (u, sy) in zip(s["preflight"], run.preflight_worker_cpu(), strict=True)
         )
         notes.append(
-            f"{name}: preflight per rep, with the worker's user/system CPU seconds in it: {per_rep}"
+            f"{name}: preflight per rep, with the worker's user/system CPU seconds in it: "
+            f"{per_rep}; the worker hashes in {checkpoint.hash_workers(len(files), run.cores)} "
+            "threads"
         )
-    workers = checkpoint.hash_workers(len(files))
     notes += [
-        f"verification hashes the shards ({algorithm}, the manifest's digest) in up to "
-        f"{workers} threads (2 per core the worker may use); one core hashes "
+        f"verification hashes the shards ({algorithm}, the manifest's digest) in 2 threads per "
+        "core the worker may use (checkpoint.hash_workers); one core hashes "
         f"{rate[algorithm]:,.0f} MB/s against the disk's {mb / median(raw_cold):,.0f} MB/s, so "
         f"the preflight is bound by the disk (sha_ni {'present' if _has_sha_ni() else 'absent'})",
         "the refit reads every byte twice: the preflight hashes it before anything touches "
@@ -652,14 +661,14 @@ def bandwidth(quick: bool, log: Log) -> SuiteOut:
         "bytes": size,
         "digest": algorithm,
         "digest_mb_s": rate,
-        "hash_workers": workers,
         "tensor_read_s": tensor_s,
         "bindings": {
             label: {
                 "env": BINDINGS[label],
                 "worker_cores": run.cores,
-                "preflight_cores": run.preflight_cores,
-                "preflight_worker_user_system_s": run.preflight_worker_cpu,
+                "hash_workers": checkpoint.hash_workers(len(files), run.cores),
+                "preflight_cores": run.preflight_cores(),
+                "preflight_user_system_s": run.preflight_cpu,
             }
             | {f"{k}_s": v for k, v in run.s.items()}
             for label, run in runs.items()

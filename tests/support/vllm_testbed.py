@@ -80,22 +80,32 @@ class VllmServer:
     def log_tail(self, lines: int = 60) -> str:
         return log_tail(self.log_path, lines)
 
-    def rss_by_process(self) -> dict[str, int]:
-        """Resident memory of the server and every process it started, by process title
-        (APIServer, VLLM::EngineCore, VLLM::Worker, ...; shared pages count in each)."""
+    def processes(self) -> list[tuple[str, Any]]:
+        """(title, psutil.Process) of the server and every process it started; the title is
+        the process's own (APIServer's executable, VLLM::EngineCore, VLLM::Worker, ...)."""
         import psutil
 
         try:
             root = psutil.Process(self.process.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return {}
-        out: dict[str, int] = {}
+            return []
+        out = []
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 title = " ".join(p.cmdline()[:1]) or p.name()
-                name = f"{title.rsplit('/', 1)[-1]}[{p.pid}]"
-                out[name] = p.memory_info().rss
+                out.append((title.rsplit("/", 1)[-1], p))
+        return out
+
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the server and every process it started, by process title and
+        pid (shared pages count in each)."""
+        import psutil
+
+        out: dict[str, int] = {}
+        for title, p in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out[f"{title}[{p.pid}]"] = p.memory_info().rss
         return out
 
     def rss_bytes(self) -> int:

@@ -303,7 +303,7 @@ def test_sizes_are_checked_before_any_hashing_and_a_refusal_stops_the_rest(
         return real(path, algorithm)
 
     monkeypatch.setattr(checkpoint, "file_digest", slow)
-    monkeypatch.setattr(checkpoint, "hash_workers", lambda n, cpus=None: 2)
+    monkeypatch.setattr(checkpoint, "hash_workers", lambda n, cores=None: 2)
     shards[-1].write_bytes(shards[-1].read_bytes()[:-1])
     detail = rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
@@ -323,8 +323,8 @@ def test_hash_workers_are_bounded() -> None:
     assert checkpoint.hash_workers(1) == 1
     assert 1 <= checkpoint.hash_workers(1000) <= 8
     assert checkpoint.hash_workers(0) == 1
-    assert checkpoint.hash_workers(1000, cpus=1) == 2
-    assert checkpoint.hash_workers(1000, cpus=64) == 8
+    assert checkpoint.hash_workers(1000, cores=1) == 2
+    assert checkpoint.hash_workers(1000, cores=64) == 8
 
 
 def test_digest_threads_run_on_every_core_of_the_process_not_the_callers_one(

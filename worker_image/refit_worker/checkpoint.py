@@ -134,12 +134,13 @@ def process_cpus(pid: int | None = None) -> set[int]:
     return cpus or os.sched_getaffinity(pid or 0)
 
 
-def hash_workers(n_files: int, cpus: int | None = None) -> int:
+def hash_workers(n_files: int, cores: int | None = None) -> int:
     """Threads that hash a checkpoint's shards at once. hashlib releases the GIL while it
     hashes and so does a file read, so each thread alternates between waiting on the disk
     and hashing: two per usable core keep both busy (a cold read of several files at once
-    is also faster than one sequential reader). The cap bounds the disk queue."""
-    cores = cpus if cpus is not None else len(process_cpus())
+    is also faster than one sequential reader). The cap bounds the disk queue. `cores`:
+    how many the process may use (default: process_cpus)."""
+    cores = cores if cores is not None else len(process_cpus())
     return max(1, min(n_files, 2 * cores, _MAX_HASH_WORKERS))
 
 
