@@ -15,9 +15,10 @@ from typing import Any
 from bench.results import Metric, SuiteResult, loadavg, machine_info, write_result, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ["scale", "refit_vs_restart", "bandwidth", "probe_cost", "memory"]
+SUITES = ["scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory"]
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
+    "soak": "a long RL run: consecutive refits on one fleet (real API server + operator)",
     "refit_vs_restart": "refit cycle vs vLLM restart (real vLLM CPU, tiny Llama)",
     "bandwidth": "reload bandwidth vs a raw sequential read of the same files",
     "probe_cost": "probe tokens and time per pod vs the refit cycle",
@@ -37,14 +38,30 @@ def run_one(
     large_timeout: float = 360.0,
     strategies: list[str] | None = None,
     profile: Path | None = None,
+    soak_refits: int = 1000,
+    soak_pods: int = 4,
+    soak_history_limit: int = 10,
+    lease_seconds: int = 15,
 ) -> tuple[list[Metric], dict[str, Any], list[str]]:
+    if name == "soak":
+        from bench import soak
+
+        refits = min(soak_refits, 60) if quick else soak_refits
+        return soak.run_suite(refits, soak_pods, soak_history_limit, log, profile)
     if name == "scale":
         from bench import scale
 
         sizes = sizes or ([5, 20] if quick else [10, 100, 1000])
         repeats = {n: 1 if quick else scale_repeats for n in sizes}
-        metrics, raw = scale.run_suite(sizes, repeats, log, large_timeout, strategies, profile)
+        metrics, raw = scale.run_suite(
+            sizes, repeats, log, large_timeout, strategies, profile, lease_seconds
+        )
         notes = [f"failed run: {f}" for f in raw["failures"]]
+        if lease_seconds != scale.LEASE_SECONDS:
+            notes.append(
+                f"the operator ran with --lease-seconds {lease_seconds}, not its default "
+                f"{scale.LEASE_SECONDS}"
+            )
         return metrics, raw, notes
     from bench import vllm_suites
 
@@ -80,11 +97,33 @@ def main(argv: list[str] | None = None) -> int:
         help="run each operator under py-spy; collapsed stacks per run go to DIR",
     )
     p.add_argument(
+        "--scale-lease-seconds",
+        type=int,
+        default=15,
+        help="the operator's --lease-seconds in the scale suite (default: its default, 15)",
+    )
+    p.add_argument("--soak-refits", type=int, default=1000, help="refits of the soak (--quick: 60)")
+    p.add_argument("--soak-pods", type=int, default=4, help="simulated pods of the soak's fleet")
+    p.add_argument(
+        "--soak-history-limit",
+        type=int,
+        default=10,
+        help="the operator's --history-limit in the soak (its default: 10)",
+    )
+    p.add_argument(
+        "--result-name",
+        metavar="STEM",
+        help="write the result to OUT/STEM.json instead of OUT/SUITE.json (one --only suite): "
+        "a partial run, e.g. --scale-sizes 10000, then sits beside the full run in the table",
+    )
+    p.add_argument(
         "--reaggregate",
         action="store_true",
         help="rebuild scale.json's metrics from its raw runs and rewrite the table; run nothing",
     )
     args = p.parse_args(argv)
+    if args.result_name and len(args.only or SUITES) != 1:
+        p.error("--result-name needs exactly one --only suite")
     if args.reaggregate:
         from bench import scale
 
@@ -111,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.scale_timeout,
                 args.scale_strategies,
                 args.scale_profile,
+                args.soak_refits,
+                args.soak_pods,
+                args.soak_history_limit,
+                args.scale_lease_seconds,
             )
         except Exception as e:  # one failed suite must not lose the others' results
             log(f"{name}: FAILED: {type(e).__name__}: {e}")
@@ -121,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         result = SuiteResult(
             name, TITLES[name], command.strip(), date, machine, metrics, notes, raw
         )
-        path = write_result(args.out, result)
+        path = write_result(args.out, result, args.result_name)
         log(f"{name}: done in {raw['seconds']}s -> {path}")
     table = write_table(args.out, SUITES)
     log(f"table: {table}")

@@ -169,9 +169,11 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def write_result(out_dir: Path, result: SuiteResult) -> Path:
+def write_result(out_dir: Path, result: SuiteResult, stem: str | None = None) -> Path:
+    """Writes out_dir/<stem>.json; stem defaults to the suite's name (a run of part of a
+    suite, such as one large fleet size, may sit beside the full run under another stem)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{result.suite}.json"
+    path = out_dir / f"{stem or result.suite}.json"
     path.write_text(json.dumps(result.to_json(), indent=1, sort_keys=False) + "\n")
     return path
 
@@ -185,7 +187,8 @@ def read_results(out_dir: Path) -> list[SuiteResult]:
 def write_table(out_dir: Path, order: list[str]) -> Path:
     results = read_results(out_dir)
     rank = {name: i for i, name in enumerate(order)}
-    results.sort(key=lambda r: (rank.get(r.suite, len(rank)), r.suite))
+    # Results of one suite (the full run and partial ones beside it) in the order measured.
+    results.sort(key=lambda r: (rank.get(r.suite, len(rank)), r.suite, r.date))
     path = out_dir / "README.md"
     path.write_text(render_table(results))
     return path

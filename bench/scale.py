@@ -5,7 +5,12 @@ Per fleet size and strategy: wall time from `create WeightRefit` to phase Succee
 pod probed and passed, checked in the status and in each simulated pod's version), operator
 CPU seconds and peak RSS (/proc VmHWM of a fresh operator process per run), and API-server
 requests per pod by verb, from the server's own apiserver_request_total before/after, minus
-the requests this harness itself made in that window (one create, its status polls).
+the requests this harness itself made in that window (one create, its status polls), and the
+size of the WeightRefit as the API server returns it (its JSON), largest seen while polling.
+
+The pieces other suites reuse (bench/soak.py): `control_plane` (a temporary control plane
+with the CRD and a `Bench` on it), `Bench.start_operator`, `refit_body`, `operator_process`,
+`stop`, `raise_fd_limit`.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +49,15 @@ STRATEGIES = {
     "Rolling25": {"type": "Rolling", "maxUnavailable": "25%"},
 }
 POLL_SECONDS = 0.25
+LEASE_SECONDS = 15  # the operator's default --lease-seconds
+TERMINAL = ("Succeeded", "Failed", "Halted", "RolledBack")
+# Open files per simulated pod in a simulator process: its listening socket and the
+# connection it accepted (the operator keeps one per pod alive; its own end is one file).
+SIM_FDS_PER_POD = 2
+# Targets of the issues: a 1000-pod AllAtOnce refit under 30 s, a 10,000-pod one under 120 s
+# (2-core machine), the WeightRefit under 256 KiB at any fleet size.
+WALL_TARGETS = {("AllAtOnce", 1000): "< 30", ("AllAtOnce", 10000): "< 120"}
+OBJECT_TARGET_KIB = "< 256"
 
 
 @dataclass
@@ -58,15 +74,24 @@ class RunResult:
     completed: bool = True  # False: the timeout ended the run (wall_s is then the timeout)
     updated: int = 0
     timeout: float = 0.0
+    object_bytes: int = 0  # the WeightRefit's JSON as the API server returned it at the end
+    object_bytes_max: int = 0  # the largest of the polls (0: not measured, older runs)
 
     def per_pod(self, value: float) -> float:
         return value / self.pods
 
 
 class Bench:
-    def __init__(self, cp: ControlPlane, work: Path, profile: Path | None = None) -> None:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        work: Path,
+        profile: Path | None = None,
+        lease_seconds: int = LEASE_SECONDS,
+    ) -> None:
         self.cp, self.work = cp, work
         self.profile = profile  # py-spy flame data of each operator run goes here
+        self.lease_seconds = lease_seconds  # the operator's --lease-seconds
         cfg = k8s.Configuration()
         k8s_config.load_kube_config(str(cp.kubeconfig), client_configuration=cfg)
         cfg.connection_pool_maxsize = 16
@@ -88,7 +113,11 @@ class Bench:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, enumerate(ips)))
 
-    def start_operator(self, ns: str, lease: str) -> subprocess.Popen[bytes]:
+    def start_operator(
+        self, ns: str, lease: str, extra_args: Sequence[str] = ()
+    ) -> subprocess.Popen[bytes]:
+        """The operator for namespace ns, holding Lease `lease` (log: work/<lease>.log);
+        returns once it holds the lease and its watches have had time to start."""
         log = (self.work / f"{lease}.log").open("wb")
         wrap: list[str] = []
         if self.profile is not None:
@@ -113,9 +142,10 @@ class Bench:
                     "--lease-name",
                     lease,
                     "--lease-seconds",
-                    "15",
+                    str(self.lease_seconds),
                     "--identity",
                     lease,
+                    *extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -142,8 +172,39 @@ class Bench:
     def log_tail(self, lease: str) -> str:
         return (self.work / f"{lease}.log").read_text(errors="replace")[-3000:]
 
+    def get_refit(self, ns: str, name: str) -> tuple[dict[str, Any], int]:
+        """The WeightRefit and the size in bytes of its JSON as the API server sent it."""
+        resp = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, name, _preload_content=False
+        )
+        data = resp.data
+        doc: dict[str, Any] = json.loads(data)
+        return doc, len(data)
+
+    def wait_refits_served(self, timeout: float = 30.0) -> None:
+        """Until WeightRefits can be listed. Established is not enough: right after it the
+        API server may answer 429 "storage is (re)initializing" for a moment, and an operator
+        started then exits (its first list at start-up is not retried)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1)
+                return
+            except k8s.ApiException as e:
+                if e.status != 429 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+    def create_refit(self, ns: str, body: dict[str, Any]) -> None:
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+
     def run(
-        self, ns: str, fleet: SimFleet, strategy: str, ckpt_root: Path, timeout: float
+        self,
+        ns: str,
+        fleet: ShardedSimFleet,
+        strategy: str,
+        ckpt_root: Path,
+        timeout: float,
     ) -> RunResult:
         self.runs += 1
         n = len(fleet.pods)
@@ -155,31 +216,26 @@ class Bench:
             me = operator_process(proc)
             before = apiserver.request_totals(self.cp)
             cpu0 = sum(me.cpu_times()[:2])
-            body = {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": "WeightRefit",
-                "metadata": {"name": version},
-                "spec": {
-                    "fleet": {"selector": {"matchLabels": LABELS}, "port": fleet.port},
-                    "checkpoint": {"path": str(ckpt), "version": version},
-                    "strategy": STRATEGIES[strategy],
-                },
-            }
+            body = refit_body(version, fleet.port, ckpt, version, STRATEGIES[strategy])
             t0 = time.monotonic()
-            self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
-            polls = 0
+            self.create_refit(ns, body)
+            polls = size = size_max = 0
             doc: dict[str, Any] = {}
-            poll = POLL_SECONDS if n <= 100 else 1.0  # a 1000-pod status is ~300 kB
+            poll = POLL_SECONDS if n <= 100 else 1.0
             completed = True
             while True:
-                resp = self.custom.get_namespaced_custom_object(
-                    GROUP, VERSION, ns, PLURAL, version, _preload_content=False
-                )
-                doc = json.loads(resp.data)
+                doc, size = self.get_refit(ns, version)
+                size_max = max(size_max, size)
                 polls += 1
                 phase = (doc.get("status") or {}).get("phase")
-                if phase in ("Succeeded", "Failed", "Halted", "RolledBack"):
+                if phase in TERMINAL:
                     break
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the operator exited with {proc.returncode} after "
+                        f"{time.monotonic() - t0:.1f} s ({status_line(doc)}); its log ends: "
+                        + " | ".join(self.log_tail(lease).splitlines()[-3:])
+                    )
                 if time.monotonic() - t0 > timeout:
                     completed = False
                     break
@@ -220,7 +276,53 @@ class Bench:
             completed=completed,
             updated=int(status.get("updatedPods", 0)),
             timeout=timeout,
+            object_bytes=size,
+            object_bytes_max=size_max,
         )
+
+
+def status_line(doc: dict[str, Any]) -> str:
+    status = doc.get("status") or {}
+    return (
+        f"phase {status.get('phase')}, {status.get('updatedPods', 0)} pods updated, "
+        f"reason {status.get('reason')}"
+    )
+
+
+def refit_body(
+    name: str, port: int, checkpoint: Path, version: str, strategy: dict[str, Any], **spec: Any
+) -> dict[str, Any]:
+    """A WeightRefit for the bench fleet (pods labelled LABELS); spec: further spec fields."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightRefit",
+        "metadata": {"name": name},
+        "spec": {
+            "fleet": {"selector": {"matchLabels": LABELS}, "port": port},
+            "checkpoint": {"path": str(checkpoint), "version": version},
+            "strategy": strategy,
+            **spec,
+        },
+    }
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise this process's RLIMIT_NOFILE (inherited by the simulator, the operator and the
+    control plane it starts) to at least `want` if it can; returns the soft limit now.
+
+    A simulator holds SIM_FDS_PER_POD files per pod, the operator one (its connection)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= want:
+        return soft
+    if hard == resource.RLIM_INFINITY or hard >= want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    try:  # raising the hard limit needs root (CAP_SYS_RESOURCE), and at most fs.nr_open
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+        return want
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
 
 
 def operator_process(proc: subprocess.Popen[bytes]) -> psutil.Process:
@@ -254,6 +356,28 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+@contextlib.contextmanager
+def control_plane(
+    prefix: str, profile: Path | None = None, lease_seconds: int = LEASE_SECONDS
+) -> Iterator[Bench]:
+    """A fresh control plane (etcd + kube-apiserver, the WeightRefit CRD installed) in a
+    temporary folder, and a Bench on it; everything is stopped and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(tmp)
+        cp = ControlPlane(work / "cp")
+        cp.start()
+        bench: Bench | None = None
+        try:
+            cp.install_crds()
+            bench = Bench(cp, work, profile, lease_seconds)
+            bench.wait_refits_served()
+            yield bench
+        finally:
+            if bench is not None:
+                bench.close()
+            cp.stop()
+
+
 def run_suite(
     sizes: list[int],
     repeats: dict[int, int],
@@ -261,54 +385,101 @@ def run_suite(
     large_timeout: float = 360.0,
     strategies: list[str] | None = None,
     profile: Path | None = None,
+    lease_seconds: int = LEASE_SECONDS,
 ) -> tuple[list[Metric], dict]:
     """Measure every (size, strategy) `repeats[size]` times; returns metrics and raw runs."""
     runs: list[RunResult] = []
     failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="refit-bench-scale-") as tmp:
-        work = Path(tmp)
-        cp = ControlPlane(work / "cp")
-        cp.start()
-        bench: Bench | None = None
+    # One simulator for the whole fleet if the limit can be raised so far; if not,
+    # ShardedSimFleet splits it. The operator needs one file per pod.
+    fds = raise_fd_limit(SIM_FDS_PER_POD * max(sizes) + 1024)
+    if fds < max(sizes) + 1024:
+        log(f"scale: the open-file limit {fds} is too low for {max(sizes)} pods' connections")
+    with control_plane("refit-bench-scale-", profile, lease_seconds) as bench:
+        for n in sizes:
+            ckpt_root = bench.work / f"ckpt-{n}"
+            ckpt_root.mkdir()
+            timeout = 120.0 if n <= 100 else large_timeout
+            fleet = sim_fleet(n, ckpt_root)
+            try:
+                for rep in range(repeats[n]):
+                    for strategy in strategies or list(STRATEGIES):
+                        # A fresh namespace per run: no earlier refit or pass in the way.
+                        ns = bench.cp.create_namespace(f"bench-{n}")
+                        bench.make_pods(ns, [p.ip for p in fleet.pods])
+                        try:
+                            r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeout)
+                        except Exception as e:  # recorded; the other runs still count
+                            failures.append(f"{n} pods {strategy} #{rep + 1}: {e}"[:400])
+                            log(f"scale: FAILED RUN {failures[-1]}")
+                            r = None
+                        if r is not None:
+                            runs.append(r)
+                            done = "" if r.completed else f" TIMEOUT ({r.updated}/{n})"
+                            log(
+                                f"scale: {n} pods {strategy} #{rep + 1}: {r.wall_s:.2f}s "
+                                f"wall{done}, {r.cpu_s:.1f}s cpu, {r.peak_rss_mib:.0f} MiB, "
+                                f"{r.writes / n:.1f} writes/pod {r.verbs}, object "
+                                f"{r.object_bytes_max / 1024:.1f} KiB at most"
+                            )
+                        if r is None or not r.completed:
+                            # Pods left mid-pass: the next run gets a fresh simulator.
+                            fleet.close()
+                            fleet = sim_fleet(n, ckpt_root)
+            finally:
+                fleet.close()
+    raw = {"runs": [r.__dict__ for r in runs], "failures": failures, "lease_seconds": lease_seconds}
+    return metrics_of(runs, sizes), raw
+
+
+class ShardedSimFleet:
+    """n simulated pods in as many simulator subprocesses as the open-file limit needs, all on
+    one port (each pod has its own loopback address), so one WeightRefit selects them all.
+
+    One simulator holds two files per pod (its listening socket and the connection the
+    operator keeps alive); a process without CAP_SYS_RESOURCE cannot raise its hard limit
+    (20,000 here), so 10,000 pods take two simulators."""
+
+    def __init__(self, n: int, ckpt_root: Path, per_shard: int | None = None) -> None:
+        if per_shard is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            per_shard = max(1, (soft - 1024) // SIM_FDS_PER_POD)
+        sizes = shard_sizes(n, per_shard)
+        self.shards: list[SimFleet] = []
         try:
-            cp.install_crds()
-            bench = Bench(cp, work, profile)
-            for n in sizes:
-                ckpt_root = work / f"ckpt-{n}"
-                ckpt_root.mkdir()
-                timeout = 120.0 if n <= 100 else large_timeout
-                fleet = SimFleet(n, allowed_root=ckpt_root, start_timeout=180)
-                try:
-                    for rep in range(repeats[n]):
-                        for strategy in strategies or list(STRATEGIES):
-                            # A fresh namespace per run: no earlier refit or pass in the way.
-                            ns = cp.create_namespace(f"bench-{n}")
-                            bench.make_pods(ns, [p.ip for p in fleet.pods])
-                            try:
-                                r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeout)
-                            except Exception as e:  # recorded; the other runs still count
-                                failures.append(f"{n} pods {strategy} #{rep + 1}: {e}"[:400])
-                                log(f"scale: FAILED RUN {failures[-1]}")
-                                r = None
-                            if r is not None:
-                                runs.append(r)
-                                done = "" if r.completed else f" TIMEOUT ({r.updated}/{n})"
-                                log(
-                                    f"scale: {n} pods {strategy} #{rep + 1}: {r.wall_s:.2f}s "
-                                    f"wall{done}, {r.cpu_s:.1f}s cpu, {r.peak_rss_mib:.0f} MiB, "
-                                    f"{r.writes / n:.1f} writes/pod {r.verbs}"
-                                )
-                            if r is None or not r.completed:
-                                # Pods left mid-pass: the next run gets a fresh simulator.
-                                fleet.close()
-                                fleet = SimFleet(n, allowed_root=ckpt_root, start_timeout=180)
-                finally:
-                    fleet.close()
-        finally:
-            if bench is not None:
-                bench.close()
-            cp.stop()
-    return metrics_of(runs, sizes), {"runs": [r.__dict__ for r in runs], "failures": failures}
+            for size in sizes:
+                port = self.shards[0].port if self.shards else 0
+                self.shards.append(
+                    SimFleet(
+                        size, allowed_root=ckpt_root, port=port, start_timeout=max(180, size / 20)
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.port = self.shards[0].port
+        self.pods = [p for shard in self.shards for p in shard.pods]
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for shard in self.shards:
+            out.update(shard.states())
+        return out
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+
+def shard_sizes(n: int, per_shard: int) -> list[int]:
+    """n pods split evenly over the fewest shards of at most per_shard pods each."""
+    shards = -(-n // per_shard)
+    return [n // shards + (1 if i < n % shards else 0) for i in range(shards)]
+
+
+def sim_fleet(n: int, ckpt_root: Path) -> ShardedSimFleet:
+    """n simulated pods that load checkpoints under ckpt_root."""
+    return ShardedSimFleet(n, ckpt_root)
 
 
 def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
@@ -320,7 +491,7 @@ def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
             if not rs:
                 continue
             tag = f"{strategy} {n} pods"
-            wall_target = "< 30" if (n == 1000 and strategy == "AllAtOnce") else None
+            wall_target = WALL_TARGETS.get((strategy, n))
             unfinished = [r for r in rs if not r.completed]
             note = "every pod probed (status + simulated pod version)"
             if unfinished:
@@ -356,6 +527,19 @@ def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
                 )
             )
             out.append(Metric(f"{tag}: operator peak RSS", [r.peak_rss_mib for r in rs], "MiB"))
+            sized = [r for r in rs if r.object_bytes_max]  # runs before 2026-12-01 lack it
+            if sized:
+                out.append(
+                    Metric(
+                        f"{tag}: WeightRefit object size",
+                        [r.object_bytes_max / 1024 for r in sized],
+                        "KiB",
+                        OBJECT_TARGET_KIB,
+                        "the largest JSON the API server returned for it while the harness "
+                        f"polled; at the end: {[round(r.object_bytes / 1024, 1) for r in sized]} "
+                        "KiB",
+                    )
+                )
         small = [r for r in runs if r.strategy == strategy and r.pods == min(sizes)]
         large = [r for r in runs if r.strategy == strategy and r.pods == biggest]
         if small and large and biggest > min(sizes):

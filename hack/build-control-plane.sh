@@ -19,6 +19,14 @@ bin="$cache/bin/kube-$kube_version-etcd-$etcd_version-$key"
 if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kubectl" ] && [ -x "$bin/etcd" ]; then
   echo "$bin"; exit 0
 fi
+# One build at a time: a second run (another terminal, a test's set-up) waits, then reuses it.
+mkdir -p "$cache/bin"
+exec 9>"$cache/bin/.build.lock"
+flock 9
+if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kubectl" ] && [ -x "$bin/etcd" ]; then
+  echo "$bin"; exit 0
+fi
+rm -rf "$bin.partial"
 mkdir -p "$bin.partial"
 log="$cache/build-$key.log"
 echo "build-control-plane: building kube-apiserver/kubectl $kube_version and etcd $etcd_version (cold build: 10-20 min on 2 cores; log: $log)" >&2

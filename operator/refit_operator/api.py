@@ -8,7 +8,7 @@ tests/unit/test_api.py holds the two in step.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -37,6 +37,10 @@ PodPhase = Literal[
     "Pending", "InProgress", "Succeeded", "Failed", "Inconclusive", "Dropped", "RolledBack"
 ]
 Verdict = Literal["Pass", "Fail", "Inconclusive"]
+# status.pods lists at most this many pods (the CRD's maxItems says the same): the object
+# stays a few KiB at any fleet size, far below etcd's 1.5 MiB request limit, and 50 is more
+# than a person reads in `kubectl get -o yaml`; `kubectl refit status` shows every pod.
+STATUS_PODS_LIMIT: Final = 50
 
 
 class _Model(BaseModel):
@@ -57,6 +61,22 @@ class LabelSelectorRequirement(_Model):
 class LabelSelector(_Model):
     match_labels: dict[str, str] = Field(default_factory=dict)
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        """Whether a pod with ``labels`` is selected (Kubernetes label-selector semantics)."""
+        if any(labels.get(k) != v for k, v in self.match_labels.items()):
+            return False
+        for e in self.match_expressions:
+            present = e.key in labels
+            if e.operator == "In" and not (present and labels[e.key] in e.values):
+                return False
+            if e.operator == "NotIn" and present and labels[e.key] in e.values:
+                return False
+            if e.operator == "Exists" and not present:
+                return False
+            if e.operator == "DoesNotExist" and present:
+                return False
+        return True
 
     def canonical(self) -> str:
         """The selector as a kubectl label-selector string: the fleet's identity."""
@@ -143,6 +163,9 @@ class WeightRefitSpec(_Model):
     on_failure: Literal["Halt", "Rollback"] = "Halt"
     queue_policy: Literal["Queue", "LatestWins"] = "Queue"
     allow_unsafe_backends: bool = False
+    # Seconds after the refit finished (status.completionTime) until the operator deletes it;
+    # None: kept until the fleet's history limit drops it (history.py). Like a Job's.
+    ttl_seconds_after_finished: int | None = None
 
 
 _PERCENT = re.compile(r"^(\d{1,3})%$")
@@ -226,4 +249,7 @@ class WeightRefitStatus(_Model):
     start_time: str = ""
     completion_time: str = ""
     probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
+    # Only the pods that need a person's attention, worst first, at most STATUS_PODS_LIMIT;
+    # every pod's full record is its progress annotation (see reconcile._pod_results).
     pods: list[PodResult] = Field(default_factory=list)
+    pods_omitted: int = 0  # pods needing attention left out of ``pods`` by the limit

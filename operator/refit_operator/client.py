@@ -134,7 +134,9 @@ def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def pod_failures(status: Mapping[str, Any]) -> list[PodFailure]:
-    """Pods that did not end at the target version, with the reason each one reports."""
+    """Pods that did not end at the target version, with the reason each one reports: from
+    status.pods, which lists the pods that need attention (at most api.STATUS_PODS_LIMIT,
+    failed ones first; status.podsOmitted counts the rest)."""
     out = []
     for p in status.get("pods") or []:
         if p.get("phase") in ("Failed", "Inconclusive", "Dropped") or (

@@ -12,19 +12,21 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import api
-from .podflow import Progress, Readiness
+from . import api, metrics
+from .podflow import Claim, Progress, Readiness
 from .reconcile import PodView, rfc3339
 
 log = logging.getLogger(__name__)
 
 PROGRESS_ANNOTATION = f"{api.GROUP}/progress"
+CLAIM_ANNOTATION = f"{api.GROUP}/claim"
 CONDITION = f"{api.GROUP}/weights-ready"
 FINALIZER = f"{api.GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
 SMP = "application/strategic-merge-patch+json"
@@ -65,6 +67,7 @@ def pod_view(doc: dict[str, Any]) -> PodView:
     gates = {g.get("conditionType") for g in spec.get("readinessGates") or []}
     conds = {c.get("type"): c for c in status.get("conditions") or []}
     restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+    annotations = meta.get("annotations") or {}
     return PodView(
         name=meta["name"],
         ip=status.get("podIP") or "",
@@ -74,7 +77,10 @@ def pod_view(doc: dict[str, Any]) -> PodView:
         ready=conds.get(CONDITION, {}).get("status") == "True",
         restarts=restarts,
         uid=meta.get("uid", ""),
-        progress=Progress.from_annotation((meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)),
+        progress=Progress.from_annotation(annotations.get(PROGRESS_ANNOTATION)),
+        labels=dict(meta.get("labels") or {}),
+        claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
+        resource_version=meta.get("resourceVersion", ""),
     )
 
 
@@ -82,10 +88,84 @@ class AccessDenied(PermissionError):
     """RBAC forbids a read the refit needs: a user error, not a transient one."""
 
 
+class PodBusy(Exception):
+    """The pod changed since it was listed (another pass may have claimed it): this pass
+    does not start; the next reconcile decides again from a fresh view."""
+
+
+class ClaimLost(Exception):
+    """Another pass has taken the pod over (a newer leader, or the pod was claimed again):
+    this pass stops at once and touches the pod no more."""
+
+
+def _record_body(progress: Progress, readiness: Readiness | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}
+    }
+    if readiness is not None:
+        cond = {
+            "type": CONDITION,
+            "status": "True" if readiness.ready else "False",
+            "reason": readiness.reason,
+            "message": readiness.message[:1000],
+            "lastTransitionTime": rfc3339(time.time()),
+        }
+        body["status"] = {"conditions": [cond]}
+    return body
+
+
+def _no_check() -> None:
+    return None
+
+
+@dataclass
+class ClaimedPod:
+    """A pod this pass holds the claim of. Every write is one strategic-merge patch of
+    pods/status conditional on the pod's resourceVersion: a write that meets a change it did
+    not make re-reads the pod and goes on only while the claim is still this pass's."""
+
+    cluster: Cluster
+    namespace: str
+    name: str
+    claim: Claim
+    resource_version: str
+
+    async def record(
+        self, progress: Progress, readiness: Readiness | None = None, *, release: bool = False
+    ) -> None:
+        """Record the pass's progress (and the readiness condition, when given); ``release``
+        removes the claim in the same write: the pass's last write."""
+        body = _record_body(progress, readiness)
+        body["metadata"]["annotations"][CLAIM_ANNOTATION] = (
+            None if release else self.claim.to_annotation()
+        )
+        while True:
+            body["metadata"]["resourceVersion"] = self.resource_version
+            try:
+                self.resource_version = await self.cluster._patch_pod_status(
+                    self.namespace, self.name, body
+                )
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            metrics.api_retry("patch")
+            doc = await self.cluster.read_pod(self.namespace, self.name)
+            now = pod_view(doc)
+            if now.claim != self.claim:
+                raise ClaimLost(
+                    f"pod {self.name}: claim taken over by "
+                    + (f"{now.claim.refit} (fence {now.claim.fence})" if now.claim else "nobody")
+                )
+            self.resource_version = now.resource_version
+
+
 @dataclass
 class Cluster:
     api_client: client.ApiClient
     identity: str = "refit-operator"
+    # Called before every write: raises when this replica may have lost its leadership.
+    before_write: Callable[[], None] = field(default=_no_check)
 
     # Typed as Any: with _preload_content=False the generated signatures no longer hold.
     @property
@@ -104,31 +184,44 @@ class Cluster:
         doc = await read_json(resp)
         return [pod_view(item) for item in doc.get("items", [])]
 
-    async def record(
-        self, namespace: str, pod: str, progress: Progress, readiness: Readiness | None = None
-    ) -> None:
-        """Record a pass's progress on the pod and, when given, its readiness-gate condition
-        (False takes the pod out of Service endpoints), in ONE patch of pods/status: the
-        status subresource also takes metadata.annotations, so a pod is never Ready without
-        the record of its passed probe, and the operator needs no right to patch pods (which
-        would let it change their spec)."""
-        body: dict[str, Any] = {
-            "metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}
-        }
-        if readiness is not None:
-            cond = {
-                "type": CONDITION,
-                "status": "True" if readiness.ready else "False",
-                "reason": readiness.reason,
-                "message": readiness.message[:1000],
-                "lastTransitionTime": rfc3339(time.time()),
-            }
-            body["status"] = {"conditions": [cond]}
-        await _done(
-            await self.core.patch_namespaced_pod_status(
-                pod, namespace, body, _content_type=SMP, _preload_content=False
-            )
+    async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        doc: dict[str, Any] = await read_json(resp)
+        return doc
+
+    async def claim(
+        self,
+        namespace: str,
+        pod: PodView,
+        claim: Claim,
+        progress: Progress,
+        readiness: Readiness | None,
+    ) -> ClaimedPod:
+        """Take the pod for a pass: record ``claim`` with the pass's first progress (and
+        readiness condition) in ONE patch of pods/status, conditional on the pod being
+        exactly as listed (its resourceVersion). The status subresource also takes
+        metadata.annotations, so a pod is never Ready without the record of its passed probe,
+        and the operator needs no right to patch pods (which would let it change their spec).
+        Raises PodBusy when the pod changed since it was listed."""
+        body = _record_body(progress, readiness)
+        body["metadata"]["annotations"][CLAIM_ANNOTATION] = claim.to_annotation()
+        body["metadata"]["resourceVersion"] = pod.resource_version
+        try:
+            rv = await self._patch_pod_status(namespace, pod.name, body)
+        except ApiException as e:
+            if e.status == 409:
+                raise PodBusy(f"pod {pod.name} changed since it was listed") from e
+            raise
+        return ClaimedPod(self, namespace, pod.name, claim, rv)
+
+    async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
+        """One strategic-merge patch of pods/status; the pod's new resourceVersion."""
+        self.before_write()
+        resp = await self.core.patch_namespaced_pod_status(
+            name, namespace, body, _content_type=SMP, _preload_content=False
         )
+        doc = await read_json(resp)
+        return str(doc["metadata"]["resourceVersion"])
 
     # --------------------------------------------------------------- WeightRefits
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -143,14 +236,28 @@ class Cluster:
             raise
         return doc
 
-    async def list_refits(self, namespace: str) -> list[dict[str, Any]]:
-        resp = await self.custom.list_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, _preload_content=False
-        )
+    async def list_refits(self, namespace: str | None) -> list[dict[str, Any]]:
+        """The WeightRefits of ``namespace`` (None: of every namespace)."""
+        if namespace is None:
+            resp = await self.custom.list_cluster_custom_object(
+                api.GROUP, api.VERSION, api.PLURAL, _preload_content=False
+            )
+        else:
+            resp = await self.custom.list_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, _preload_content=False
+            )
         items: list[dict[str, Any]] = (await read_json(resp)).get("items", [])
         return items
 
-    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
+    ) -> None:
+        """Merge-patch a WeightRefit's status, conditional on ``resource_version`` when given
+        (409 then means someone else wrote it since it was read)."""
+        self.before_write()
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         await _done(
             await self.custom.patch_namespaced_custom_object_status(
                 api.GROUP,
@@ -158,17 +265,32 @@ class Cluster:
                 namespace,
                 api.PLURAL,
                 name,
-                {"status": status},
+                body,
                 _content_type=MERGE,
                 _preload_content=False,
             )
         )
+
+    async def delete_refit(self, namespace: str, name: str) -> None:
+        """Delete a WeightRefit (history collection); its finalizer still runs. Gone already
+        is fine."""
+        self.before_write()
+        try:
+            await _done(
+                await self.custom.delete_namespaced_custom_object(
+                    api.GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
+                )
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     # -------------------------------------------------------------------- Events
     async def event(
         self, namespace: str, involved: dict[str, Any], reason: str, message: str, etype: str
     ) -> None:
         """Best effort: a lost Event must never stop a refit."""
+        self.before_write()
         meta = involved["metadata"]
         now = rfc3339(time.time())
         body = {

@@ -49,7 +49,7 @@ from kubernetes import config as k8s_config
 from .client import RefitClient, RefitFailed, RefitTimeout, reason_of
 from .cluster import CONDITION
 from .kubectl_plugin import describe, duration, table
-from .report import render, render_refit
+from .report import render_refit
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "refit-demo"
@@ -92,13 +92,20 @@ class Result:
     pod_reasons: set[str] = field(default_factory=set)
     worst: float = 0.0
     rejected: dict[str, Any] | None = None  # the last status showing a failed probe
+    rejected_pods: list[dict[str, Any]] | None = None  # the fleet's Pod objects just then
     rejected_report: Path | None = None
+    # The fleet's Pod objects when the refit ended: every pod's record is this refit's then
+    # (status.pods lists only the pods that need attention; a later refit replaces records).
+    pods: list[dict[str, Any]] | None = None
 
-    def observe(self, status: dict[str, Any]) -> None:
-        pods = status.get("pods") or []
-        self.pod_reasons |= {p["reason"] for p in pods if p.get("reason")}
-        if any((p.get("probe") or {}).get("verdict") == "Fail" for p in pods):
+    def observe(self, status: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> None:
+        listed = status.get("pods") or []
+        self.pod_reasons |= {p["reason"] for p in listed if p.get("reason")}
+        if any((p.get("probe") or {}).get("verdict") == "Fail" for p in listed) and (
+            pods is not None or self.rejected is None
+        ):
             self.rejected = status
+            self.rejected_pods = pods
         worst = (status.get("probeSummary") or {}).get("worstMaxAbsLogprobDiff") or 0.0
         self.worst = max(self.worst, float(worst))
 
@@ -254,8 +261,8 @@ class Live:
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]
         return items
 
-    def show(self, doc: dict[str, Any]) -> None:
-        text = describe(doc, self.pods())
+    def show(self, doc: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> None:
+        text = describe(doc, self.pods() if pods is None else pods)
         key = text.split("\n", 1)[1] if not self.tty else text
         if key == self.last:
             return
@@ -287,8 +294,9 @@ def run_step(refits: RefitClient, live: Live, model: Any, step: Step, port: int)
         while not stop.is_set():
             with contextlib.suppress(Exception):  # display only; wait() decides
                 doc = refits.get(name)
-                result.observe(doc.get("status") or {})
-                live.show(doc)
+                pods = live.pods()
+                result.observe(doc.get("status") or {}, pods)
+                live.show(doc, pods)
             stop.wait(0.4)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -304,7 +312,8 @@ def run_step(refits: RefitClient, live: Live, model: Any, step: Step, port: int)
         stop.set()
         poller.join()
     result.seconds = time.monotonic() - began
-    live.show(refits.get(name))
+    result.pods = live.pods()
+    live.show(refits.get(name), result.pods)
     live.done()
     result.phase = result.status.get("phase", "")
     result.reason = result.reason or reason_of(result.status)[0]
@@ -418,12 +427,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         }  # fmt: skip
         for r in results:
             doc = refits.get(r.step.name)
-            if doc.get("status", {}).get("pods"):
-                r.report = render_refit(doc, out_dir / f"{r.step.name}.png")
+            if r.pods or doc.get("status", {}).get("pods"):
+                r.report = render_refit(doc, out_dir / f"{r.step.name}.png", pods=r.pods)
             if r.rejected is not None:  # the moment the probe said no, before the rollback
-                r.rejected_report = render(
-                    r.rejected, out_dir / f"{r.step.name}-rejected.png",
-                    thresholds=doc["spec"].get("probe", {}).get("thresholds"),
+                r.rejected_report = render_refit(
+                    {**doc, "status": r.rejected}, out_dir / f"{r.step.name}-rejected.png",
+                    pods=r.rejected_pods,
                     title=f"{r.step.name} → {r.step.version}: the probe rejects the checkpoint",
                 )  # fmt: skip
 

@@ -16,11 +16,13 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
-from . import metrics, plan, reconcile
-from .api import Previous, WeightRefitSpec, WeightRefitStatus
-from .cluster import AccessDenied, Cluster
+from . import history, metrics, plan, reconcile
+from .api import TERMINAL_PHASES, Previous, WeightRefitSpec, WeightRefitStatus
+from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
+from .leader import LeadershipLost, Lease
 from .podflow import Progress
 from .reconcile import Decision, Observed, PodView, PreflightResult, RefitView
 from .runner import PassContext, run_pass
@@ -48,22 +50,103 @@ class _RefitState:
     live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
     written: dict[str, Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    thresholds_published: bool = False
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the engine knows of a WeightRefit without reading it: enough to queue refits that
+    share pods, find a rollback target and collect history. Kept current by the watch."""
+
+    namespace: str
+    name: str
+    uid: str
+    created: str
+    phase: str
+    spec: WeightRefitSpec
+    completed: float | None
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Known | None:
+        meta, status = doc["metadata"], doc.get("status") or {}
+        try:
+            spec = WeightRefitSpec.model_validate(doc.get("spec") or {})
+        except ValueError:
+            return None  # the CRD's schema keeps these out; nothing to queue against
+        return cls(
+            meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
+            status.get("phase", "Pending"), spec, history.epoch(status.get("completionTime")),
+        )  # fmt: skip
+
+    def ref(self) -> plan.RefitRef:
+        return plan.RefitRef(
+            self.name, self.created, self.phase, self.spec.queue_policy, self.spec.fleet.selector
+        )
 
 
 class Engine:
-    def __init__(self, cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        http: aiohttp.ClientSession,
+        lease: Lease | None = None,
+        policy: history.Policy | None = None,
+    ) -> None:
         self.cluster = cluster
         self.http = http  # worker.session(): one for every pod
-        self.refits: dict[str, _RefitState] = {}
-        self.thresholds_published: set[str] = set()  # refit uids
+        self.lease = lease  # None: a single replica without election (tests of the engine)
+        self.policy = policy or history.Policy()
+        self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
+        self.known: dict[str, Known] = {}  # by uid: every WeightRefit watched
+        self._passes = 0
+        if lease is not None:
+            cluster.before_write = lease.check
 
     def state(self, uid: str) -> _RefitState:
         return self.refits.setdefault(uid, _RefitState())
+
+    # ------------------------------------------------------------------- the index
+    def observe(self, doc: dict[str, Any], deleted: bool = False) -> None:
+        """Fold a watched (or just read) WeightRefit into the index; forget a deleted one and
+        everything kept for it, so nothing grows with the number of refits ever seen."""
+        uid = doc["metadata"]["uid"]
+        known = None if deleted else Known.from_doc(doc)
+        if known is None:
+            gone = self.known.pop(uid, None)
+            st = self.refits.pop(uid, None)
+            if st is not None:
+                for task in st.tasks.values():
+                    task.cancel()
+            if gone is not None:
+                metrics.forget_refit(
+                    gone.namespace, gone.spec.fleet.selector.canonical(), gone.name
+                )
+            return
+        self.known[uid] = known
+
+    async def sync(self, namespaces: list[str] | None) -> None:
+        """Fill the index before the first tick (None: every namespace), so the first refit
+        to tick already sees every other one; the watch keeps it current from then on."""
+        scopes: list[str | None] = list(namespaces) if namespaces else [None]
+        for ns in scopes:
+            for doc in await self.cluster.list_refits(ns):
+                self.observe(doc)
+
+    def next_fence(self) -> int:
+        if self.lease is not None:
+            return self.lease.next_fence()
+        self._passes += 1
+        return self._passes
+
+    def check(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
         doc = await self.cluster.get_refit(namespace, name)
         if doc is None:
             return None
+        self.observe(doc)
         meta = doc["metadata"]
         spec = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
@@ -80,17 +163,20 @@ class Engine:
         st = self.state(view.uid)
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
-        fleet, previous = await self._fleet(namespace, view, selector)
         st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
+        fleet, previous = self._fleet(namespace, view, st.pods)
         present = {p.name for p in st.pods if not p.deleting}
-        vanished = frozenset(n for n in st.tasks if n not in present)
+        vanished = frozenset(
+            [n for n in st.tasks if n not in present and await self._gone(namespace, n)]
+        )
         for pod in vanished:  # deleted mid-pass: nothing left to make safe
             st.tasks.pop(pod).cancel()
         for gone in {p.name for p in view.status.pods} - present:
             metrics.forget_pod(namespace, selector, gone)
+        refits = {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
-            now=time.time(), previous=previous, vanished=vanished,
+            now=time.time(), previous=previous, vanished=vanished, refits=refits,
         )  # fmt: skip
         d = reconcile.decide(obs)
         if d.need_preflight:
@@ -98,6 +184,10 @@ class Engine:
         if d.start:
             await self._start(namespace, doc, view, st, d)
         await self._write(namespace, doc, view, st, d)
+        if d.status.phase != view.status.phase and d.status.phase in TERMINAL_PHASES:
+            self._wake(namespace, fleet, view.uid)
+        if d.status.phase in TERMINAL_PHASES and (d.dormant or d.status.phase != view.status.phase):
+            await self._collect(namespace)
         metrics.reconcile_done()
         return d
 
@@ -111,32 +201,83 @@ class Engine:
             replace(pod, progress=st.live[pod.name]) if pod.name in st.live else pod for pod in pods
         ]
 
-    async def _fleet(
-        self, namespace: str, me: RefitView, selector: str
-    ) -> tuple[list[plan.RefitRef], Previous | None]:
-        refs, succeeded = [], []
-        for r in await self.cluster.list_refits(namespace):
+    async def _patch_status(self, namespace: str, doc: dict[str, Any], new: dict[str, Any]) -> bool:
+        """Write the status decided from ``doc``, conditional on the status being still the
+        one read: a status decided from an older read (another replica's, or ours before a
+        pause) is never written. A conflict on the rest of the object (kopf's finalizer and
+        annotations) is retried on a fresh read. False when the status itself changed."""
+        name, rv = doc["metadata"]["name"], doc["metadata"].get("resourceVersion", "")
+        for _ in range(5):
             try:
-                spec = WeightRefitSpec.model_validate(r["spec"])
-            except ValueError:
+                await self.cluster.patch_status(namespace, name, new, rv)
+                return True
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            metrics.api_retry("patch")
+            fresh = await self.cluster.get_refit(namespace, name)
+            if fresh is None or fresh.get("status") != doc.get("status"):
+                return False
+            rv = fresh["metadata"].get("resourceVersion", "")
+        return False
+
+    def _wake(self, namespace: str, fleet: list[plan.RefitRef], me: str) -> None:
+        """A refit just finished: the refits sharing its pods decide now, not at their next
+        (possibly dormant) tick: the queued one starts, a finished one sees its pods moved on
+        or takes up convergence again."""
+        names = {r.name for r in fleet}
+        for k in self.known.values():
+            if k.namespace == namespace and k.name in names and k.uid != me:
+                st = self.refits.get(k.uid)
+                if st is not None:
+                    st.wake.set()
+
+    async def _gone(self, namespace: str, pod: str) -> bool:
+        """A pod in flight that the list no longer shows: deleted (or being deleted), or only
+        relabelled out of the selector, whose pass must then finish (it holds the pod)."""
+        try:
+            doc = await self.cluster.read_pod(namespace, pod)
+        except ApiException as e:
+            if e.status == 404:
+                return True
+            raise
+        return bool(doc["metadata"].get("deletionTimestamp"))
+
+    def _fleet(
+        self, namespace: str, me: RefitView, pods: list[PodView]
+    ) -> tuple[list[plan.RefitRef], Previous | None]:
+        """The refits that share at least one pod with ``me`` (from the index: no list per
+        tick), and the newest Succeeded one of them created before ``me``: the rollback
+        target. Fleets are compared by the pods they select, so two selectors written
+        differently that pick the same pods are one fleet."""
+        refs, succeeded = [], []
+        for k in self.known.values():
+            if k.namespace != namespace:
                 continue
-            if spec.fleet.selector.canonical() != selector:
+            phase = me.status.phase if k.uid == me.uid else k.phase
+            if k.uid != me.uid and not any(k.spec.fleet.selector.matches(p.labels) for p in pods):
                 continue
-            rmeta = r["metadata"]
-            phase = (r.get("status") or {}).get("phase", "Pending")
-            if rmeta["uid"] == me.uid:
-                phase = me.status.phase
-            ref = plan.RefitRef(rmeta["name"], rmeta["creationTimestamp"], phase, spec.queue_policy)
+            ref = replace(k.ref(), phase=phase)
             refs.append(ref)
-            if phase == "Succeeded" and rmeta["uid"] != me.uid and ref.created <= me.created:
-                succeeded.append((ref.created, spec, rmeta["name"]))
+            if phase == "Succeeded" and k.uid != me.uid and ref.created <= me.created:
+                succeeded.append(k)
         previous = None
         if succeeded:
-            _, spec, name = max(succeeded, key=lambda t: t[0])
-            previous = Previous(
-                version=spec.checkpoint.version, path=spec.checkpoint.path, refit=name
-            )
+            last = max(succeeded, key=lambda k: (k.created, k.name))
+            c = last.spec.checkpoint
+            previous = Previous(version=c.version, path=c.path, refit=last.name)
         return refs, previous
+
+    async def _collect(self, namespace: str) -> None:
+        """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
+        mine = [k for k in self.known.values() if k.namespace == namespace]
+        finished = [
+            history.Finished(k.name, k.created, k.phase, k.completed,
+                             k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical())
+            for k in mine
+        ]  # fmt: skip
+        for name in history.to_delete(finished, self.policy, time.time()):
+            await self.cluster.delete_refit(namespace, name)
 
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
@@ -242,10 +383,13 @@ class Engine:
         return None
 
     # ---------------------------------------------------------------- pod passes
-    def _client(self, view: RefitView, st: _RefitState, pod: PodView) -> WorkerClient:
+    def _client(
+        self, view: RefitView, st: _RefitState, pod: PodView, fence: int | None = None
+    ) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
         return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
-                            timeout=float(view.spec.sequence.step_timeout_seconds))  # fmt: skip
+                            timeout=float(view.spec.sequence.step_timeout_seconds),
+                            fence=fence, before_call=self.check)  # fmt: skip
 
     async def _start(
         self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
@@ -258,8 +402,10 @@ class Engine:
 
         ctx = PassContext(
             cluster=self.cluster, namespace=namespace, refit_doc=doc, refit_name=view.name,
-            refit_uid=view.uid, fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
-            client=lambda pod: self._client(view, st, pod), reference=reference,
+            refit_uid=view.uid, refit_created=view.created,
+            fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
+            client=lambda pod, fence: self._client(view, st, pod, fence),
+            next_fence=self.next_fence, reference=reference,
             peer_nlls=lambda version: reconcile.peer_nlls(st.pods, version),
             admitted=st.admitted, live=st.live,
         )  # fmt: skip
@@ -277,6 +423,12 @@ class Engine:
             await run_pass(ctx, pod, start)
         except asyncio.CancelledError:
             raise
+        except PodBusy as e:
+            log.info("%s: not started: %s", ctx.refit_name, e)
+        except ClaimLost as e:
+            log.warning("%s: pass stopped, another pass owns the pod: %s", ctx.refit_name, e)
+        except LeadershipLost as e:
+            log.error("pod %s: pass stopped: %s", pod.name, e)
         except Exception as e:
             # The pod's annotation holds its progress; the next tick resumes it.
             metrics.reconcile_error("internal")
@@ -292,7 +444,9 @@ class Engine:
         new = d.status.dump()
         old = view.status.dump()
         if new != old and new != st.written:
-            await self.cluster.patch_status(namespace, view.name, new)
+            if not await self._patch_status(namespace, doc, new):
+                st.wake.set()  # someone else wrote the status: decide again from a fresh read
+                return
             st.written = new
         for e in d.events:
             await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
@@ -320,13 +474,13 @@ class Engine:
             started_at=_epoch(d.status.start_time) if active else None,
             timeout_seconds=float(view.spec.sequence.total_timeout_seconds) if active else None,
         )  # fmt: skip
-        if view.uid not in self.thresholds_published:
+        if not st.thresholds_published:
             t = view.spec.probe.thresholds
             metrics.probe_thresholds(
                 namespace, fleet, view.name, mean_abs_diff=t.mean_abs_logprob_diff,
                 max_abs_diff=t.max_abs_logprob_diff, nll_diff=t.nll_diff,
             )  # fmt: skip
-            self.thresholds_published.add(view.uid)
+            st.thresholds_published = True
 
 
 def _epoch(rfc3339: str | None) -> float | None:

@@ -70,6 +70,13 @@ async def refit_daemon(
         wake.clear()
 
 
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+def refit_event(event: kopf.RawEvent, **_: Any) -> None:
+    """Keep the engine's index of WeightRefits current (queueing, rollback targets and
+    history collection read it instead of listing every refit on every tick)."""
+    engine().observe(dict(event["object"]), deleted=event["type"] == "DELETED")
+
+
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL)
 async def refit_deleted(name: str, namespace: str | None, **_: Any) -> None:
     assert namespace is not None

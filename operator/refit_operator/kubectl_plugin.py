@@ -100,28 +100,33 @@ def parse_timeout(text: str) -> float:
 def pod_rows(
     doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = ()
 ) -> list[list[object]]:
-    """One row per pod: the refit's status.pods, plus fleet pods it has not reached yet."""
-    status = doc.get("status") or {}
-    ready = {}
-    for p in fleet_pods:
-        conds = p.get("status", {}).get("conditions") or []
-        gate = next((c.get("status") for c in conds if c.get("type") == CONDITION), "")
-        ready[p["metadata"]["name"]] = {"True": "yes", "False": "no"}.get(gate, "-")
+    """One row per pod: every pod of the fleet from its own record (the progress annotation),
+    folded with the refit's status.pods, which lists only the pods that need attention (and
+    alone remembers pods deleted mid-refit)."""
+    status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
+    views = [pod_view(dict(p)) for p in fleet_pods]
+    ready = {v.name: _gate(p) for v, p in zip(views, fleet_pods, strict=True)}
+    uid = str((doc.get("metadata") or {}).get("uid", ""))
     rows: list[list[object]] = []
-    listed = set()
-    for p in sorted(status.get("pods") or [], key=lambda p: p["name"]):
-        listed.add(p["name"])
+    for r in reconcile.fleet_results(status.pods, views, uid):
+        # As recorded: a number the record does not have prints as "-", not as a default 0.
+        p = r.model_dump(by_alias=True, mode="json", exclude_unset=True, exclude_none=True)
         probe = p.get("probe") or {}
         rows.append([
-            p["name"], p.get("phase", ""), p.get("step") or "-", p.get("version") or "-",
-            ready.get(p["name"], "-"), p.get("attempts", 0), probe.get("verdict", "-"),
+            r.name, r.phase, p.get("step") or "-", p.get("version") or "-",
+            ready.get(r.name, "-"), p.get("attempts", 0), probe.get("verdict", "-"),
             _num(probe.get("nll")), _num(probe.get("referenceNll")),
             _num(probe.get("meanAbsLogprobDiff")), _num(probe.get("maxAbsLogprobDiff")),
             p.get("reason") or "",
         ])  # fmt: skip
-    for name in sorted(set(ready) - listed):
-        rows.append([name, "Pending", "-", "-", ready[name], 0, "-", "-", "-", "-", "-", ""])
     return rows
+
+
+def _gate(pod: Mapping[str, Any]) -> str:
+    """The pod's weights-ready condition as yes / no / - (not set)."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    gate = next((c.get("status") for c in conds if c.get("type") == CONDITION), "")
+    return {"True": "yes", "False": "no"}.get(gate, "-")
 
 
 POD_HEADERS = ("POD", "PHASE", "STEP", "VERSION", "READY", "ATTEMPTS", "PROBE", "NLL",
@@ -152,7 +157,27 @@ def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = (
     rows = pod_rows(doc, fleet_pods)
     lines.append("")
     lines.append(table(POD_HEADERS, rows) if rows else "no pods yet")
+    moved, others = _other_records(doc, fleet_pods)
+    if moved and phase in api.TERMINAL_PHASES:
+        lines.append(
+            f"{moved} pod(s) shown Pending carry another refit's record now "
+            f"({', '.join(others)}): this refit's result for them is not kept."
+        )
     return "\n".join(lines)
+
+
+def _other_records(
+    doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]
+) -> tuple[int, list[str]]:
+    """Pods the status does not list whose record is another refit's pass, and those refits."""
+    uid = (doc.get("metadata") or {}).get("uid", "")
+    listed = {p.get("name") for p in (doc.get("status") or {}).get("pods") or []}
+    names = []
+    for p in fleet_pods:
+        view = pod_view(dict(p))
+        if view.progress is not None and view.progress.uid != uid and view.name not in listed:
+            names.append(view.progress.refit)
+    return len(names), sorted(set(names))
 
 
 def refit_rows(

@@ -2,14 +2,22 @@
 
 A replica acquires the Lease when it is absent, already its own, or expired (renewTime +
 leaseDurationSeconds in the past). Updates carry the resourceVersion, so two replicas racing
-for an expired Lease cannot both win. The leader renews every third of the duration and stops
+for an expired Lease cannot both win. The leader renews every sixth of the duration and stops
 acting (the process exits) the moment it cannot renew in time.
+
+Renewal alone does not stop a leader that was frozen (SIGSTOP, a long GC pause, CPU
+throttling): when it wakes, its passes carry on before the renewal loop runs again. So the
+leader also keeps a local monotonic deadline, two thirds of a lease duration after the last
+renewal it sent, and ``check()`` (called before every API write and every worker call) raises
+:class:`LeadershipLost` once it has passed. Each acquisition also fixes the fencing epoch (the
+Lease's ``leaseTransitions``): the fencing tokens of a newer leader are always higher.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +27,12 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from .cluster import read_json
 
 log = logging.getLogger(__name__)
+
+FENCE_SHIFT = 32  # token = epoch << 32 | pass sequence: a newer leader's tokens are higher
+
+
+class LeadershipLost(RuntimeError):
+    """This replica may no longer be the leader: it must not make another call."""
 
 
 def _micro(ts: datetime) -> str:
@@ -40,6 +54,23 @@ class Lease:
             identity,
             duration,
         )
+        self.epoch = 0  # leaseTransitions when this replica acquired the Lease
+        self.valid_until = 0.0  # monotonic: acting is safe before this moment
+        self._passes = 0
+        self.lost = asyncio.Event()
+
+    def check(self) -> None:
+        """Raise unless the lease is certainly still ours (see the module docstring)."""
+        if self.lost.is_set() or time.monotonic() >= self.valid_until:
+            self.lost.set()
+            raise LeadershipLost(
+                f"{self.identity}: the leader lease may have expired; stopping before acting"
+            )
+
+    def next_fence(self) -> int:
+        """A fencing token for a new pod pass: higher than any earlier pass of any leader."""
+        self._passes += 1
+        return (self.epoch << FENCE_SHIFT) | self._passes
 
     def _body(self, old: dict[str, Any] | None, now: datetime) -> dict[str, Any]:
         spec = dict((old or {}).get("spec") or {})
@@ -60,6 +91,7 @@ class Lease:
         }
 
     async def try_acquire(self) -> bool:
+        sent = time.monotonic()  # the deadline counts from before the request left
         now = datetime.now(UTC)
         try:
             resp = await self.api.read_namespaced_lease(
@@ -72,7 +104,9 @@ class Lease:
             old = None
         try:
             if old is None:
-                await self.api.create_namespaced_lease(self.namespace, self._body(None, now))
+                body = self._body(None, now)
+                await self.api.create_namespaced_lease(self.namespace, body)
+                self._held(body, sent)
                 return True
             spec = old.get("spec") or {}
             holder, renewed = spec.get("holderIdentity"), spec.get("renewTime")
@@ -80,12 +114,18 @@ class Lease:
             expired = renewed is None or (now - _parse(renewed)).total_seconds() > duration
             if holder not in (None, "", self.identity) and not expired:
                 return False
-            await self.api.replace_namespaced_lease(self.name, self.namespace, self._body(old, now))
+            body = self._body(old, now)
+            await self.api.replace_namespaced_lease(self.name, self.namespace, body)
+            self._held(body, sent)
             return True
         except ApiException as e:
             if e.status == 409:  # someone else won the race
                 return False
             raise
+
+    def _held(self, body: dict[str, Any], sent: float) -> None:
+        self.epoch = int(body["spec"].get("leaseTransitions", 0))
+        self.valid_until = sent + self.duration * 2 / 3
 
     async def acquire(self) -> None:
         while True:
@@ -102,19 +142,25 @@ class Lease:
                 log.warning("leader lease: %s", e.reason)
             await asyncio.sleep(max(self.duration / 3, 0.5))
 
-    async def hold(self, lost: asyncio.Event) -> None:
-        """Renew until renewal fails for longer than the lease lasts; then set ``lost``."""
-        last_ok = asyncio.get_running_loop().time()
-        while not lost.is_set():
-            await asyncio.sleep(max(self.duration / 3, 0.5))
+    async def hold(self) -> None:
+        """Renew until renewal fails past the local deadline (or another replica holds the
+        Lease, or ``check()`` found the deadline passed); then set ``lost`` and return."""
+        while not self.lost.is_set():
+            # Renewing often leaves slack between a renewal and the deadline: a busy event
+            # loop that renews late must not trip check() (a sixth: 1.5 s of slack at 3 s).
+            await asyncio.sleep(max(self.duration / 6, 0.25))
+            if time.monotonic() >= self.valid_until:
+                # Frozen past the deadline: another replica may lead now. Renewing would
+                # hide that; stop instead.
+                log.error("leader lease deadline passed before renewal (process paused?)")
+                self.lost.set()
+                break
             try:
                 if await self.try_acquire():
-                    last_ok = asyncio.get_running_loop().time()
                     continue
                 log.error("leader lease taken by another replica")
-                lost.set()
+                self.lost.set()
             except Exception as e:
                 log.warning("leader lease renewal failed: %s", e)
-                # Stop before the lease can expire and another replica starts acting.
-                if asyncio.get_running_loop().time() - last_ok > self.duration * 2 / 3:
-                    lost.set()
+                if time.monotonic() >= self.valid_until:
+                    self.lost.set()

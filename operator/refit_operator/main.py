@@ -12,7 +12,7 @@ from typing import Any
 
 import kopf
 
-from . import cluster, handlers, metrics, worker
+from . import cluster, handlers, history, metrics, worker
 from .engine import Engine
 from .leader import Lease
 
@@ -32,8 +32,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease-name", default="refit-operator")
     p.add_argument("--lease-seconds", type=int, default=15)
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or socket.gethostname())
+    p.add_argument(
+        "--history-limit", type=_non_negative_int, default=history.DEFAULT_HISTORY_LIMIT,
+        help="finished WeightRefits kept per fleet, newest first; older ones are deleted "
+        "(the fleet's newest Succeeded refit is always kept; 0 keeps only it; default: "
+        "%(default)s)",
+    )  # fmt: skip
     p.add_argument("--verbose", "-v", action="store_true")
     return p.parse_args(argv)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -46,11 +62,12 @@ async def run(args: argparse.Namespace) -> int:
     lease = Lease(api_client, args.lease_namespace, args.lease_name, identity, args.lease_seconds)
     log.info("waiting for leadership as %s", identity)
     await lease.acquire()
-    lost = asyncio.Event()  # set by the lease holder only
     stop = asyncio.Event()
-    holder = asyncio.create_task(lease.hold(lost))
+    holder = asyncio.create_task(lease.hold())
     async with worker.session() as http:
-        engine = Engine(cluster.Cluster(api_client, identity), http)
+        policy = history.Policy(args.history_limit)
+        engine = Engine(cluster.Cluster(api_client, identity), http, lease, policy)
+        await engine.sync(args.namespace or None)
         handlers.install(engine)
         kopf_task = asyncio.create_task(
             kopf.operator(
@@ -65,7 +82,7 @@ async def run(args: argparse.Namespace) -> int:
         await kopf_task
     holder.cancel()
     await api_client.close()
-    if lost.is_set():
+    if lease.lost.is_set():
         log.error("leadership lost: exiting so that exactly one replica acts")
         return 1
     return 0
@@ -101,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # kopf logs every watch event handled ("Handler 'refit_event' succeeded"): our own log
+    # says what happened to each refit.
+    if not args.verbose:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # One line per HTTP request to a pod drowns the log of a large fleet.
     sys.exit(asyncio.run(run(args)))
 

@@ -452,6 +452,23 @@ class Metrics:
                     del self._pod_refit[key]
                     self._remove_pod_series(namespace, fleet, key[2], pod_refit)
 
+    def forget_refit(self, namespace: str, fleet: str, refit: str) -> None:
+        """Drop every series labelled with a refit that no longer exists (deleted by the
+        garbage collector or by hand): its pod counts, active-refit and threshold gauges, the
+        probe series of pods it probed last, and the fleet's target-version info if it names
+        it. Per-fleet counters and histograms (no refit label) keep counting."""
+        with self._lock:
+            key = (namespace, fleet)
+            current = self._fleet_refit.get(key)
+            if current is not None and current[0] == refit:
+                del self._fleet_refit[key]
+                self._remove(self.target_version, (*key, *current))
+            self._remove_refit_series(namespace, fleet, refit)
+            for pod_key, pod_refit in list(self._pod_refit.items()):
+                if pod_key[:2] == key and pod_refit == refit:
+                    del self._pod_refit[pod_key]
+                    self._remove_pod_series(namespace, fleet, pod_key[2], refit)
+
     def _remove_refit_series(self, namespace: str, fleet: str, refit: str) -> None:
         for phase in POD_PHASES:
             self._remove(self.pods, (namespace, fleet, refit, phase))
@@ -494,6 +511,7 @@ refit_finished = METRICS.refit_finished
 fleet_state = METRICS.fleet_state
 forget_pod = METRICS.forget_pod
 forget_fleet = METRICS.forget_fleet
+forget_refit = METRICS.forget_refit
 reconcile_error = METRICS.reconcile_error
 api_retry = METRICS.api_retry
 reconcile_done = METRICS.reconcile_done

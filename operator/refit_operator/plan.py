@@ -7,10 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .api import TERMINAL_PHASES, ProbeSpec, Strategy, max_unavailable_count
+from .api import TERMINAL_PHASES, LabelSelector, ProbeSpec, Strategy, max_unavailable_count
 
-# Where a pod stands within one refit pass.
-PodState = Literal["todo", "active", "passed", "failed", "inconclusive", "dropped"]
+# Where a pod stands for one refit. "blocked": another refit's pass holds it (wait);
+# "superseded": a newer refit has driven it (no longer this refit's to count or to touch).
+PodState = Literal[
+    "todo", "active", "passed", "failed", "inconclusive", "dropped", "blocked", "superseded"
+]
 
 
 def next_pods(states: dict[str, PodState], strategy: Strategy) -> list[str]:
@@ -60,7 +63,7 @@ def gate(states: dict[str, PodState], probe: ProbeSpec) -> Gate:
 
 
 def all_settled(states: dict[str, PodState]) -> bool:
-    return all(s not in ("todo", "active") for s in states.values())
+    return all(s not in ("todo", "active", "blocked") for s in states.values())
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class RefitRef:
     created: str  # RFC3339 creationTimestamp (sorts in time order)
     phase: str
     queue_policy: str = "Queue"
+    selector: LabelSelector | None = None
+
+    def selects(self, labels: dict[str, str]) -> bool:
+        return self.selector is not None and self.selector.matches(labels)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class QueueDecision:
     role: Literal["active", "queued", "superseded", "done"]
     position: int = 0
     superseded_by: str = ""
+    waiting_for: str = ""  # queued: the refit that goes first
 
 
 def _order(r: RefitRef) -> tuple[str, str]:
@@ -85,9 +93,11 @@ def _order(r: RefitRef) -> tuple[str, str]:
 
 
 def queue_role(me: RefitRef, fleet: Sequence[RefitRef]) -> QueueDecision:
-    """One active refit per fleet: the oldest one not finished. Later ones wait in creation
-    order. A refit not yet started is superseded by any later refit with queuePolicy
-    LatestWins (a refit in progress is never abandoned: it finishes or fails)."""
+    """One active refit per fleet: the oldest one not finished. ``fleet`` holds the refits
+    that share at least one pod with ``me`` (fleets are compared by the pods they select, not
+    by selector text). Later ones wait in creation order. A refit not yet started is
+    superseded by any later refit with queuePolicy LatestWins (a refit in progress is never
+    abandoned: it finishes or fails)."""
     if me.phase in TERMINAL_PHASES:
         return QueueDecision("done")
     pending = sorted((r for r in fleet if r.phase not in TERMINAL_PHASES), key=_order)
@@ -105,13 +115,23 @@ def queue_role(me: RefitRef, fleet: Sequence[RefitRef]) -> QueueDecision:
     beaten = winner(me)
     if beaten is not None:
         return QueueDecision("superseded", superseded_by=beaten.name)
+    if started(me):
+        # Never sent back to the queue: when two started refits come to share pods (labels
+        # changed, or both started before either saw the other), the pods' claims take turns.
+        return QueueDecision("active")
     live = [r for r in pending if winner(r) is None]
     # A refit already past Queued keeps its turn even if an older one shows up late.
     active = next((r for r in live if started(r)), live[0])
     if active.name == me.name:
         return QueueDecision("active")
     waiting = [r for r in live if r.name != active.name]
-    return QueueDecision("queued", position=1 + [r.name for r in waiting].index(me.name))
+    position = 1 + [r.name for r in waiting].index(me.name)
+    return QueueDecision("queued", position=position, waiting_for=active.name)
+
+
+def newer(a: RefitRef, b: RefitRef) -> bool:
+    """Whether ``a`` was created after ``b`` (ties broken by name, as the queue does)."""
+    return _order(a) > _order(b)
 
 
 def fleet_target(fleet: Sequence[RefitRef]) -> str | None:

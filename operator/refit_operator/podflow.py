@@ -57,6 +57,7 @@ class Progress:
     version: str  # the version this pass brings the pod to
     path: str
     rollback: bool = False
+    created: str = ""  # the WeightRefit's creationTimestamp: which of two refits is newer
     restarts: int = 0  # the pod's container restarts when the pass began: a restart since
     # then means the container lost the weights this pass loaded
     step: str = STEPS[0]  # the first step not yet done ("" once the pass is over)
@@ -88,6 +89,11 @@ class Progress:
         except (ValueError, TypeError):
             return None
 
+    def newer_than(self, created: str, refit: str) -> bool:
+        """Whether this pass belongs to a refit created after (created, refit): ties on the
+        second-resolution timestamp are broken by name, as the queue orders refits."""
+        return (self.created, self.refit) > (created, refit)
+
 
 def start(
     refit: str,
@@ -96,6 +102,7 @@ def start(
     path: str,
     now: float,
     *,
+    created: str = "",
     rollback: bool = False,
     restarts: int = 0,
 ) -> Progress:
@@ -104,10 +111,39 @@ def start(
         uid=uid,
         version=version,
         path=path,
+        created=created,
         rollback=rollback,
         started=now,
         restarts=restarts,
     )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who drives a pod now: one refit pass of one operator replica, with its fencing token.
+
+    Stored on the pod (annotation ``refit.rollout.dev/claim``, JSON) from the pass's first
+    write, which takes it with optimistic concurrency (the pod's resourceVersion), to its last
+    write, which removes it. Every write of the pass in between is conditional on the claim
+    still being this one; every worker call carries ``fence``."""
+
+    refit: str
+    uid: str
+    fence: int
+    holder: str  # the operator replica's identity
+
+    def to_annotation(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_annotation(cls, text: str | None) -> Claim | None:
+        if not text:
+            return None
+        try:
+            doc = json.loads(text)
+            return cls(str(doc["refit"]), str(doc["uid"]), int(doc["fence"]), str(doc["holder"]))
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 @dataclass(frozen=True)

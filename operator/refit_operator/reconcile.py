@@ -7,24 +7,26 @@ results back on the next call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
 from . import plan
 from .api import (
+    STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
     Condition,
+    PodProbe,
     PodResult,
     Previous,
     ProbeSummary,
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from .podflow import Progress
+from .podflow import Claim, Progress
 
 
 class Transition(Protocol):
@@ -46,6 +48,9 @@ class PodView:
     restarts: int
     progress: Progress | None
     uid: str = ""  # a pod recreated under the same name (StatefulSet) is another pod
+    labels: dict[str, str] = field(default_factory=dict)
+    claim: Claim | None = None  # the pass that drives the pod now (see podflow.Claim)
+    resource_version: str = ""  # as listed: the claim is taken conditional on it
 
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""
@@ -106,6 +111,8 @@ class Observed:
     preflight: PreflightResult | None = None
     previous: Previous | None = None  # the fleet's last Succeeded refit other than this one
     vanished: frozenset[str] = frozenset()  # pods deleted while their pass was in flight
+    # uid -> name of every WeightRefit of the namespace: a claim whose refit is gone is stale.
+    refits: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,10 +169,32 @@ def preflight_problem(
     return None
 
 
-def pod_state(pod: PodView, refit: RefitView, version: str, rollback: bool) -> plan.PodState:
+def holder(pod: PodView, refit: RefitView, refits: Mapping[str, str]) -> str:
+    """The other refit whose pass holds the pod ("" when the pod is free, held by this refit,
+    or held by a refit that no longer exists: a claim outlives only a crashed pass)."""
+    c = pod.claim
+    if c is None or c.uid == refit.uid or c.uid not in refits:
+        return ""
+    return c.refit
+
+
+def pod_state(
+    pod: PodView,
+    refit: RefitView,
+    version: str,
+    rollback: bool,
+    refits: Mapping[str, str] | None = None,
+) -> plan.PodState:
     p = pod.progress
     if pod.deleting:
         return "dropped"
+    # A newer refit has driven the pod (or drives it now): it has moved on, and this refit
+    # neither counts it nor takes it back (two refits never fight over a pod).
+    if p is not None and p.uid != refit.uid and p.newer_than(refit.created, refit.name):
+        if not (p.rollback and p.version == version):  # rolled back to us: still ours
+            return "superseded"
+    if holder(pod, refit, refits or {}):
+        return "blocked"
     mine = p is not None and p.uid == refit.uid and p.rollback == rollback and p.version == version
     if not mine or p is None:
         return "passed" if pod.verified(version) and not rollback else "todo"
@@ -222,72 +251,128 @@ def _conditions(
     return out
 
 
+# status.pods lists only the pods that need a person's attention, worst first (rank, then
+# name). A pod that succeeded or rolled back is not listed: its record is its progress
+# annotation, so the WeightRefit stays small at any fleet size (api.STATUS_PODS_LIMIT).
+ATTENTION: Final[Mapping[str, int]] = {
+    "Failed": 0,
+    "Inconclusive": 1,
+    "Dropped": 2,
+    "InProgress": 3,
+}
+_DELETED = "the pod was deleted mid-refit"
+
+
+def pod_phase(p: Progress, deleting: bool = False) -> str:
+    """The status phase of a pod whose progress is this refit's pass."""
+    if deleting:
+        return "Dropped"
+    return {
+        "Succeeded": "RolledBack" if p.rollback else "Succeeded",
+        "Failed": "Failed",
+        "Inconclusive": "Inconclusive",
+        "": "InProgress",
+    }[p.outcome]
+
+
+def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
+    """A pod's record (its progress annotation, or the live progress of a pass in flight) as
+    a status.pods entry; `kubectl refit status` and the report draw every pod with it."""
+    return PodResult.model_validate(
+        {
+            "name": name,
+            "phase": pod_phase(p, deleting),
+            "step": p.step if p.step else "ready",
+            "version": p.version if p.outcome == "Succeeded" else "",
+            "reason": "PodDeleted" if deleting else p.reason,
+            "message": p.message,
+            "attempts": p.attempts,
+            "startTime": rfc3339(p.started) if p.started else "",
+            "completionTime": rfc3339(p.finished) if p.finished else "",
+            "stepSeconds": p.step_seconds,
+            "probe": p.probe,
+        }
+    )
+
+
+def _worst_first(phase: str, name: str) -> tuple[int, str]:
+    return ATTENTION[phase], name
+
+
 def _pod_results(
     pods: Sequence[PodView],
     refit: RefitView,
     old: Sequence[PodResult],
     vanished: frozenset[str] = frozenset(),
-) -> list[PodResult]:
+) -> tuple[list[PodResult], int]:
+    """(status.pods, status.podsOmitted): the pods that need attention, worst first, capped
+    at api.STATUS_PODS_LIMIT, and how many more there are."""
     seen = {p.name for p in pods}
+    mine: dict[str, tuple[str, PodView]] = {}  # name -> (phase, pod)
+    for pod in pods:
+        p = pod.progress
+        if p is not None and p.uid == refit.uid:
+            mine[pod.name] = (pod_phase(p, pod.deleting), pod)
+    # Ranked first, made into entries only within the limit: a 10,000-pod AllAtOnce refit has
+    # 10,000 pods in progress.
+    ranked: list[tuple[tuple[int, str], PodView | PodResult]] = [
+        (_worst_first(phase, name), pod)
+        for name, (phase, pod) in mine.items()
+        if phase in ATTENTION
+    ]
+    # A pod now in another refit's hands keeps the result this refit recorded for it while
+    # that result needs attention.
+    ranked += [
+        (_worst_first(r.phase, r.name), r)
+        for r in old
+        if r.name in seen and r.name not in mine and r.phase in ATTENTION
+    ]
+    # A pod that vanished mid-pass is kept, Dropped, with its reason (while within the limit:
+    # the status is its only record).
+    for r in old:
+        if r.name not in seen and r.phase in ATTENTION:
+            if r.phase != "Dropped":
+                update = {"phase": "Dropped", "reason": "PodDeleted", "message": _DELETED}
+                r = r.model_copy(update=update)
+            ranked.append((_worst_first("Dropped", r.name), r))
+    listed = {key[1] for key, _ in ranked}
+    for n in sorted(vanished - listed - seen):
+        gone = PodResult(name=n, phase="Dropped", reason="PodDeleted", message=_DELETED)
+        ranked.append((_worst_first("Dropped", n), gone))
+    ranked.sort(key=lambda t: t[0])
     out = []
+    for _, x in ranked[:STATUS_PODS_LIMIT]:
+        if isinstance(x, PodResult):
+            out.append(x)
+        else:
+            assert x.progress is not None
+            out.append(pod_result(x.name, x.progress, x.deleting))
+    return out, max(len(ranked) - STATUS_PODS_LIMIT, 0)
+
+
+def _summary(
+    pods: Sequence[PodView],
+    refit: RefitView,
+    listed: Sequence[PodResult],
+    before: ProbeSummary | None = None,
+) -> ProbeSummary:
+    """Probe results over every pod this refit probed: each pod's record (its progress), and
+    the listed results of pods no longer in this refit's hands. Never fewer probes than
+    ``before`` (the summary already written; None while rolling back, when the rollback's
+    probes replace the forward ones): a pod that moved on to a newer refit, left the fleet or
+    is being re-probed no longer shows this refit's probe, and its result still counts."""
+    mine = set()
+    probes = []
     for pod in pods:
         p = pod.progress
         if p is None or p.uid != refit.uid:
             continue
-        phase = {
-            "Succeeded": "RolledBack" if p.rollback else "Succeeded",
-            "Failed": "Failed",
-            "Inconclusive": "Inconclusive",
-            "": "InProgress",
-        }[p.outcome]
-        if pod.deleting:
-            phase = "Dropped"
-        out.append(
-            PodResult.model_validate(
-                {
-                    "name": pod.name,
-                    "phase": phase,
-                    "step": p.step if p.step else "ready",
-                    "version": p.version if p.outcome == "Succeeded" else "",
-                    "reason": "PodDeleted" if pod.deleting else p.reason,
-                    "message": p.message,
-                    "attempts": p.attempts,
-                    "startTime": rfc3339(p.started) if p.started else "",
-                    "completionTime": rfc3339(p.finished) if p.finished else "",
-                    "stepSeconds": p.step_seconds,
-                    "probe": p.probe,
-                }
-            )
-        )
-    # A pod now in another refit's hands keeps the result this refit recorded for it.
-    mine = {r.name for r in out}
-    out += [r for r in old if r.name in seen and r.name not in mine]
-    # A pod that vanished mid-pass is kept, Dropped, with its reason.
-    for r in old:
-        if r.name not in seen and r.phase not in ("Succeeded", "RolledBack"):
-            out.append(
-                r
-                if r.phase == "Dropped"
-                else r.model_copy(
-                    update={
-                        "phase": "Dropped",
-                        "reason": "PodDeleted",
-                        "message": "the pod was deleted mid-refit",
-                    }
-                )
-            )
-    listed = {r.name for r in out}
-    out += [
-        PodResult(
-            name=n, phase="Dropped", reason="PodDeleted", message="the pod was deleted mid-refit"
-        )
-        for n in sorted(vanished - listed - seen)
-    ]
-    return sorted(out, key=lambda r: r.name)
-
-
-def _summary(results: Sequence[PodResult]) -> ProbeSummary:
-    probes = [r.probe for r in results if r.probe is not None]
+        mine.add(pod.name)
+        if p.probe is not None:
+            probes.append(PodProbe.model_validate(p.probe))
+    probes += [r.probe for r in listed if r.name not in mine and r.probe is not None]
+    if before is not None and len(probes) < before.passed + before.failed + before.inconclusive:
+        return before.model_copy()
     nlls = [p.nll for p in probes if p.verdict == "Pass"]
     return ProbeSummary(
         passed=sum(p.verdict == "Pass" for p in probes),
@@ -298,6 +383,50 @@ def _summary(results: Sequence[PodResult]) -> ProbeSummary:
         worst_nll_diff=max((abs(p.nll - p.reference_nll) for p in probes), default=0.0),
         nll_spread=(max(nlls) - min(nlls)) if nlls else 0.0,
     )
+
+
+def fleet_results(
+    listed: Sequence[PodResult], pods: Sequence[PodView], uid: str
+) -> list[PodResult]:
+    """Every pod of one refit by name, for people (`kubectl refit status`, the report): the
+    pods of the fleet as listed now, each from its own record (its progress annotation, when
+    that is the pass of refit ``uid``), folded with the refit's status.pods (``listed``),
+    which alone remembers pods that left the fleet and the live step of a pass in flight. A
+    pod whose record is another refit's (not reached yet, or moved on since) is Pending."""
+    by_name = {r.name: r for r in listed}
+    out = []
+    for pod in pods:
+        p = pod.progress
+        entry = by_name.pop(pod.name, None)
+        if p is not None and p.uid == uid and (p.outcome or entry is None):
+            out.append(pod_result(pod.name, p, pod.deleting))
+        elif entry is not None:
+            out.append(entry)
+        else:
+            out.append(PodResult(name=pod.name, phase="Pending", step=""))
+    out += by_name.values()
+    return sorted(out, key=lambda r: r.name)
+
+
+def pod_phases(listed: Sequence[PodResult], pods: Sequence[PodView], uid: str) -> dict[str, int]:
+    """How many pods of refit ``uid`` are in each status phase, counted over every pod (the
+    refit_pods gauge): those whose record is this refit's pass, and those status.pods
+    (``listed``) remembers; pods this refit has not reached are not counted."""
+    by_name = {r.name: r.phase for r in listed}
+    counts: dict[str, int] = {}
+    for pod in pods:
+        p = pod.progress
+        entry = by_name.pop(pod.name, None)
+        if p is not None and p.uid == uid and (p.outcome or entry is None):
+            phase = pod_phase(p, pod.deleting)
+        elif entry is not None:
+            phase = entry
+        else:
+            continue
+        counts[phase] = counts.get(phase, 0) + 1
+    for phase in by_name.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    return counts
 
 
 def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
@@ -332,7 +461,7 @@ def decide(obs: Observed) -> Decision:
 
     # ---- queue: one active refit per fleet
     me = plan.RefitRef(refit.name, refit.created, st.phase, spec.queue_policy)
-    role = plan.queue_role(me, obs.fleet)
+    role = plan.queue_role(me, obs.fleet)  # obs.fleet: the refits sharing pods with this one
     if role.role == "superseded":
         transition("Superseded", "Superseded", f"superseded by {role.superseded_by} (LatestWins)")
         d.idle = True
@@ -340,21 +469,29 @@ def decide(obs: Observed) -> Decision:
         return d
     if role.role == "queued":
         st.queue_position = role.position
-        transition("Queued", "Queued", f"waiting for {role.position} refit(s) of fleet {st.fleet}")
+        ahead = f" ({role.position} in line)" if role.position > 1 else ""
+        transition(
+            "Queued",
+            "Queued",
+            f"waiting for {role.waiting_for}, which selects pods of this refit{ahead}",
+        )
         d.idle = True
         d.release_finalizer = refit.deleting
         return d
     st.queue_position = 0
 
     states_for = {
-        pod.name: pod_state(pod, refit, spec.checkpoint.version, rollback=False) for pod in obs.pods
+        pod.name: pod_state(pod, refit, spec.checkpoint.version, False, obs.refits)
+        for pod in obs.pods
     }
     if st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
         d.idle = True  # a finished refit's record stays as it was written
         d.release_finalizer = refit.deleting
         return d
-    st.pods = _pod_results(obs.pods, refit, old.pods, obs.vanished)
-    st.probe_summary = _summary(st.pods)
+    st.pods, st.pods_omitted = _pod_results(obs.pods, refit, old.pods, obs.vanished)
+    st.probe_summary = _summary(
+        obs.pods, refit, st.pods, None if st.phase == "RollingBack" else old.probe_summary
+    )
 
     # ---- deletion: finish what is in flight, start nothing new, then let go
     if refit.deleting:
@@ -403,6 +540,7 @@ def _resume(name: str, obs: Observed, refit: RefitView) -> PodStart:
 
 
 def _count(st: WeightRefitStatus, states: dict[str, plan.PodState]) -> None:
+    """Counts over the pods this refit answers for (dropped and superseded ones left out)."""
     st.target_pods = len(states)
     st.updated_pods = sum(s == "passed" for s in states.values())
     st.failed_pods = sum(s in ("failed", "dropped") for s in states.values())
@@ -414,25 +552,49 @@ def _progress(
 ) -> None:
     refit, spec, st = obs.refit, obs.refit.spec, d.status
     # Dropped pods (deleted mid-refit) leave the fleet: recorded in status.pods, not counted.
-    states = {n: s for n, s in states.items() if s != "dropped"}
+    # Superseded pods (a newer refit drove them) are that refit's to answer for.
+    moved_on = sorted(n for n, s in states.items() if s == "superseded")
+    states = {n: s for n, s in states.items() if s not in ("dropped", "superseded")}
     _count(st, states)
+    newest = _newest_driver(obs, moved_on) if moved_on else ""
+    if (
+        not states
+        and not obs.in_flight
+        and any(r.name == newest and r.phase == "Succeeded" for r in obs.fleet)
+    ):
+        # Only a newer refit that Succeeded takes over: pods it failed on, or rolled back,
+        # leave this one the fleet's last good version (and rollback target).
+        transition("Superseded", "PodsMovedOn", f"every pod of this refit moved on to {newest}")
+        d.idle = True
+        return
     resumes = [
         _resume(n, obs, refit)
         for n, s in states.items()
         if s == "active" and n not in obs.in_flight
     ]
+    held = _held(obs, states)
     if st.phase == "Succeeded":
-        # Convergence: the fleet's target refit brings late or restarted pods to its version,
-        # unless another refit of the fleet has taken over.
-        if plan.fleet_target(obs.fleet) != refit.name or any(
-            r.phase not in TERMINAL_PHASES for r in obs.fleet if r.name != refit.name
-        ):
+        if moved_on:
+            st.message = _succeeded_message(st, spec, moved_on)
+        # Convergence: a finished refit brings late or restarted pods to its version, unless
+        # a refit that shares pods with it is at work, and only pods no newer Succeeded refit
+        # selects (that one converges them): two finished refits never fight over a pod.
+        if any(r.phase not in TERMINAL_PHASES for r in obs.fleet if r.name != refit.name):
             d.idle = True
             return
-        d.start = resumes + [_fresh(n, spec) for n, s in states.items() if s == "todo"]
+        me = plan.RefitRef(refit.name, refit.created, st.phase, spec.queue_policy)
+        newer = [r for r in obs.fleet if r.phase == "Succeeded" and plan.newer(r, me)]
+        labels = {p.name: p.labels for p in obs.pods}
+        targets = [n for n in states if not any(r.selects(labels[n]) for r in newer)]
+        if not targets and not resumes:
+            d.idle = True  # newer Succeeded refits select every pod: they converge them
+            return
+        d.start = resumes + [_fresh(n, spec) for n in targets if states[n] == "todo"]
         d.idle = not d.start and not obs.in_flight
         d.watching = True
         return
+    if held:
+        st.message = f"waiting for {held}"
 
     started = _started(st)
     timed_out = started is not None and obs.now - started > spec.sequence.total_timeout_seconds
@@ -444,11 +606,7 @@ def _progress(
         starts = plan.next_pods(states, spec.strategy)
         d.start = resumes + [_fresh(n, spec) for n in starts]
         if plan.all_settled(states) and not obs.in_flight and not d.start:
-            degraded = st.failed_pods + st.inconclusive_pods
-            msg = f"{st.updated_pods}/{st.target_pods} pods at {spec.checkpoint.version}"
-            if degraded:
-                msg += f"; {degraded} failed or inconclusive within the limits"
-            transition("Succeeded", "Succeeded", msg)
+            transition("Succeeded", "Succeeded", _succeeded_message(st, spec, moved_on))
             d.watching = True  # the next tick decides whether it is the fleet's target
         return
     # Gate tripped: start nothing new, let pods in flight finish their pass (bounded).
@@ -468,6 +626,38 @@ def _progress(
     msg = f"{g.message}; rolling back to {st.previous.version}"
     transition("RollingBack", g.reason, msg, "Warning")
     _rollback(obs, d, transition)
+
+
+def _succeeded_message(st: WeightRefitStatus, spec: WeightRefitSpec, moved_on: list[str]) -> str:
+    msg = f"{st.updated_pods}/{st.target_pods} pods at {spec.checkpoint.version}"
+    degraded = st.failed_pods + st.inconclusive_pods
+    if degraded:
+        msg += f"; {degraded} failed or inconclusive within the limits"
+    if moved_on:
+        msg += f"; {len(moved_on)} moved on to newer refits"
+    return msg
+
+
+def _newest_driver(obs: Observed, names: list[str]) -> str:
+    """The newest refit among those that last drove the named pods."""
+    drivers = [p.progress for p in obs.pods if p.name in names and p.progress is not None]
+    newest = max(drivers, key=lambda p: (p.created, p.refit), default=None)
+    return newest.refit if newest else ""
+
+
+def _held(obs: Observed, states: dict[str, plan.PodState]) -> str:
+    """'pods a, b held by refit x' for the pods another refit's pass holds ("" if none)."""
+    by: dict[str, list[str]] = {}
+    for pod in obs.pods:
+        if states.get(pod.name) == "blocked":
+            by.setdefault(holder(pod, obs.refit, obs.refits), []).append(pod.name)
+    parts = []
+    for other, names in sorted(by.items()):
+        shown = ", ".join(sorted(names)[:5]) + (
+            f" and {len(names) - 5} more" if len(names) > 5 else ""
+        )
+        parts.append(f"pod(s) {shown} held by a pass of refit {other}")
+    return "; ".join(parts)
 
 
 def _started(st: WeightRefitStatus) -> float | None:
@@ -492,7 +682,7 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
         for p in obs.pods
         if p.progress is not None and p.progress.uid == refit.uid and not p.deleting
     ]
-    states = {p.name: pod_state(p, refit, prev.version, rollback=True) for p in touched}
+    states = {p.name: pod_state(p, refit, prev.version, True, obs.refits) for p in touched}
     d.start = [
         _resume(n, obs, refit)
         for n, s in states.items()

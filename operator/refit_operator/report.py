@@ -2,8 +2,12 @@
 
     python -m refit_operator.report --refit NAME -n NAMESPACE [--kubeconfig PATH] --out report.png
 
-reads the WeightRefit from the API server; `render(status, out, ...)` draws from a status dict
-(`.status` of a WeightRefit) directly. Needs matplotlib (the `report` extra).
+reads the WeightRefit and its fleet's pods from the API server and draws every pod: each pod's
+own record (its refit.rollout.dev/progress annotation) folded with the refit's status.pods,
+which lists only the pods that need attention. `render(status, out, ...)` draws from a status
+dict (`.status` of a WeightRefit) directly, or from every pod's result (`pods=`);
+`render_refit(doc, out, pods=...)` from the WeightRefit and its fleet's Pod objects. Needs
+matplotlib (the `report` extra).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
@@ -21,6 +25,9 @@ from .podflow import STEPS
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
+# Up to this many pods each gets a labelled row of its own; a larger fleet is drawn whole, in
+# a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
+LABELLED_ROWS: Final = 100
 # One color per step of the sequence, in order (tab10 + one).
 STEP_COLORS: Final = dict(
     zip(
@@ -54,10 +61,12 @@ def render(
     *,
     thresholds: Mapping[str, Any] | None = None,
     title: str = "",
+    pods: Sequence[api.PodResult] | None = None,
 ) -> Path:
     """Draw the refit `status` (a WeightRefit .status dict) as a PNG at `out`.
 
     thresholds: spec.probe.thresholds (camelCase dict); the API defaults when None.
+    pods: every pod's result (reconcile.fleet_results); None draws the pods status.pods lists.
     """
     import matplotlib
 
@@ -67,7 +76,7 @@ def render(
 
     st = api.WeightRefitStatus.model_validate(dict(status))
     th = api.Thresholds.model_validate(dict(thresholds or {}))
-    pods = sorted(st.pods, key=lambda p: p.name)
+    pods = sorted(st.pods if pods is None else pods, key=lambda p: p.name)
     if not pods:
         raise ValueError("the refit status lists no pods: nothing to draw")
 
@@ -77,9 +86,13 @@ def render(
     probed = [p.probe if p.probe and p.probe.tokens > 0 else None for p in pods]
     colors = [VERDICT_COLORS[p.probe.verdict] if p.probe else NO_PROBE_COLOR for p in pods]
     many = len(pods) > 24
+    huge = len(pods) > LABELLED_ROWS
+    # One timeline row per pod; above LABELLED_ROWS pods the rows share a fixed height (a
+    # 10,000-pod fleet is a band of colour per step) and only the title names counts.
+    rows_height = 0.28 * min(len(pods), LABELLED_ROWS)
 
-    fig = plt.figure(figsize=(15, 5.5 + 0.28 * len(pods)), layout="constrained")
-    grid = fig.add_gridspec(2, 3, height_ratios=[4.5, 1.2 + 0.28 * len(pods)])
+    fig = plt.figure(figsize=(15, 5.5 + rows_height), layout="constrained")
+    grid = fig.add_gridspec(2, 3, height_ratios=[4.5, 1.2 + rows_height])
     panels = (
         (
             "mean |Δlogprob| per token",
@@ -103,18 +116,27 @@ def render(
     for column, (label, values, limit, field) in enumerate(panels):
         ax = fig.add_subplot(grid[0, column])
         heights = [v if v is not None else 0.0 for v in values]
-        bars = ax.bar(range(len(pods)), heights, color=colors, edgecolor="black", linewidth=0.4)
+        if huge:  # one line per pod in one collection: patches cost ~1 ms each to draw
+            bars: Any = []  # no per-bar labels at this size
+            ax.vlines(range(len(pods)), 0, heights, colors=colors, linewidth=0.6)
+            ax.set_xlim(-0.5, len(pods) - 0.5)
+        else:
+            bars = ax.bar(range(len(pods)), heights, color=colors, edgecolor="black", lw=0.4)
         ax.axhline(limit, color="#d62728", linestyle="--", linewidth=1.5)
         top = max([*heights, limit]) * 1.25 or 1.0
         ax.set_ylim(0, top)
         ax.set_title(f"{label}\n(dashed: threshold {field} = {limit:g})", fontsize=10)
         ax.set_ylabel("nats")
-        ax.set_xticks(range(len(pods)))
-        ax.set_xticklabels(
-            names if not many else [""] * len(pods), rotation=45, ha="right", fontsize=8
-        )
-        for tick, color in zip(ax.get_xticklabels(), colors, strict=True):
-            tick.set_color(color if color != NO_PROBE_COLOR else "black")
+        if huge:
+            ax.set_xticks([])
+            ax.set_xlabel(f"{len(pods)} pods, by name")
+        else:
+            ax.set_xticks(range(len(pods)))
+            ax.set_xticklabels(
+                names if not many else [""] * len(pods), rotation=45, ha="right", fontsize=8
+            )
+            for tick, color in zip(ax.get_xticklabels(), colors, strict=True):
+                tick.set_color(color if color != NO_PROBE_COLOR else "black")
         ax.grid(axis="y", alpha=0.3)
         if not many:
             for bar, value, pod in zip(bars, values, pods, strict=True):
@@ -164,43 +186,67 @@ def render(
 
 def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> None:
     """Steps of each pod laid end to end from its startTime; the rest until its completionTime
-    is waiting (retries with backoff, the strategy holding it back)."""
+    is waiting (retries with backoff, the strategy holding it back). One bar call per step for
+    the whole fleet, so 10,000 pods draw in seconds."""
     from matplotlib.patches import Patch
 
     starts = [t for t in (_time(p.start_time) for p in pods) if t is not None]
     origin = _time(st.start_time) or (min(starts) if starts else None)
-    used: list[str] = []
-    for row, pod in enumerate(pods):
+    huge = len(pods) > LABELLED_ROWS
+    # In points; the timeline is 0.28 in * LABELLED_ROWS tall when the fleet is that large.
+    row_points = max(0.3, 0.28 * LABELLED_ROWS * 72 / len(pods) * 0.8)
+    steps = [*STEPS, *sorted({s for p in pods for s in p.step_seconds} - set(STEPS))]
+    lefts: list[float] = []
+    for pod in pods:
         begin = _time(pod.start_time)
-        x = (begin - origin).total_seconds() if begin and origin else 0.0
-        first = x
-        for step in (*STEPS, *sorted(set(pod.step_seconds) - set(STEPS))):
-            seconds = pod.step_seconds.get(step)
-            if not seconds:
-                continue
-            color = STEP_COLORS.get(step, "#dddddd")
-            ax.barh(row, seconds, left=x, height=0.6, color=color, edgecolor="white", lw=0.5)
-            if step not in used:
-                used.append(step)
-            x += seconds
+        lefts.append((begin - origin).total_seconds() if begin and origin else 0.0)
+    ends = list(lefts)
+    used: list[str] = []
+    for step in steps:
+        rows = [i for i, pod in enumerate(pods) if pod.step_seconds.get(step)]
+        if not rows:
+            continue
+        widths = [pods[i].step_seconds[step] for i in rows]
+        color = STEP_COLORS.get(step, "#dddddd")
+        starts_at = [ends[i] for i in rows]
+        if huge:  # one collection per step, each pod a line as thick as its row
+            stops = [a + w for a, w in zip(starts_at, widths, strict=True)]
+            ax.hlines(rows, starts_at, stops, colors=color, linewidth=row_points)
+        else:
+            ax.barh(rows, widths, left=starts_at, height=0.6, color=color, ec="white", lw=0.5)
+        for i, w in zip(rows, widths, strict=True):
+            ends[i] += w
+        used.append(step)
+    waits = []
+    for row, pod in enumerate(pods):
         end = _time(pod.completion_time)
-        if end and origin and (end - origin).total_seconds() > x:
-            ax.plot([x, (end - origin).total_seconds()], [row, row], color="#888888", lw=1, ls=":")
-            x = (end - origin).total_seconds()
-        label = pod.phase + (f": {pod.reason}" if pod.reason else "")
-        if pod.phase not in ("Succeeded",) and pod.step:
-            label += f" (at {pod.step})"
-        ax.annotate(
-            label,
-            xy=(max(x, first), row),
-            xytext=(4, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=8,
-            color=VERDICT_COLORS["Fail"] if pod.phase in ("Failed", "Inconclusive") else "black",
-        )
-    ax.set_yticks(range(len(pods)))
-    ax.set_yticklabels([p.name for p in pods], fontsize=8)
+        if end and origin and (end - origin).total_seconds() > ends[row]:
+            waits.append((row, ends[row], (end - origin).total_seconds()))
+            ends[row] = (end - origin).total_seconds()
+    if waits:
+        ax.hlines([w[0] for w in waits], [w[1] for w in waits], [w[2] for w in waits],
+                  color="#888888", lw=1 if not huge else 0.3, ls=":")  # fmt: skip
+    if not huge:
+        for row, pod in enumerate(pods):
+            label = pod.phase + (f": {pod.reason}" if pod.reason else "")
+            if pod.phase not in ("Succeeded",) and pod.step:
+                label += f" (at {pod.step})"
+            bad = pod.phase in ("Failed", "Inconclusive")
+            ax.annotate(
+                label,
+                xy=(max(ends[row], lefts[row]), row),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+                color=VERDICT_COLORS["Fail"] if bad else "black",
+            )
+        ax.set_yticks(range(len(pods)))
+        ax.set_yticklabels([p.name for p in pods], fontsize=8)
+    else:
+        ax.set_yticks([])
+        ax.set_ylabel(f"{len(pods)} pods, by name")
+        ax.set_ylim(-0.5, len(pods) - 0.5)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the refit started")
     ax.set_title("per-pod step timeline", fontsize=11)
@@ -217,27 +263,57 @@ def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> 
     )
 
 
-async def _fetch(name: str, namespace: str, kubeconfig: str | None) -> dict[str, Any]:
+async def _fetch(
+    name: str, namespace: str, kubeconfig: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]] | str]:
+    """The WeightRefit, and its fleet's Pod objects (or why they could not be listed)."""
     from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
 
-    from .cluster import connect
+    from .cluster import connect, read_json
 
     api_client = await connect(kubeconfig)
     async with api_client:
         doc: dict[str, Any] = await client.CustomObjectsApi(
             api_client
         ).get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
-    return doc
+        selector = api.LabelSelector.model_validate(doc["spec"]["fleet"]["selector"])
+        try:
+            resp = await client.CoreV1Api(api_client).list_namespaced_pod(
+                namespace, label_selector=selector.canonical(), _preload_content=False
+            )
+            items: list[dict[str, Any]] = (await read_json(resp)).get("items", [])
+        except ApiException as e:
+            return doc, f"HTTP {e.status} {e.reason}"
+    return doc, items
 
 
-def render_refit(doc: Mapping[str, Any], out: Path) -> Path:
-    """Draw a whole WeightRefit object (metadata, spec and status)."""
+def render_refit(
+    doc: Mapping[str, Any],
+    out: Path,
+    pods: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    title: str = "",
+) -> Path:
+    """Draw a whole WeightRefit object (metadata, spec and status). pods: the fleet's Pod
+    objects as the API server returns them: every pod is drawn, from its own record (progress
+    annotation) and status.pods; None draws only the pods status.pods lists (those that need
+    attention)."""
     meta = doc.get("metadata", {})
     spec = doc.get("spec", {})
     thresholds = spec.get("probe", {}).get("thresholds")
     version = spec.get("checkpoint", {}).get("version", "?")
-    title = f"WeightRefit {meta.get('namespace', '?')}/{meta.get('name', '?')} → {version}"
-    return render(doc.get("status") or {}, out, thresholds=thresholds, title=title)
+    title = title or f"WeightRefit {meta.get('namespace', '?')}/{meta.get('name', '?')} → {version}"
+    status = doc.get("status") or {}
+    results = None
+    if pods is not None:
+        from .cluster import pod_view
+        from .reconcile import fleet_results
+
+        listed = api.WeightRefitStatus.model_validate(dict(status)).pods
+        views = [pod_view(dict(p)) for p in pods]
+        results = fleet_results(listed, views, str(meta.get("uid", "")))
+    return render(status, out, thresholds=thresholds, title=title, pods=results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubernetes_asyncio.client.exceptions import ApiException
 
     try:
-        doc = asyncio.run(_fetch(args.refit, args.namespace, args.kubeconfig))
+        doc, pods = asyncio.run(_fetch(args.refit, args.namespace, args.kubeconfig))
     except ApiException as e:
         print(
             f"report: cannot read WeightRefit {args.namespace}/{args.refit}: "
@@ -261,8 +337,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    if isinstance(pods, str):
+        print(
+            f"report: cannot list the fleet's pods ({pods}): drawing only the pods "
+            "status.pods lists (those that need attention)",
+            file=sys.stderr,
+        )
     try:
-        path = render_refit(doc, args.out)
+        path = render_refit(doc, args.out, None if isinstance(pods, str) else pods)
     except ValueError as e:
         print(f"report: {args.namespace}/{args.refit}: {e}", file=sys.stderr)
         return 1

@@ -14,12 +14,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
 from . import metrics, podflow, probe
 from .api import WeightRefitSpec
-from .cluster import Cluster
-from .podflow import Finished, Progress, RunStep, WaitUntil
+from .cluster import ClaimedPod, ClaimLost, Cluster
+from .podflow import Claim, Finished, Progress, RunStep, WaitUntil
 from .reconcile import PodStart, PodView, admission_problem
 from .worker import WorkerClient, WorkerError
 
@@ -47,9 +48,11 @@ class PassContext:
     refit_doc: dict[str, object]  # for Events
     refit_name: str
     refit_uid: str
+    refit_created: str
     fleet: str
     spec: WeightRefitSpec
-    client: Callable[[PodView], WorkerClient]
+    client: Callable[[PodView, int | None], WorkerClient]  # (pod, fencing token)
+    next_fence: Callable[[], int]
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
@@ -72,27 +75,40 @@ def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
 
 
 async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
-    worker = ctx.client(pod)
+    """Run one pass on ``pod`` under a claim of its own. Raises PodBusy when the pod changed
+    since it was listed (the pass never started) and ClaimLost when another pass took the
+    pod over (this one stops without another call or write)."""
+    claim = Claim(ctx.refit_name, ctx.refit_uid, ctx.next_fence(), ctx.cluster.identity)
+    worker = ctx.client(pod, claim.fence)
     resumed = bool(start.resume and pod.progress)
     progress = pod.progress if resumed else None
     if progress is None:
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
-            rollback=start.rollback, restarts=pod.restarts,
+            created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
         )  # fmt: skip
-        refused = await _admission(ctx, pod, worker)
+        # Asked before the claim is taken, so without the pass's fencing token: a token the
+        # pod has seen must belong to the pass that holds it.
+        refused = await _admission(ctx, pod, ctx.client(pod, None))
         if refused is not None:
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
             progress = podflow.step_failed(
                 progress, progress.step, *refused, time.time(), retries=0, final=True
             )
+            handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
             ctx.live[pod.name] = progress
-            await _finish(ctx, pod, progress)
+            await _finish(ctx, handle, progress)
             return progress
-        # Out of traffic in the same write that records the new pass: a pod whose progress
-        # names a new pass is never Ready on the strength of an older probe.
-        await ctx.cluster.record(ctx.namespace, pod.name, progress, podflow.readiness(progress))
+        # Out of traffic in the same write that claims the pod and records the new pass: a
+        # pod whose progress names a new pass is never Ready on the strength of an older probe.
+        handle = await ctx.cluster.claim(
+            ctx.namespace, pod, claim, progress, podflow.readiness(progress)
+        )
+    else:
+        # Resumed after an operator restart (or a takeover from a frozen leader): the claim
+        # moves to this pass, whose newer fencing token the pod then requires.
+        handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
     ctx.live[pod.name] = progress
     while True:
         action = podflow.next_action(progress, time.time())
@@ -106,9 +122,9 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
         progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
         ctx.live[pod.name] = progress
         if progress.finished_pass:
-            await _finish(ctx, pod, progress)
+            await _finish(ctx, handle, progress)
         elif podflow.must_record(before, progress):
-            await ctx.cluster.record(ctx.namespace, pod.name, progress)
+            await handle.record(progress)
 
 
 async def _admission(
@@ -140,6 +156,8 @@ async def _run_step(
             return await _probe(ctx, pod, worker, progress)
         await _execute(ctx, worker, progress, step, resumed)
     except WorkerError as e:
+        if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
+            raise ClaimLost(f"pod {pod.name}: {step}: {e.message}") from e
         reason, final = worker_error_reason(e, step)
         result = "timeout" if e.kind == "timeout" else "failure"
         metrics.step_finished(ctx.namespace, ctx.fleet, step, result, time.monotonic() - began)
@@ -227,6 +245,8 @@ async def _probe(
         prompts = [list(p.token_ids) for p in reference.prompts]
         scored = await worker.score_prompts(prompts, timeout=timeout)
     except WorkerError as e:
+        if e.code == contract.STALE_FENCE:
+            raise ClaimLost(f"pod {pod.name}: probe: {e.message}") from e
         if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
             outcome = probe.inconclusive("ReferenceUnscorable", e.message)
         elif e.kind == "protocol":
@@ -265,11 +285,11 @@ async def _probe(
     return progress
 
 
-async def _finish(ctx: PassContext, pod: PodView, progress: Progress) -> None:
+async def _finish(ctx: PassContext, pod: ClaimedPod, progress: Progress) -> None:
     """The pass's last record: progress and readiness condition in one write (True only for a
-    pass that Succeeded; otherwise the pod stays out of traffic and the condition says why),
-    then the pod's one Event."""
-    await ctx.cluster.record(ctx.namespace, pod.name, progress, podflow.readiness(progress))
+    pass that Succeeded; otherwise the pod stays out of traffic and the condition says why)
+    that also releases the claim, then the pod's one Event."""
+    await pod.record(progress, podflow.readiness(progress), release=True)
     if progress.outcome == "Succeeded":
         what = "rolled back" if progress.rollback else "refitted"
         await _event(

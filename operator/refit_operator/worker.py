@@ -12,11 +12,18 @@ the caller what it may assume:
 - ``http``: the pod answered with a non-2xx status (``status`` holds it).
 - ``rejected``: the pod refused on purpose. From ``/collective_rpc`` this is the worker
   extension's ``RefitRejected`` (``code`` holds the contract code); ``code`` is None for a
-  refusal without one (``/reset_prefix_cache`` answering ``success: false``).
+  refusal without one (``/reset_prefix_cache`` answering ``success: false``). From any
+  path, ``code`` ``StaleFence`` (HTTP 409): the call's fencing token is older than one the
+  pod has already seen, so a newer pass owns the pod and this caller must stop driving it.
 - ``protocol``: the answer does not have the shape this client and the contract expect.
 
 Authentication: the admin bearer token goes on every path outside ``/v1`` (vLLM's dev/RL
 endpoints are guarded by refit_worker's admin guard), vLLM's ``--api-key`` on ``/v1``.
+
+Fencing (one driver per pod): a client made with ``fence=N`` sends ``X-Refit-Fence: N``
+on every path outside ``/v1`` (refit_worker.fence has the pod's rules), and ``before_call``
+runs synchronously before every request leaves; whatever it raises reaches the caller
+unchanged and nothing is sent (the operator stops there when its lease may have expired).
 """
 
 # The agreed interface takes a per-call `timeout`; it bounds the request itself.
@@ -26,13 +33,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from refit_worker import contract
+from refit_worker.fence import format_fence
 
 ErrorKind = Literal["http", "timeout", "connect", "protocol", "rejected"]
 
@@ -126,6 +134,18 @@ def _rpc_error_text(body: str) -> str:
     return message.split(_VLLM_RPC_ERROR_SUFFIX, 1)[0]
 
 
+def _stale_fence(body: str) -> str | None:
+    """The message of a pod's StaleFence refusal body; None when the body is not one."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(error, dict) or error.get("code") != contract.STALE_FENCE:
+        return None
+    message = error.get("message")
+    return message if isinstance(message, str) else contract.STALE_FENCE
+
+
 def session() -> aiohttp.ClientSession:
     """The HTTP session for all pods of all fleets (create it inside the event loop). No cap on
     connections overall, since every pod runs its own pass at once; per pod, a pass makes one
@@ -164,12 +184,19 @@ class WorkerClient:
         admin_token: str | None = None,
         api_key: str | None = None,
         timeout: float = 30.0,
+        fence: int | None = None,
+        before_call: Callable[[], None] | None = None,
     ) -> None:
+        """``fence``: the fencing token sent on every request outside ``/v1`` (0..2**64-1;
+        None sends none). ``before_call``: called before every request is sent; what it
+        raises propagates unchanged and the request is not sent."""
         self.base_url = base_url.rstrip("/")
         self._http = http
         self._admin_token = admin_token
         self._api_key = api_key
         self._timeout = timeout
+        self._fence = None if fence is None else format_fence(fence)  # ValueError if invalid
+        self._before_call = before_call
         self._model: str | None = None
 
     # --- transport -----------------------------------------------------------------
@@ -182,8 +209,13 @@ class WorkerClient:
         params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
         json: Any = None,
     ) -> Answer:
-        token = self._api_key if path.startswith("/v1/") else self._admin_token
+        if self._before_call is not None:
+            self._before_call()  # may raise: the caller must not act; nothing is sent
+        api = path.startswith("/v1/")
+        token = self._api_key if api else self._admin_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if self._fence is not None and not api:
+            headers[contract.FENCE_HEADER] = self._fence
         if path == "/collective_rpc":
             # A refusing RPC raises through vLLM's app; uvicorn then closes the connection
             # right after the 500, and a pooled reuse of it races that close (a spurious
@@ -216,6 +248,12 @@ class WorkerClient:
         if 200 <= answer.status < 300:
             return answer
         text = answer.text
+        if answer.status == 409:
+            stale = _stale_fence(text)
+            if stale is not None:
+                raise WorkerError(
+                    "rejected", stale, status=answer.status, code=contract.STALE_FENCE
+                )
         if path == "/collective_rpc":
             rejection = contract.parse_rejection(_rpc_error_text(text))
             if rejection is not None:

@@ -241,7 +241,9 @@ def test_installed_service_account_is_refused_what_it_must_not_do(
     assert not _can_i(cp, sa, "delete", "pods", "-n", ns)
     assert not _can_i(cp, sa, "create", "pods/exec", "-n", ns)
     assert not _can_i(cp, sa, "create", "weightrefits", "-n", ns)
-    assert not _can_i(cp, sa, "delete", "weightrefits", "-n", ns)
+    # delete is granted in the watched namespaces only: garbage collection of finished refits.
+    assert _can_i(cp, sa, "delete", "weightrefits", "-n", ns)
+    assert not _can_i(cp, sa, "delete", "weightrefits", "-n", other)
     assert not _can_i(cp, sa, "update", "customresourcedefinitions")
     assert not _can_i(cp, sa, "create", "rolebindings", "-n", ns)
     assert not _can_i(cp, sa, "patch", "pods", "-n", other)

@@ -116,6 +116,7 @@ def test_default_render_is_namespaced_and_least_privilege(helm: Helm) -> None:
         "watch",
         "patch",
         "update",
+        "delete",  # garbage collection of finished refits (history.py)
     }
     assert _verbs_on(rules, "refit.rollout.dev", "weightrefits/status") >= {"patch"}
     assert _verbs_on(rules, "refit.rollout.dev", "weightrefits/finalizers") == {"update"}
@@ -150,6 +151,7 @@ def test_default_render_is_namespaced_and_least_privilege(helm: Helm) -> None:
     assert "--lease-namespace=refit-system" in container["args"]
     assert "--lease-name=refit-refit-operator" in container["args"]
     assert "--verbose" not in container["args"]
+    assert "--history-limit=10" in container["args"]
     assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
     assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
     assert container["resources"]["requests"] and container["resources"]["limits"]
@@ -201,6 +203,7 @@ def test_all_options_render(helm: Helm) -> None:
     assert not [a for a in container["args"] if a.startswith("--namespace")]
     assert "--lease-name=refit-all" in container["args"]
     assert "--verbose" in container["args"]
+    assert "--history-limit=3" in container["args"]
     assert container["args"][-1] == "--extra-flag-for-test"
     assert container["ports"] == [{"name": "metrics", "containerPort": 9102, "protocol": "TCP"}]
     (lease_role,) = [d for d in by_kind(docs, "Role") if "leader-election" in d["metadata"]["name"]]
@@ -231,6 +234,7 @@ def test_all_options_render(helm: Helm) -> None:
     ("setting", "message"),
     [
         ("replicaCount=0", "at '/replicaCount': minimum"),
+        ("historyLimit=-1", "at '/historyLimit': minimum"),
         ("watch.scope=Everywhere", "at '/watch/scope': value must be one of"),
         ("watch.namespaces={Bad_Name}", "at '/watch/namespaces/0'"),
         ("adminToken.secretNames={UPPER}", "at '/adminToken/secretNames/0'"),

@@ -273,6 +273,10 @@ INVALID: list[tuple[str, Callable[[Manifest], None], str, str]] = [
      'Unsupported value: "Retry"'),
     ("queue-policy-unknown", _set("spec.queuePolicy", "Newest"), "spec.queuePolicy",
      'Unsupported value: "Newest"'),
+    ("ttl-negative", _set("spec.ttlSecondsAfterFinished", -1), "spec.ttlSecondsAfterFinished",
+     "greater than or equal to 0"),
+    ("ttl-not-integer", _set("spec.ttlSecondsAfterFinished", "1h"),
+     "spec.ttlSecondsAfterFinished", "must be of type integer"),
     ("unknown-spec-field", _set("spec.maxSurge", 1), "spec.maxSurge", "unknown field"),
     ("unknown-nested-field", _set("spec.strategy.partition", 1), "spec.strategy.partition",
      "unknown field"),
@@ -425,6 +429,7 @@ FULL_STATUS: Manifest = {
             "probe": {"verdict": "Inconclusive", "tokens": 0},
         },
     ],
+    "podsOmitted": 0,
 }
 
 
@@ -483,6 +488,27 @@ def test_status_rejects_unknown_phase(control_plane: ControlPlane, ns: str) -> N
     )  # fmt: skip
     assert proc.returncode != 0
     assert 'status.phase: Unsupported value: "Done"' in proc.stderr
+
+
+def test_status_pods_is_capped_by_the_schema(control_plane: ControlPlane, ns: str) -> None:
+    """status.pods holds at most api.STATUS_PODS_LIMIT entries: the API server says so too."""
+    from refit_operator.api import STATUS_PODS_LIMIT
+
+    create(control_plane, ns, minimal("capped"))
+
+    def patch(n: int) -> Any:
+        pods = [{"name": f"pod-{i}", "phase": "Failed"} for i in range(n)]
+        status = {"phase": "Halted", "pods": pods, "podsOmitted": 7}
+        return control_plane.kubectl(
+            "patch", "-n", ns, "wr", "capped", "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": status}), check=False,
+        )  # fmt: skip
+
+    too_many = patch(STATUS_PODS_LIMIT + 1)
+    assert too_many.returncode != 0 and "status.pods: Too many" in too_many.stderr
+    assert patch(STATUS_PODS_LIMIT).returncode == 0
+    st = get(control_plane, ns, "capped")["status"]
+    assert len(st["pods"]) == STATUS_PODS_LIMIT and st["podsOmitted"] == 7
 
 
 def test_printer_columns_and_short_names(control_plane: ControlPlane, ns: str) -> None:

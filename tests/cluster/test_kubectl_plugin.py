@@ -111,6 +111,12 @@ def test_status_history_wait_around_real_refits(harness, sim_fleet, tmp_path, ku
     fleet.apply_refit("wr1", "v1", ckpt["v1"], sims[0].port)
     proc = kubectl_refit("wait", "wr1", "-n", ns, "--timeout", "60s")
     assert "weightrefit/wr1: Succeeded: 3/3 pods at v1" in proc.stdout
+    # wr1's status lists no pod (none needs attention); `status` shows each from its record.
+    assert fleet.refit("wr1")["status"]["pods"] == []
+    out = kubectl_refit("status", "wr1", "-n", ns).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("pod-")}
+    assert [rows[f"pod-{i}"][1:5] for i in range(3)] == [["Succeeded", "ready", "v1", "yes"]] * 3
+    assert {rows[f"pod-{i}"][6] for i in range(3)} == {"Pass"}
 
     fleet.apply_refit("wr2", "v2", ckpt["v2"], sims[0].port,
                       strategy={"type": "Rolling", "maxUnavailable": 1, "canary": 1})  # fmt: skip

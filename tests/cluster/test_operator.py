@@ -49,10 +49,14 @@ def test_all_at_once_refits_every_pod_in_order(harness, sim_fleet, tmp_path, con
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
     assert st["probeSummary"]["passed"] == 3
-    for pod_status in st["pods"]:
-        assert pod_status["phase"] == "Succeeded" and pod_status["version"] == "v1"
-        assert pod_status["probe"]["verdict"] == "Pass" and pod_status["probe"]["tokens"] > 0
-        assert set(pod_status["stepSeconds"]) >= {"drain", "load", "probe", "ready"}
+    # No pod needs attention, so the status lists none; each pod's record is on the pod.
+    assert st["pods"] == [] and st["podsOmitted"] == 0
+    for i in range(3):
+        record = fleet.progress(fleet.pod(f"pod-{i}"))
+        assert record is not None and record["uid"] == doc["metadata"]["uid"]
+        assert record["outcome"] == "Succeeded" and record["version"] == "v1"
+        assert record["probe"]["verdict"] == "Pass" and record["probe"]["tokens"] > 0
+        assert set(record["step_seconds"]) >= {"drain", "load", "probe", "ready"}
     for i, sim in enumerate(sims):
         assert fleet.ready(fleet.pod(f"pod-{i}")) is True
         state = sim.state()
@@ -177,7 +181,13 @@ def test_rollback_returns_moved_pods_to_the_previous_version(harness, sim_fleet,
     assert all(s.state()["weight_version"] == "v1" for s in sims)
     for i in range(3):
         assert fleet.ready(fleet.pod(f"pod-{i}")) is True
-    assert {p["phase"] for p in st["pods"]} == {"RolledBack"}
+    # Rolled back pods need no attention: not listed; each pod's record is the rollback pass.
+    assert st["pods"] == []
+    uid = fleet.refit("wr-2")["metadata"]["uid"]
+    for i in range(3):
+        record = fleet.progress(fleet.pod(f"pod-{i}"))
+        assert record is not None and record["uid"] == uid and record["rollback"] is True
+        assert (record["outcome"], record["version"]) == ("Succeeded", "v1")
 
 
 def test_deleting_a_refit_mid_way_leaves_pods_safe(harness, sim_fleet, tmp_path):

@@ -39,14 +39,14 @@ class OperatorProc:
     lease_seconds: int = 3
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self) -> subprocess.Popen[bytes]:
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
         n = len(self.procs)
         log = (self.log_dir / f"operator-{n}.log").open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             [str(OPERATOR), "--kubeconfig", str(self.cp.kubeconfig), "--namespace",
              self.namespace, "--metrics-port", "0", "--lease-namespace", self.namespace,
-             "--lease-seconds", str(self.lease_seconds), "--identity", f"op{n}"],
+             "--lease-seconds", str(self.lease_seconds), "--identity", f"op{n}", *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
         )  # fmt: skip
         self.procs.append(proc)
@@ -62,6 +62,7 @@ class OperatorProc:
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)  # a frozen one could not stop
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs:
             try:
@@ -69,6 +70,14 @@ class OperatorProc:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+    def freeze(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGSTOP: the process stops between any two instructions, as in a long GC pause
+        or CPU throttling, and carries on where it was on thaw()."""
+        os.kill(proc.pid, signal.SIGSTOP)
+
+    def thaw(self, proc: subprocess.Popen[bytes]) -> None:
+        os.kill(proc.pid, signal.SIGCONT)
 
     def logs(self) -> str:
         return "\n".join(
@@ -245,6 +254,25 @@ class Fleet:
         for pod in self.pods():
             self._check(pod)
         self.api.close()
+
+
+def fenced_calls(sim: SimPod) -> list[dict[str, Any]]:
+    """The calls of refit passes (those carrying a fencing token), in arrival order."""
+    return [c for c in sim.call_log() if isinstance(c.get("fence"), int)]
+
+
+def assert_one_driver(sim: SimPod, *, refused_ok: bool = False) -> None:
+    """The pod was driven by one pass at a time: the admitted calls' fencing tokens never go
+    down and each token's calls are one unbroken run (no pass resumed after another began).
+    ``refused_ok``: a stale driver may have tried (and been refused); otherwise none did."""
+    calls = fenced_calls(sim)
+    admitted = [c["fence"] for c in calls if c["status"] != 409]
+    assert admitted == sorted(admitted), f"{sim.ip}: fences went down: {admitted}"
+    runs = [f for i, f in enumerate(admitted) if i == 0 or admitted[i - 1] != f]
+    assert len(runs) == len(set(runs)), f"{sim.ip}: passes interleaved: {runs}"
+    refused = [c for c in calls if c["status"] == 409]
+    if not refused_ok:
+        assert not refused, f"{sim.ip}: stale calls reached the pod: {refused}"
 
 
 def start_fleet(

@@ -1,8 +1,10 @@
 """API writes per pod are a small constant, and the WeightRefit status is not written once
-per pod event: measured on the API server's own request counters with a 100-pod fleet."""
+per pod event: measured on the API server's own request counters with a 100-pod fleet. The
+status stays small: a Succeeded refit lists no pod, and every pod carries its own record."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -61,3 +63,16 @@ def test_writes_per_pod_are_constant(harness, sim_fleet, tmp_path, control_plane
     assert events <= PODS + 10  # one per pod; a few for the refit's own transitions
     # Status writes follow reconcile ticks, not pod events (a pod passes ~10 steps).
     assert status < PODS
+
+    # No pod needs attention: the status lists none (it stays small at any fleet size), the
+    # probe summary counts every pod, and each pod's full record is its progress annotation.
+    doc = fleet.refit("wr")
+    assert doc["status"]["pods"] == [] and doc["status"]["podsOmitted"] == 0
+    assert doc["status"]["probeSummary"]["passed"] == PODS
+    assert len(json.dumps(doc["status"])) < 4096
+    annotations = [fleet.progress(p) for p in fleet.pods()]
+    assert len(annotations) == PODS
+    for r in annotations:
+        assert r is not None and r["uid"] == doc["metadata"]["uid"], r
+        assert (r["outcome"], r["version"], r["probe"]["verdict"]) == ("Succeeded", "v1", "Pass")
+        assert set(r["step_seconds"]) >= {"drain", "load", "probe", "ready"}

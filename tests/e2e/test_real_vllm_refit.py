@@ -40,18 +40,23 @@ def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
 
         st = refit(fleet, op, "to-a", str(ckpts["A"]), "A", server.port)
         assert st["phase"] == "Succeeded", (st, op.logs())
-        pod = st["pods"][0]
+        # A pod that succeeded is not listed in the status: its record is on the pod.
+        assert st["pods"] == []
+        pod = fleet.progress(fleet.pod("vllm-0"))
+        assert pod is not None and pod["refit"] == "to-a"
         assert pod["version"] == "A" and pod["probe"]["verdict"] == "Pass"
         # fp32 server against an fp32 reference: agreement far inside the bf16 defaults.
         assert pod["probe"]["maxAbsLogprobDiff"] < 1e-3
         assert abs(pod["probe"]["nll"] - pod["probe"]["referenceNll"]) < 1e-3
         assert fleet.ready(fleet.pod("vllm-0")) is True
+        nll_a = pod["probe"]["nll"]
 
         st = refit(fleet, op, "to-b", str(ckpts["B"]), "B", server.port)
         assert st["phase"] == "Succeeded", (st, op.logs())
         assert st["previous"]["version"] == "A"
-        nll_a = fleet.refit("to-a")["status"]["pods"][0]["probe"]["nll"]
-        assert st["pods"][0]["probe"]["nll"] != pytest.approx(nll_a, abs=1e-3)
+        pod = fleet.progress(fleet.pod("vllm-0"))
+        assert pod is not None and (pod["refit"], pod["version"]) == ("to-b", "B")
+        assert pod["probe"]["nll"] != pytest.approx(nll_a, abs=1e-3)
 
         # Mixed weights with A's reference: the load works, only the probe can tell.
         st = refit(fleet, op, "to-mixed", str(ckpts["mixed"]), "mixed", server.port)

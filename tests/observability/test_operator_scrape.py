@@ -110,8 +110,9 @@ def test_real_operator_metrics_feed_dashboards_and_alerts(
         assert doc["status"]["phase"] in ("Halted", "Failed"), operator_log()
         bad = {p["name"]: p for p in doc["status"]["pods"]}["pod-2"]
         assert bad["probe"]["verdict"] == "Fail"
-        # The report draws what the real operator wrote.
-        png = render_refit(doc, tmp_path / "wr-v2.png")
+        # The report draws what the real operator wrote: every pod, from the pods' records and
+        # the status (which lists only pod-2, the one that needs attention).
+        png = render_refit(doc, tmp_path / "wr-v2.png", pods=fleet.pods())
         assert png.stat().st_size > 20_000
 
         # The alerts' for: is at least 1m; pending is what "the expression returns data" means

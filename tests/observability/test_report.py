@@ -92,3 +92,51 @@ def test_cli_reads_the_refit_from_the_api_server(
     )
     assert missing.returncode == 1
     assert f"cannot read WeightRefit {namespace}/no-such-refit: HTTP 404" in missing.stderr
+
+
+def _pod_doc(name: str, progress: dict | None) -> dict:
+    from refit_operator.cluster import PROGRESS_ANNOTATION
+
+    meta: dict = {"name": name}
+    if progress is not None:
+        meta["annotations"] = {PROGRESS_ANNOTATION: json.dumps(progress)}
+    return {"metadata": meta, "spec": {}, "status": {"phase": "Running"}}
+
+
+def _passed(i: int) -> dict:
+    pod = halted_rolling_refit()["pods"][i]
+    return {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c", "step": "",
+            "outcome": "Succeeded", "started": 1.8e9, "finished": 1.8e9 + 20,
+            "step_seconds": pod["stepSeconds"], "probe": pod["probe"]}  # fmt: skip
+
+
+def test_report_draws_pods_the_status_does_not_list(tmp_path: Path) -> None:
+    """A Succeeded refit lists no pods in its status: the report draws every pod of the fleet
+    from its own record (the progress annotation)."""
+    from refit_operator.report import render_refit
+
+    status = halted_rolling_refit()
+    status.update(phase="Succeeded", failedPods=0, inconclusivePods=0, pods=[], message="")
+    doc = {"metadata": {"name": "wr", "namespace": "ns", "uid": "u1"}, "status": status,
+           "spec": {"checkpoint": {"version": "v2"}}}  # fmt: skip
+    with pytest.raises(ValueError, match="lists no pods"):
+        render_refit(doc, tmp_path / "none.png")
+    pods = [_pod_doc(f"vllm-{i}", _passed(i)) for i in range(3)] + [_pod_doc("new", None)]
+    png = mpimg.imread(render_refit(doc, tmp_path / "all.png", pods))
+    assert _has_color(png, VERDICT_COLORS["Pass"], 1000)
+    assert not _has_color(png, VERDICT_COLORS["Fail"], 5000)
+
+
+def test_a_large_fleet_is_drawn_whole_at_a_fixed_size(tmp_path: Path) -> None:
+    from refit_operator import api
+    from refit_operator.report import LABELLED_ROWS
+
+    status = halted_rolling_refit()
+    results = [
+        api.PodResult.model_validate({**p, "name": f"vllm-{i:05d}-{p['name']}"})
+        for i in range(LABELLED_ROWS) for p in status["pods"]
+    ]  # fmt: skip
+    png = mpimg.imread(render(status, tmp_path / "large.png", pods=results))
+    assert png.shape[0] < 6000  # not one 0.28 in row per pod
+    assert _has_color(png, VERDICT_COLORS["Fail"], 1000)
+    assert _has_color(png, VERDICT_COLORS["Pass"], 1000)

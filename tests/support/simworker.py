@@ -24,6 +24,17 @@ The simulated model
     asleep (vLLM 0.32 queues them too). Admin endpoints answer 401 without the admin token
     when the fleet has one; ``/v1`` answers 401 without the api key when it has one.
 
+Fencing
+    Each pod fences like refit_worker's admin guard, with the same
+    :class:`refit_worker.fence.FenceTracker`: a state-changing admin call (POST) whose
+    ``X-Refit-Fence`` token is lower than the highest the pod has admitted answers 409 with
+    ``{"error": {"code": "StaleFence", "message": ...}}``; a malformed header answers 400;
+    no header is admitted and moves nothing; reads are never fenced. A refused call is
+    logged (its status is 409 or 400) but reaches no endpoint and no fault. A crash or
+    restart forgets the mark, as a restarted container does. Every call log entry has
+    ``fence``: the token the call carried (None without the header; the raw text of a
+    malformed one); ``state()["fence"]`` is the pod's mark.
+
 Steps and faults
     Faults are set per pod and per step. A step is the endpoint name (``health``,
     ``metrics``, ``models``, ``completions``, ``pause``, ``resume``, ``is_paused``,
@@ -54,8 +65,8 @@ Steps and faults
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
     ``unsafe_reasons``; ``calls()`` lists the steps a pod served, in order (``call_log()``
-    with parameters, RPC bodies and status codes; ``counts()`` per step); ``state()`` shows
-    a pod's state. The same methods on ``pods[0].fleet`` (:class:`SimFleet`) take
+    with parameters, RPC bodies, fencing tokens and status codes; ``counts()`` per step);
+    ``state()`` shows a pod's state. The same methods on ``pods[0].fleet`` (:class:`SimFleet`) take
     ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
     RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
 
@@ -94,7 +105,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from refit_worker import contract
+from refit_worker import contract, fence
 from refit_worker.checkpoint import (
     ExpectedParam,
     load_manifest,
@@ -245,6 +256,7 @@ class PodState:
     capabilities: list[str] | None = None
     unsafe_reasons: list[str] = field(default_factory=list)
     faults: dict[str, Fault] = field(default_factory=dict)
+    fences: fence.FenceTracker = field(default_factory=fence.FenceTracker)
     calls: list[dict[str, Any]] = field(default_factory=list)
     transports: set[Any] = field(default_factory=set)
     serving: asyncio.Event = field(default_factory=asyncio.Event)
@@ -256,6 +268,7 @@ class PodState:
         self.seed, self.drift, self.weights_discarded = None, 0.0, False
         self.paused, self.running, self.waiting = False, 0, 0
         self.asleep = set()
+        self.fences.reset()  # the mark is process memory
         self.update_serving()
 
     def update_serving(self) -> None:
@@ -277,6 +290,7 @@ class PodState:
             "asleep": sorted(self.asleep),
             "running": self.running,
             "waiting": self.waiting,
+            "fence": self.fences.highest,
             "faults": {s: f.__dict__ for s, f in self.faults.items()},
         }
 
@@ -375,6 +389,7 @@ class SimServer:
 
     async def crash(self, pod: PodState, restart_after: float | None = None) -> None:
         pod.up = False
+        pod.fences.reset()
         await self._unlisten(pod.ip)
         for transport in pod.transports:
             transport.abort()
@@ -418,12 +433,29 @@ class SimServer:
                 body = None
         if step == "collective_rpc" and isinstance(body, dict):
             step = str(body.get("method"))
-        record: dict[str, Any] = {"step": step, "params": dict(request.query), "status": None}
+        given = request.headers.getall(contract.FENCE_HEADER, [])
+        malformed: str | None = None
+        try:
+            token = fence.read_fence(given)
+        except fence.FenceError as exc:
+            token, malformed = None, str(exc)
+        record: dict[str, Any] = {
+            "step": step,
+            "params": dict(request.query),
+            "status": None,
+            "fence": token if malformed is None else ", ".join(given),
+        }
         if isinstance(body, dict) and step != "completions":
             record["body"] = body
         if step is not None:
             pod.calls.append(record)
         denied = self._deny(request)
+        if (
+            denied is None
+            and needs_admin(request.method, request.path)
+            and fence.is_fenced(request.method)
+        ):
+            denied = self._fence(pod, token, malformed)
         response: web.StreamResponse
         if denied is not None:
             response = denied
@@ -447,6 +479,21 @@ class SimServer:
             return None
         return web.json_response(
             {"error": "Unauthorized"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    @staticmethod
+    def _fence(pod: PodState, token: int | None, malformed: str | None) -> web.Response | None:
+        """The admin guard's fence on an authorized state-changing call: None admits it."""
+        if malformed is not None:
+            return web.json_response(
+                fence.malformed_fence_body(malformed), status=fence.MALFORMED_FENCE_STATUS
+            )
+        highest = pod.fences.highest
+        if pod.fences.admit(token):
+            return None
+        assert token is not None and highest is not None  # admit() refuses nothing else
+        return web.json_response(
+            fence.stale_fence_body(token, highest), status=fence.STALE_FENCE_STATUS
         )
 
     async def _serve(

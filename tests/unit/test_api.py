@@ -104,3 +104,28 @@ def test_selector_canonical_is_order_independent():
          "matchExpressions": [{"key": "t", "operator": "In", "values": ["y", "x"]}]}
     )  # fmt: skip
     assert a.canonical() == "a=1,b=2,t in (x,y)"
+
+
+def test_label_selector_matches_like_kubernetes():
+    from refit_operator.api import LabelSelector
+
+    sel = LabelSelector.model_validate(
+        {
+            "matchLabels": {"app": "rollout"},
+            "matchExpressions": [
+                {"key": "tier", "operator": "In", "values": ["gen", "eval"]},
+                {"key": "zone", "operator": "NotIn", "values": ["b"]},
+                {"key": "gpu", "operator": "Exists"},
+                {"key": "draining", "operator": "DoesNotExist"},
+            ],
+        }
+    )
+    ok = {"app": "rollout", "tier": "gen", "gpu": "h200"}
+    assert sel.matches(ok)
+    assert sel.matches({**ok, "zone": "a"})
+    assert not sel.matches({**ok, "zone": "b"})
+    assert not sel.matches({**ok, "app": "other"})
+    assert not sel.matches({**ok, "tier": "train"})
+    assert not sel.matches({k: v for k, v in ok.items() if k != "gpu"})
+    assert not sel.matches({**ok, "draining": ""})
+    assert LabelSelector().matches({}) and LabelSelector().matches({"any": "thing"})

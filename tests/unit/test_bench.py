@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from bench import apiserver
+from bench import apiserver, scale, soak
 from bench.results import (
     Metric,
     SuiteResult,
@@ -142,3 +143,178 @@ def test_an_unfinished_run_is_a_lower_bound_and_gets_no_per_pod_verdict() -> Non
     assert writes.target is None and writes.met is None and writes.note.startswith("PARTIAL")
     k = by_name["AllAtOnce: wall-time growth exponent 10->1000"]
     assert "lower bound" in k.note
+
+
+# --- scale: object size, 10,000 pods, the simulator's shards ----------------------------------
+def test_scale_object_size_and_the_10000_pod_targets() -> None:
+    big = _run(10000, "AllAtOnce", 100.0, 40000)
+    big.object_bytes, big.object_bytes_max = 30 * 1024, 40 * 1024
+    old = _run(1000, "AllAtOnce", 12.0, 4000)  # measured before sizes were recorded
+    by_name = {m.name: m for m in metrics_of([old, big], [1000, 10000])}
+    wall = by_name["AllAtOnce 10000 pods: wall apply->Succeeded"]
+    assert (wall.target, wall.met) == ("< 120", True)
+    size = by_name["AllAtOnce 10000 pods: WeightRefit object size"]
+    assert (size.summary.median, size.unit, size.target, size.met) == (40.0, "KiB", "< 256", True)
+    assert "[30.0]" in size.note
+    assert "AllAtOnce 1000 pods: WeightRefit object size" not in by_name
+    assert by_name["AllAtOnce 10000 pods: API writes per pod"].summary.median == 4.0
+
+
+@pytest.mark.parametrize(
+    ("n", "per_shard", "sizes"),
+    [(4, 9488, [4]), (10000, 9488, [5000, 5000]), (7, 3, [3, 2, 2]), (9488, 9488, [9488])],
+)
+def test_a_fleet_is_split_evenly_over_the_fewest_simulators(
+    n: int, per_shard: int, sizes: list[int]
+) -> None:
+    got = scale.shard_sizes(n, per_shard)
+    assert got == sizes and sum(got) == n and max(got) <= per_shard
+
+
+def test_refit_body_selects_the_bench_fleet() -> None:
+    body = scale.refit_body("step-1", 8000, Path("/ckpt/1"), "v1", {"type": "AllAtOnce"},
+                            ttlSecondsAfterFinished=5)  # fmt: skip
+    assert body["metadata"] == {"name": "step-1"}
+    assert body["spec"]["fleet"] == {"selector": {"matchLabels": scale.LABELS}, "port": 8000}
+    assert body["spec"]["checkpoint"] == {"path": "/ckpt/1", "version": "v1"}
+    assert body["spec"]["ttlSecondsAfterFinished"] == 5
+
+
+def test_a_partial_run_sits_beside_the_full_one(tmp_path: Path) -> None:
+    machine = {"cores": 2, "loadavg_before": [1.0, 1.0, 1.0]}
+    full = SuiteResult("scale", "Scale", "python -m bench", "2026-01-01 08:00 UTC", machine,
+                       [Metric("AllAtOnce 10 pods: wall", [1.0], "s")])  # fmt: skip
+    big = SuiteResult("scale", "Scale", "python -m bench --only scale --scale-sizes 10000",
+                      "2026-01-02 08:00 UTC", machine,
+                      [Metric("AllAtOnce 10000 pods: wall", [90.0], "s")])  # fmt: skip
+    assert write_result(tmp_path, big, "scale-10000").name == "scale-10000.json"
+    write_result(tmp_path, full)
+    table = write_table(tmp_path, ["scale"]).read_text()
+    assert table.index("10 pods: wall") < table.index("10000 pods: wall")
+    assert "`python -m bench --only scale --scale-sizes 10000`" in table
+
+
+# --- soak -------------------------------------------------------------------------------------
+def test_soak_windows_names_and_what_the_policy_keeps() -> None:
+    assert [soak.window_size(n) for n in (1000, 300, 60, 2)] == [100, 100, 20, 1]
+    # Refits created in one second are ordered by name: padding keeps step order.
+    names = [soak.refit_name(i) for i in (9, 10, 100, 1000)]
+    assert names == sorted(names) == ["step-00009", "step-00010", "step-00100", "step-01000"]
+    assert soak.expected_left(10, 1000) == 10
+    assert soak.expected_left(10, 4) == 4
+    assert soak.expected_left(0, 1000) == 1  # the fleet's target is always kept
+    assert soak.expected_left(10, 0) == 0
+    assert soak.newest_names(3, 12) == ["step-00010", "step-00011", "step-00012"]
+
+
+def test_soak_drift_and_slope() -> None:
+    d = soak.drift([1.0, 2.0, 3.0, 9.0, 4.0, 4.0, 5.0], 3)
+    assert (d.first, d.last, d.ratio) == (2.0, 4.0, 2.0)
+    with pytest.raises(ValueError):
+        soak.drift([], 3)
+    assert soak.slope([0, 50, 100], [10.0, 11.0, 12.0]) == pytest.approx(0.02)
+    assert soak.slope([5], [1.0]) == 0.0 and soak.slope([5, 5], [1.0, 2.0]) == 0.0
+
+
+def _soak_run(later: float, rss_end: float, left: int) -> soak.SoakRun:
+    n = 300
+    seconds = [0.30] * 100 + [0.5] * 100 + [later] * 100
+    samples = [
+        soak.Sample(refits=i, rss_mib=rss, cpu_s=i / 10, weightrefits=w, terminating=t)
+        for i, rss, w, t in [(0, 120.0, 0, 0), (50, 121.0, 11, 1), (150, 121.5, 10, 0),
+                             (300, rss_end, 10, 0)]
+    ]  # fmt: skip
+    return soak.SoakRun(
+        pods=4, history_limit=10, planned=n, seconds=seconds, cpu_s=[0.1] * 100 + [0.2] * 200,
+        samples=samples, left=left, left_names=soak.newest_names(10, n)[:left],
+        requests_first={"POST events": 800, "PATCH pods/status": 1200, "LIST pods": 500},
+        requests_last={"POST events": 800, "DELETE weightrefits": 100, "GET weightrefits": 7},
+    )  # fmt: skip
+
+
+def test_soak_metrics_meet_the_issue_targets() -> None:
+    by_name = {m.name: m for m in soak.soak_metrics(_soak_run(0.32, 125.0, 10))}
+    ratio = by_name["apply->Succeeded, median of the last 100 / the first 100"]
+    assert ratio.summary.median == pytest.approx(0.32 / 0.30) and ratio.met is True
+    assert ratio.target == "<= 1.10"
+    assert by_name["apply->Succeeded, refits 1-100"].summary.n == 100
+    assert by_name["apply->Succeeded, refits 201-300"].summary.median == 0.32
+    assert by_name["apply->Succeeded, all 300 refits"].summary.high == 0.5
+    cpu = by_name["operator CPU per refit, refits 201-300"]
+    assert cpu.summary.median == 200.0 and "last/first 2.00" in cpu.note
+    rss = by_name["operator RSS growth, first -> last sample"]
+    assert (rss.summary.median, rss.target, rss.met) == (5.0, "< 10", True)
+    assert by_name["operator RSS growth, refit 50 -> 300"].summary.median == 4.0
+    trend = by_name["operator RSS trend after warm-up (least squares)"]
+    assert trend.unit == "MiB/1000 refits" and trend.summary.median > 0
+    most = by_name["WeightRefits in etcd, most seen at a sample"]
+    assert (most.summary.median, most.target, most.met) == (11, "<= 11", True)
+    left = by_name["WeightRefits left after 300 refits"]
+    assert (left.summary.median, left.met) == (10, True) and "they are:" in left.note
+    writes = by_name["API writes per refit, refits 1-100"]
+    assert writes.summary.median == 20.0  # (800 POST + 1200 PATCH) / 100; LIST is a read
+    assert "'LIST pods': 5.0" in writes.note
+    assert by_name["API writes per refit, refits 201-300"].summary.median == 9.0
+
+
+def test_soak_metrics_flag_drift_growth_and_a_wrong_history() -> None:
+    by_name = {m.name: m for m in soak.soak_metrics(_soak_run(0.34, 131.0, 9))}
+    assert by_name["apply->Succeeded, median of the last 100 / the first 100"].met is False
+    assert by_name["operator RSS growth, first -> last sample"].met is False
+    left = by_name["WeightRefits left after 300 refits"]
+    assert left.met is False  # fewer than the policy keeps is as wrong as more
+    run = _soak_run(0.3, 120.0, 10)
+    run.left_names = ["step-00001", *run.left_names[1:]]  # an old one kept, a new one gone
+    left = {m.name: m for m in soak.soak_metrics(run)}["WeightRefits left after 300 refits"]
+    assert left.met is False and "they are NOT" in left.note
+
+
+def test_soak_notes_and_json_round_trip() -> None:
+    run = _soak_run(0.3, 120.0, 10)
+    run.samples[2].stale_pods = 2
+    run.failure = "step-00301: Failed: probe"
+    notes = soak.notes_of(run)
+    assert notes[0].startswith("STOPPED EARLY after 300 refits: step-00301")
+    assert "after 150: 2" in notes[1]
+    assert soak.SoakRun.from_json(json.loads(json.dumps(run.to_json()))) == run
+    assert soak.soak_metrics(soak.SoakRun(pods=4, history_limit=10, planned=5)) == []
+
+
+def test_soak_ticks_and_the_machines_noise_per_window() -> None:
+    run = _soak_run(0.3, 120.0, 10)
+    run.samples = [
+        soak.Sample(refits=r, rss_mib=120.0, cpu_s=cpu, weightrefits=10, terminating=0, t=t,
+                    load1=load, busy_s=busy, bench_s=ours, ticks=ticks, series=series)
+        for r, cpu, t, load, busy, ours, ticks, series in [
+            (0, 0.0, 0.0, 1.0, 0.0, 0.0, 0, 35),
+            (100, 14.0, 40.0, 1.5, 60.0, 50.0, 2000, 595),
+            (200, 28.0, 80.0, 2.0, 120.0, 100.0, 4000, 595),
+            (300, 42.0, 130.0, 4.0, 210.0, 100.0 + 50.0, 6000, 600),
+        ]
+    ]  # fmt: skip
+    by_name = {m.name: m for m in soak.soak_metrics(run)}
+    ticks = by_name["operator reconcile ticks per refit, refits 1-100"]
+    assert ticks.summary.median == 20.0 and "CPU per tick 7.0 ms" in ticks.note
+    other = by_name["CPU used by processes outside the benchmark, refits 1-100"]
+    assert other.summary.median == pytest.approx(10 / 40) and other.unit == "cores"
+    other = by_name["CPU used by processes outside the benchmark, refits 201-300"]
+    assert other.summary.median == pytest.approx(40 / 50) and "[2.0, 4.0]" in other.note
+    series = by_name["operator /metrics series, first -> last sample"]
+    assert series.summary.median == 565 and "35 -> 600" in series.note
+    assert soak.at(run.samples, 100) is run.samples[1] and soak.at(run.samples, 150) is None
+
+
+def test_soak_reads_errors_from_the_operator_log(tmp_path: Path) -> None:
+    log = tmp_path / "soak.log"
+    log.write_text(
+        "2026 INFO refit_operator: fine\n"
+        "2026 ERROR kopf.objects: reconcile of soak/step-00003 failed: (429)\n"
+        "Traceback (most recent call last):\n"
+        "2026 ERROR asyncio: Unclosed client session\n"
+    )
+    n, lines = soak.log_errors(log)
+    assert n == 2 and lines[0].startswith("2026 ERROR kopf.objects") and "Traceback" in lines[0]
+    assert soak.log_errors(tmp_path / "missing.log") == (0, [])
+    run = _soak_run(0.3, 120.0, 10)
+    run.log_errors, run.log_error_lines = n, lines
+    assert soak.notes_of(run)[0].startswith("the operator logged 2 ERROR lines")

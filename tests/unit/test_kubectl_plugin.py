@@ -135,3 +135,29 @@ def test_table_and_timeouts():
     for bad in ("", "ten", "0s", "5d"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_timeout(bad)
+
+
+def test_describe_shows_pods_the_status_does_not_list_from_their_records():
+    """status.pods lists only pods that need attention: a pod that succeeded is shown from its
+    progress annotation, with its version and probe."""
+    doc = refit_doc()
+    doc["metadata"]["namespace"] = "ns"
+    doc["status"] = {
+        "phase": "Halted", "updatedPods": 1, "targetPods": 2, "failedPods": 1,
+        "pods": [{"name": "b", "phase": "Failed", "step": "probe", "reason": "NllDrift",
+                  "probe": {"verdict": "Fail", "nll": 3.0, "referenceNll": 2.5}}],
+    }  # fmt: skip
+    passed = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "step": "",
+              "outcome": "Succeeded", "attempts": 1, "step_seconds": {"load": 1.5},
+              "probe": {"verdict": "Pass", "nll": 2.5, "referenceNll": 2.5, "tokens": 64,
+                        "meanAbsLogprobDiff": 1e-6, "maxAbsLogprobDiff": 3e-6}}  # fmt: skip
+    other = {**passed, "refit": "older", "uid": "u0", "version": "v1"}
+    pods = [pod("a", progress=passed, ready=True), pod("b"), pod("c", progress=other)]
+    text = describe(doc, pods)
+    lines = text.splitlines()
+    row = {line.split()[0]: line.split() for line in lines if line[:2] in ("a ", "b ", "c ")}
+    assert row["a"] == ["a", "Succeeded", "ready", "v2", "yes", "1", "Pass", "2.5000", "2.5000",
+                        "0.0000", "0.0000"]  # fmt: skip
+    assert row["b"][1] == "Failed" and row["b"][-1] == "NllDrift"
+    assert row["c"][1:4] == ["Pending", "-", "-"]  # another refit's record: not this refit's
+    assert "1 pod(s) shown Pending carry another refit's record now (older)" in text

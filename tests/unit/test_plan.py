@@ -49,8 +49,8 @@ def test_queue_fifo_by_creation():
     c = RefitRef("c", "2026-01-01T00:00:03Z", "Queued")
     fleet = [c, a, b]
     assert plan.queue_role(a, fleet).role == "active"
-    assert plan.queue_role(b, fleet) == plan.QueueDecision("queued", position=1)
-    assert plan.queue_role(c, fleet) == plan.QueueDecision("queued", position=2)
+    assert plan.queue_role(b, fleet) == plan.QueueDecision("queued", position=1, waiting_for="a")
+    assert plan.queue_role(c, fleet) == plan.QueueDecision("queued", position=2, waiting_for="a")
     done = RefitRef("a", a.created, "Succeeded")
     assert plan.queue_role(b, [done, b, c]).role == "active"
 
@@ -78,3 +78,14 @@ def test_fleet_target_is_newest_succeeded():
     c = RefitRef("c", "2026-01-01T00:00:03Z", "Halted")
     assert plan.fleet_target([a, b, c]) == "b"
     assert plan.fleet_target([c]) is None
+
+
+def test_a_started_refit_is_never_queued_again():
+    """Two refits that both started before they came to share pods (labels changed): both
+    stay active; the pods' claims, not the queue, take turns between them."""
+    a = RefitRef("a", "2026-01-01T00:00:01Z", "Progressing")
+    b = RefitRef("b", "2026-01-01T00:00:02Z", "Progressing")
+    assert plan.queue_role(a, [a, b]).role == "active"
+    assert plan.queue_role(b, [a, b]).role == "active"
+    c = RefitRef("c", "2026-01-01T00:00:03Z", "Pending")
+    assert plan.queue_role(c, [a, b, c]) == plan.QueueDecision("queued", 2, waiting_for="a")

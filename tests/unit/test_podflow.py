@@ -119,3 +119,23 @@ def test_readiness_follows_the_pass():
     assert podflow.readiness(failed) == podflow.Readiness(
         False, "NllDrift", "NllDrift: nll 9.1 vs 2.0"
     )
+
+
+def test_claim_round_trips_and_unreadable_is_none():
+    c = podflow.Claim(refit="wr", uid="u", fence=(3 << 32) | 5, holder="op0-1")
+    assert podflow.Claim.from_annotation(c.to_annotation()) == c
+    for bad in (
+        None,
+        "",
+        "{",
+        '{"refit": "wr"}',
+        '{"refit":"a","uid":"u","fence":"x","holder":"h"}',
+    ):
+        assert podflow.Claim.from_annotation(bad) is None
+
+
+def test_newer_than_breaks_timestamp_ties_by_name():
+    p = podflow.start("b", "u", "v", "/p", 0.0, created="2026-01-01T00:00:00Z")
+    assert p.newer_than("2026-01-01T00:00:00Z", "a")
+    assert not p.newer_than("2026-01-01T00:00:00Z", "c")
+    assert not p.newer_than("2026-01-02T00:00:00Z", "a")

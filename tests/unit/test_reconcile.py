@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from refit_operator import podflow
-from refit_operator.api import Previous, WeightRefitSpec, WeightRefitStatus
+from refit_operator.api import LabelSelector, Previous, WeightRefitSpec, WeightRefitStatus
 from refit_operator.plan import RefitRef
 from refit_operator.reconcile import (
     Observed,
@@ -185,7 +185,7 @@ def test_convergence_of_late_or_restarted_pod():
     assert d.watching and not d.dormant
     d = decide(observe(r, [pod("p0", prog)], fleet=fleet))
     assert d.idle and d.start == [] and d.watching
-    newer = RefitRef("wr-2", "2026-11-30T00:00:00Z", "Succeeded")
+    newer = RefitRef("wr-2", "2026-11-30T00:00:00Z", "Succeeded", selector=LabelSelector())
     d = decide(observe(r, [pod("p0", prog)], fleet=[*fleet, newer]))
     assert d.dormant and d.start == []
 
@@ -241,3 +241,317 @@ def test_success_with_tolerated_failures_is_ready_and_degraded():
     assert conds["Degraded"] == ("True", "PodsFailedWithinLimits")
     clean = decide(observe(r, [pod("p0", done(prog)), pod("p1", done(prog))]))
     assert {c.type: c.status for c in clean.status.conditions}["Degraded"] == "False"
+
+
+# ---- one driver per pod: claims, overlapping refits, pods that moved on
+def _claimed(by: str, uid: str) -> podflow.Claim:
+    return podflow.Claim(refit=by, uid=uid, fence=7, holder="op-1")
+
+
+def test_pod_held_by_another_live_refit_is_blocked_not_started():
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    held = pod("p1", claim=_claimed("other", "uid-other"))
+    obs = observe(r, [pod("p0"), held], refits={"uid": "wr", "uid-other": "other"})
+    d = decide(obs)
+    assert [x.pod for x in d.start] == ["p0"]
+    assert "p1 held by a pass of refit other" in d.status.message
+    assert d.status.phase == "Progressing"  # it waits; it does not finish without p1
+
+
+def test_claim_of_a_refit_that_no_longer_exists_is_stale():
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    stale = pod("p1", claim=_claimed("deleted", "uid-gone"))
+    d = decide(observe(r, [stale], refits={"uid": "wr"}))
+    assert [x.pod for x in d.start] == ["p1"]
+
+
+def test_own_claim_from_a_previous_leader_is_taken_over():
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW, created=CREATED)
+    mine = pod("p0", prog, claim=_claimed("wr", "uid"), ready=False)
+    d = decide(observe(r, [mine], refits={"uid": "wr"}))
+    assert [(x.pod, x.resume) for x in d.start] == [("p0", True)]
+
+
+def _by_newer(version: str = "v3") -> podflow.Progress:
+    return done(
+        podflow.start("newer", "uid-n", version, "/ckpt/v3", NOW, created="2026-11-30T00:00:00Z")
+    )
+
+
+def test_pods_a_newer_refit_drove_are_superseded_not_reclaimed():
+    s = spec()
+    mine = done(podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW, created=CREATED))
+    r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
+    fleet = [
+        RefitRef("wr", CREATED, "Succeeded"),
+        RefitRef("newer", "2026-11-30T00:00:00Z", "Succeeded", selector=LabelSelector()),
+    ]
+    d = decide(observe(r, [pod("p0", mine), pod("p1", _by_newer())], fleet=fleet))
+    assert d.start == [] and d.status.phase == "Succeeded"
+    assert (d.status.target_pods, d.status.updated_pods) == (1, 1)
+    assert "1 moved on to newer refits" in d.status.message
+    both = [pod("p0", _by_newer()), pod("p1", _by_newer())]
+    # Moved on to a refit still at work, or one that failed: not superseded (yet).
+    for phase in ("Progressing", "Halted"):
+        other = [fleet[0], replace(fleet[1], phase=phase)]
+        d = decide(observe(r, both, fleet=other))
+        assert d.status.phase == "Succeeded" and d.start == []
+    d = decide(observe(r, both, fleet=fleet))
+    assert d.status.phase == "Superseded" and d.dormant
+    assert "moved on to newer" in d.status.message
+    assert {c.type: c.status for c in d.status.conditions}["Ready"] == "False"
+
+
+def test_older_pass_on_a_pod_does_not_supersede_a_newer_refit():
+    """The other order of arrival: the pod's last pass belongs to an OLDER refit, so this
+    (newer) refit still owes the pod its version."""
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    older = done(
+        podflow.start("old", "uid-o", "v1", "/ckpt/v1", NOW, created="2026-11-01T00:00:00Z")
+    )
+    d = decide(observe(r, [pod("p0", older)], refits={"uid": "wr", "uid-o": "old"}))
+    assert [x.pod for x in d.start] == ["p0"]
+
+
+def test_finished_refit_does_not_converge_pods_a_newer_succeeded_refit_selects():
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
+    only_gen = LabelSelector.model_validate({"matchLabels": {"tier": "gen"}})
+    fleet = [
+        RefitRef("wr", CREATED, "Succeeded"),
+        RefitRef("newer", "2026-11-30T00:00:00Z", "Succeeded", selector=only_gen),
+    ]
+    pods = [
+        pod("gen", labels={"app": "rollout", "tier": "gen"}),
+        pod("plain", labels={"app": "rollout"}),
+    ]
+    d = decide(observe(r, pods, fleet=fleet))
+    assert [x.pod for x in d.start] == ["plain"] and d.watching
+
+
+def test_queued_refit_names_the_refit_it_waits_for():
+    s = spec()
+    r = refit(s)
+    fleet = [
+        RefitRef("wr", CREATED, "Pending"),
+        RefitRef("first", "2026-11-28T00:00:00Z", "Progressing"),
+    ]
+    d = decide(observe(r, [pod("p0")], fleet=fleet))
+    assert d.status.phase == "Queued" and "waiting for first" in d.status.message
+
+
+# ---- status that scales: status.pods lists only pods that need attention, capped
+def _record(i: int, outcome: str = "Succeeded", **over: object) -> podflow.Progress:
+    """A realistic finished (or running) pass of pod i: every step timed, a probe."""
+    steps = {s: 0.5 + 0.01 * (i % 7) for s in podflow.STEPS}
+    verdict = {"Succeeded": "Pass", "Failed": "Fail", "Inconclusive": "Inconclusive"}
+    base = dict(
+        refit="wr", uid="uid", version="v2", path="/ckpt/v2", created=CREATED, step="",
+        outcome=outcome, started=NOW - 60, finished=NOW - 1, step_seconds=steps,
+        probe={"verdict": verdict.get(outcome, "Pass"), "nll": 2.31 + 1e-5 * (i % 100),
+               "referenceNll": 2.31, "meanAbsLogprobDiff": 0.004, "maxAbsLogprobDiff": 0.03,
+               "tokens": 512},
+    )  # fmt: skip
+    if outcome in ("Failed", "Inconclusive"):
+        base.update(reason="LogprobDrift" if outcome == "Failed" else "ProbeTimeout",
+                    message="max |Δlogprob| 1.84 > 0.5 on prompt 3 of 8 (token 17)",
+                    step="probe", attempts=2)  # fmt: skip
+    if outcome == "":
+        base.update(step="load", finished=0.0, probe=None)
+    base.update(over)
+    return podflow.Progress(**base)  # type: ignore[arg-type]
+
+
+def test_status_of_a_10000_pod_fleet_is_small_and_lists_the_worst_first():
+    import json
+
+    from refit_operator.api import STATUS_PODS_LIMIT
+
+    n = 10_000
+    failed = {f"vllm-{i:05d}" for i in range(7, n, 500)}  # 20
+    inconclusive = {f"vllm-{i:05d}" for i in range(11, n, 1000)}  # 10
+    deleting = {f"vllm-{i:05d}" for i in range(13, n, 2000)}  # 5
+    running = {f"vllm-{i:05d}" for i in range(17, n, 333)} - deleting - failed - inconclusive
+    assert not (failed & inconclusive) and not ((failed | inconclusive) & (deleting | running))
+    pods = []
+    for i in range(n):
+        name = f"vllm-{i:05d}"
+        if name in failed:
+            rec = _record(i, "Failed", probe={"verdict": "Fail", "nll": 3.1, "referenceNll": 2.31,
+                                             "meanAbsLogprobDiff": 0.2, "maxAbsLogprobDiff": 1.84,
+                                             "tokens": 512})  # fmt: skip
+        elif name in inconclusive:
+            rec = _record(i, "Inconclusive", probe={"verdict": "Inconclusive", "tokens": 0})
+        elif name in running:
+            rec = _record(i, "")
+        elif i == 4242:  # the worst passing pod, far from the listed ones
+            rec = _record(i, probe={"verdict": "Pass", "nll": 2.35, "referenceNll": 2.31,
+                                    "meanAbsLogprobDiff": 0.049, "maxAbsLogprobDiff": 0.45,
+                                    "tokens": 512})  # fmt: skip
+        else:
+            rec = _record(i)
+        pods.append(pod(name, rec, deleting=name in deleting, ready=rec.outcome == "Succeeded"))
+    st = WeightRefitStatus(phase="Progressing", start_time=STARTED)
+    s = spec(probe={"failureLimit": 100, "inconclusiveLimit": 100})
+    d = decide(observe(refit(s, st), pods))
+    doc = d.status.dump()
+    size = len(json.dumps(doc, separators=(",", ":")))
+    print(f"\n{n} pods: status {size} bytes, {len(d.status.pods)} entries")
+    assert size < 256 * 1024
+
+    # Exactly the pods that need attention, worst first (Failed, Inconclusive, Dropped, then
+    # InProgress), each group by name, cut at the limit; the rest counted.
+    want = (
+        [(p, "Failed") for p in sorted(failed)]
+        + [(p, "Inconclusive") for p in sorted(inconclusive)]
+        + [(p, "Dropped") for p in sorted(deleting)]
+        + [(p, "InProgress") for p in sorted(running)]
+    )
+    assert len(want) > STATUS_PODS_LIMIT == 50
+    assert [(r.name, r.phase) for r in d.status.pods] == want[:STATUS_PODS_LIMIT]
+    assert d.status.pods_omitted == len(want) - STATUS_PODS_LIMIT == doc["podsOmitted"]
+    assert {r.reason for r in d.status.pods if r.phase == "Dropped"} == {"PodDeleted"}
+    bad = d.status.pods[0]
+    assert bad.probe is not None and bad.probe.verdict == "Fail" and bad.step == "probe"
+    assert bad.reason == "LogprobDrift" and bad.attempts == 2 and set(bad.step_seconds)
+
+    # The probe summary is over every pod's record, not over the listed few.
+    summary = d.status.probe_summary
+    passes = n - len(failed) - len(inconclusive) - len(running)  # deleting pods were probed too
+    assert (summary.passed, summary.failed, summary.inconclusive) == (
+        passes, len(failed), len(inconclusive),
+    )  # fmt: skip
+    assert summary.worst_mean_abs_logprob_diff == 0.2
+    assert summary.worst_max_abs_logprob_diff == 1.84
+    assert round(summary.nll_spread, 6) == round(2.35 - 2.31, 6)
+    # Counts are over the fleet too (Dropped pods leave it).
+    assert d.status.failed_pods == len(failed) and d.status.inconclusive_pods == len(inconclusive)
+    assert d.status.target_pods == n - len(deleting)
+
+
+def test_succeeded_and_rolled_back_pods_are_not_listed_but_counted():
+    s = spec(onFailure="Rollback")
+    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    d = decide(observe(r, [pod("p0", done(prog)), pod("p1", done(prog))]))
+    assert d.status.phase == "Succeeded"
+    assert d.status.pods == [] and d.status.pods_omitted == 0
+    assert d.status.probe_summary.passed == 2 and d.status.updated_pods == 2
+    prev = Previous(version="v1", path="/ckpt/v1", refit="wr-old")
+    back = done(podflow.start("wr", "uid", "v1", "/ckpt/v1", NOW, rollback=True))
+    r = refit(s, WeightRefitStatus(phase="RollingBack", start_time=STARTED, previous=prev))
+    d = decide(observe(r, [pod("p0", back), pod("p1", back)]))
+    assert d.status.phase == "RolledBack" and d.status.pods == []
+    assert d.status.probe_summary.passed == 2
+
+
+def test_dropped_pods_are_remembered_within_the_limit_worst_first():
+    from refit_operator.api import STATUS_PODS_LIMIT, PodResult
+
+    s = spec()
+    st = WeightRefitStatus(
+        phase="Progressing",
+        start_time=STARTED,
+        pods=[PodResult(name="gone", phase="InProgress", step="load")],
+    )
+    running = [pod(f"r{i:02d}", _record(i, "")) for i in range(STATUS_PODS_LIMIT)]
+    failed = pod("zz-failed", _record(99, "Failed"))
+    d = decide(observe(refit(s, st), [*running, failed]))
+    names = [r.name for r in d.status.pods]
+    # Failed first, then the pod that vanished (now Dropped, with why), then the rest.
+    assert names[:2] == ["zz-failed", "gone"] and len(names) == STATUS_PODS_LIMIT
+    gone = d.status.pods[1]
+    assert (gone.phase, gone.reason) == ("Dropped", "PodDeleted")
+    assert d.status.pods_omitted == 2  # two of the pods in progress
+    # Still remembered on the next tick (the status is its only record).
+    d = decide(observe(refit(s, d.status), [*running, failed]))
+    assert [r.name for r in d.status.pods][:2] == ["zz-failed", "gone"]
+
+
+def test_result_for_a_pod_now_in_another_refits_hands_is_kept_only_if_it_needs_attention():
+    from refit_operator.api import PodResult
+
+    s = spec(probe={"failureLimit": 1})
+    old = [
+        PodResult(name="p0", phase="Failed", reason="LogprobDrift"),
+        PodResult(name="p1", phase="Succeeded", version="v2"),
+    ]
+    st = WeightRefitStatus(phase="Succeeded", start_time=STARTED, pods=old)
+    other = done(podflow.start("other", "uid-o", "v2", "/ckpt/v2", NOW))
+    d = decide(observe(refit(s, st), [pod("p0", other), pod("p1", other)]))
+    assert [(r.name, r.phase) for r in d.status.pods] == [("p0", "Failed")]
+
+
+def test_summary_of_a_finished_refit_keeps_probes_of_pods_that_moved_on():
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    pods = [pod(f"p{i}", _record(i)) for i in range(3)]
+    d = decide(observe(r, pods))
+    assert d.status.phase == "Succeeded" and d.status.probe_summary.passed == 3
+    written = d.status.probe_summary
+    # A newer refit takes two of the pods: their annotations now hold its passes.
+    newer = _record(0, refit="newer", uid="uid-n", version="v3", created="2026-11-30T00:00:00Z")
+    moved = [pods[0], pod("p1", newer), pod("p2", newer)]
+    fleet = [
+        RefitRef("wr", CREATED, "Succeeded"),
+        RefitRef("newer", "2026-11-30T00:00:00Z", "Progressing"),
+    ]
+    d = decide(observe(refit(s, d.status), moved, fleet=fleet))
+    assert d.status.probe_summary == written
+    # A pod re-probed by a convergence pass counts again once its probe is back.
+    again = [pod("p0", _record(0, "")), pods[1], pods[2]]
+    d = decide(observe(refit(s, d.status), again))
+    assert d.status.probe_summary == written
+    worse = _record(0, probe={"verdict": "Pass", "nll": 2.33, "referenceNll": 2.31,
+                              "meanAbsLogprobDiff": 0.01, "maxAbsLogprobDiff": 0.2})  # fmt: skip
+    d = decide(observe(refit(s, d.status), [pod("p0", worse), pods[1], pods[2]]))
+    assert d.status.probe_summary.passed == 3
+    assert d.status.probe_summary.worst_max_abs_logprob_diff == 0.2
+
+
+def test_fleet_results_show_every_pod_from_its_record():
+    from refit_operator.api import PodResult
+    from refit_operator.reconcile import fleet_results, pod_phases
+
+    listed = [
+        PodResult(name="b", phase="Failed", reason="LogprobDrift"),
+        PodResult(name="c", phase="InProgress", step="probe"),  # live: newer than the record
+        PodResult(name="gone", phase="Dropped", reason="PodDeleted"),
+    ]
+    pods = [
+        pod("a", _record(0)),  # Succeeded: only its annotation has it
+        pod("b", _record(1, "Failed")),
+        pod("c", _record(2, "", step="load")),
+        pod("d"),  # not reached
+        pod("e", _record(4, refit="other", uid="uid-o")),  # another refit's record
+    ]
+    rows = {r.name: r for r in fleet_results(listed, pods, "uid")}
+    assert list(rows) == ["a", "b", "c", "d", "e", "gone"]
+    a = rows["a"]
+    assert (a.phase, a.version, a.step) == ("Succeeded", "v2", "ready")
+    assert a.probe is not None and a.probe.verdict == "Pass" and a.step_seconds
+    assert (rows["b"].phase, rows["b"].reason) == ("Failed", "LogprobDrift")
+    assert (rows["c"].phase, rows["c"].step) == ("InProgress", "probe")
+    assert rows["d"].phase == rows["e"].phase == "Pending"
+    assert rows["gone"].phase == "Dropped"
+    assert pod_phases(listed, pods, "uid") == {
+        "Succeeded": 1, "Failed": 1, "InProgress": 1, "Dropped": 1,
+    }  # fmt: skip
+
+
+def test_status_pods_limit_is_the_crds_max_items():
+    from pathlib import Path
+
+    import yaml
+    from refit_operator.api import STATUS_PODS_LIMIT
+
+    crd = yaml.safe_load((Path(__file__).parents[2] / "crds" / "weightrefit.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert status["properties"]["pods"]["maxItems"] == STATUS_PODS_LIMIT
+    assert f"at most {STATUS_PODS_LIMIT} entries" in status["properties"]["pods"]["description"]
+    assert status["properties"]["podsOmitted"]["type"] == "integer"

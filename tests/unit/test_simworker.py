@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
+from refit_worker import contract, fence
 
 from tests.support.simworker import (
     SIM_VOCAB,
@@ -262,3 +263,99 @@ async def test_a_bad_prompt_in_a_list_fails_the_whole_request_like_vllm(
         "param": None,
         "code": 400,
     }
+
+
+# --- fencing: the admin guard's rules, with refit_worker.fence ---------------------------
+async def test_fencing_follows_the_guard_rules_and_logs_each_token(
+    sim_fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    pods = sim_fleet(2, admin_token="t")
+    pod = pods[0]
+    old = WorkerClient(pod.base_url, http=http, admin_token="t", fence=4)
+    new = WorkerClient(pod.base_url, http=http, admin_token="t", fence=9)
+    anyone = WorkerClient(pod.base_url, http=http, admin_token="t")
+    await old.pause("wait")  # admitted: the first token
+    await new.resume()  # admitted: higher, and now the mark
+    await new.pause("wait")  # admitted: equal
+    with pytest.raises(WorkerError) as err:
+        await old.resume()  # refused: lower
+    assert (err.value.kind, err.value.status, err.value.code) == ("rejected", 409, "StaleFence")
+    assert err.value.message == fence.stale_fence_message(4, 9)
+    assert await old.is_paused() is True  # reads are not fenced; the refused resume did nothing
+    await anyone.resume()  # no header: admitted, the mark stays
+    assert [(e["step"], e["fence"], e["status"]) for e in pod.call_log()] == [
+        ("pause", 4, 200),
+        ("resume", 9, 200),
+        ("pause", 9, 200),
+        ("resume", 4, 409),
+        ("is_paused", 4, 200),
+        ("resume", None, 200),
+    ]
+    assert pod.state()["fence"] == 9
+    assert pods[1].state()["fence"] is None  # every pod has its own mark
+    await WorkerClient(pods[1].base_url, http=http, admin_token="t", fence=1).pause("wait")
+
+
+async def test_a_stale_call_gets_the_guards_exact_answer(
+    sim_fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    (pod,) = sim_fleet(1, admin_token="t")
+    headers = {"Authorization": "Bearer t", contract.FENCE_HEADER: "12"}
+    async with http.post(pod.base_url + "/pause", headers=headers) as r:
+        assert r.status == 200
+    for path, body in [("/sleep", None), ("/collective_rpc", {"method": "refit_info"})]:
+        headers[contract.FENCE_HEADER] = "11"
+        async with http.post(pod.base_url + path, headers=headers, json=body) as r:
+            assert r.status == 409
+            assert await r.json() == fence.stale_fence_body(11, 12)
+    headers[contract.FENCE_HEADER] = "-1"
+    async with http.post(pod.base_url + "/sleep", headers=headers) as r:
+        assert r.status == 400
+        negative = "X-Refit-Fence header '-1' is negative"
+        assert await r.json() == fence.malformed_fence_body(negative)
+    assert pod.call_log()[-1]["fence"] == "-1"  # the raw text of a malformed header
+    assert pod.state()["asleep"] == []
+    assert pod.state()["fence"] == 12
+
+
+async def test_a_refused_call_consumes_no_fault(
+    sim_fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    (pod,) = sim_fleet(1)
+    await WorkerClient(pod.base_url, http=http, fence=5).pause("wait")
+    pod.set_fault("resume", "error", 503, times=1)
+    with pytest.raises(WorkerError) as err:
+        await WorkerClient(pod.base_url, http=http, fence=3).resume()
+    assert err.value.code == "StaleFence"  # fenced before any endpoint or fault
+    assert pod.state()["faults"]["resume"]["times"] == 1
+    with pytest.raises(WorkerError) as err:
+        await WorkerClient(pod.base_url, http=http, fence=5).resume()
+    assert err.value.status == 503
+
+
+async def test_unauthorized_calls_do_not_move_the_mark(
+    sim_fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    (pod,) = sim_fleet(1, admin_token="t")
+    with pytest.raises(WorkerError) as err:
+        await WorkerClient(pod.base_url, http=http, fence=100).pause("wait")
+    assert err.value.status == 401
+    assert pod.state()["fence"] is None
+    assert pod.call_log()[0]["fence"] == 100
+    await WorkerClient(pod.base_url, http=http, admin_token="t", fence=1).pause("wait")
+
+
+async def test_crash_and_restart_forget_the_mark(
+    sim_fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    (pod,) = sim_fleet(1)
+    await WorkerClient(pod.base_url, http=http, fence=50).pause("wait")
+    assert pod.state()["fence"] == 50
+    pod.crash()
+    assert pod.state()["fence"] is None
+    pod.restart()
+    # A fresh process admits any token: the pod lost its weights too, so whoever drives it
+    # next starts over. (A new session: the crash reset the kept-alive connection.)
+    async with worker.session() as fresh:
+        await WorkerClient(pod.base_url, http=fresh, fence=2).pause("wait")
+    assert pod.state()["fence"] == 2

@@ -497,3 +497,160 @@ async def test_a_misbehaving_socket_maps_to_its_error_kind(
             await WorkerClient(url, http=http, timeout=0.3).weight_version()
     assert err.value.kind == kind, err.value
     assert err.value.message.startswith(f"GET /weight_info: {message}"), err.value.message
+
+
+# --- fencing: one driver per pod ------------------------------------------------------
+STATE_CHANGING = {
+    "refit_info",
+    "refit_preflight",
+    "refit_load",
+    "refit_probe_reference",
+    "pause",
+    "resume",
+    "sleep",
+    "wake_up",
+    "reset_prefix_cache",
+    "update_weight_version",
+}
+
+
+@pytest.mark.parametrize("step", list(CALLS))
+async def test_the_fence_goes_on_every_request_outside_v1(
+    pod: SimPod, http: aiohttp.ClientSession, step: str
+) -> None:
+    token = (3 << 32) | 17
+    with contextlib.suppress(WorkerError):  # the RPCs on /nowhere are refused: no matter
+        await CALLS[step](client(pod, http, fence=token))
+    log = pod.call_log()
+    assert log, "the call reached the pod"
+    for entry in log:
+        api = entry["step"] in ("models", "completions")
+        assert entry["fence"] == (None if api else token), entry
+    # State-changing calls raise the pod's mark; reads do not.
+    assert pod.state()["fence"] == (token if step in STATE_CHANGING else None)
+
+
+async def test_no_fence_sends_no_header(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    c = client(pod, http)
+    await c.pause("wait")
+    await c.refit_info()
+    assert [e["fence"] for e in pod.call_log()] == [None, None]
+    assert pod.state()["fence"] is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, True, 1.5, "7"])
+def test_an_invalid_fence_is_refused_at_construction(bad: Any) -> None:
+    with pytest.raises(ValueError, match="fencing token"):
+        WorkerClient("http://127.0.0.1:9", http=None, fence=bad)  # type: ignore[arg-type]
+
+
+class LeaseLost(Exception):
+    pass
+
+
+@pytest.mark.parametrize("step", list(CALLS))
+async def test_before_call_raising_stops_the_request_unchanged(
+    pod: SimPod, http: aiohttp.ClientSession, step: str
+) -> None:
+    lost = LeaseLost("lease may have expired")
+
+    def check() -> None:
+        raise lost
+
+    with pytest.raises(LeaseLost) as err:
+        await CALLS[step](client(pod, http, fence=5, before_call=check))
+    assert err.value is lost  # not wrapped in WorkerError
+    assert pod.call_log() == []  # nothing reached the pod
+    assert pod.state()["fence"] is None
+
+
+async def test_before_call_runs_before_every_request(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    seen: list[int] = []
+
+    def check() -> None:
+        seen.append(len(pod.call_log()))  # how many calls the pod had served by then
+
+    c = client(pod, http, fence=1, before_call=check)
+    await c.resume()
+    await c.is_paused()
+    await c.score([1, 2, 3])  # two requests: /v1/models, then /v1/completions
+    await c.score([1, 2])  # the model name is cached: one request
+    assert seen == [0, 1, 2, 3, 4]
+    assert pod.calls() == ["resume", "is_paused", "models", "completions", "completions"]
+
+
+async def test_before_call_stops_a_caller_midway(pod: SimPod, http: aiohttp.ClientSession) -> None:
+    allowed = [True, True, False]
+
+    def check() -> None:
+        if not allowed.pop(0):
+            raise LeaseLost("stop")
+
+    c = client(pod, http, fence=2, before_call=check)
+    await c.pause("wait")
+    await c.sleep(1)
+    with pytest.raises(LeaseLost):
+        await c.wake_up()
+    assert pod.calls() == ["pause", "sleep"]
+
+
+STALE_CALLS: dict[str, Call] = {
+    step: CALLS[step]
+    for step in (
+        "refit_info",
+        "refit_preflight",
+        "refit_load",
+        "pause",
+        "resume",
+        "sleep",
+        "wake_up",
+        "reset_prefix_cache",
+        "update_weight_version",
+    )
+}
+
+
+@pytest.mark.parametrize("step", list(STALE_CALLS))
+async def test_a_stale_fence_is_a_stalefence_rejection(
+    pod: SimPod, http: aiohttp.ClientSession, step: str
+) -> None:
+    newer = client(pod, http, fence=(2 << 32) | 1)
+    older = client(pod, http, fence=(1 << 32) | 9)
+    await newer.pause("wait")
+    with pytest.raises(WorkerError) as err:
+        await STALE_CALLS[step](older)
+    assert (err.value.kind, err.value.status, err.value.code) == ("rejected", 409, "StaleFence")
+    assert err.value.message == (
+        f"fencing token {(1 << 32) | 9} is older than {(2 << 32) | 1}, the newest this pod has "
+        "seen: another refit pass owns this pod"
+    )
+    assert pod.state()["paused"] is True  # the stale pass changed nothing
+    assert pod.call_log()[-1]["status"] == 409
+    # Reads are not fenced: the stale pass can still look.
+    assert await older.is_paused() is True
+    # The pass that owns the pod carries on.
+    await newer.resume()
+
+
+async def test_a_409_without_the_stalefence_code_is_an_http_error(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    pod.set_fault("pause", "error", 409)
+    with pytest.raises(WorkerError) as err:
+        await client(pod, http, fence=1).pause("wait")
+    assert (err.value.kind, err.value.status, err.value.code) == ("http", 409, None)
+
+
+async def test_a_malformed_fence_answer_is_an_http_400(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    # The client never sends one (the constructor checks); a proxy or a person might.
+    async with http.post(
+        pod.base_url + "/pause",
+        headers={"Authorization": f"Bearer {ADMIN}", contract.FENCE_HEADER: "abc"},
+    ) as r:
+        assert r.status == 400
+        assert "not a non-negative integer" in (await r.json())["error"]["message"]
+    assert pod.state()["paused"] is False

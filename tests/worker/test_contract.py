@@ -9,7 +9,9 @@ every WorkerClient method, the contract rejections (CheckpointMissing, PathNotAl
 ManifestMismatch), out-of-vocabulary tokens and the 401 of the admin guard and the api key.
 Several prompts in one completions request (score_prompts) must also agree on the choices'
 indices in answer order, each choice's prompt_logprobs length and the summed usage; one bad
-prompt among them (out of vocabulary, empty) fails the whole request on both.
+prompt among them (out of vocabulary, empty) fails the whole request on both. Fencing
+(X-Refit-Fence) must agree too: a stale token is refused with the same 409 and body on any
+state-changing path, reads and calls without the header pass, a malformed one is the same 400.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 from refit_operator.worker import WorkerClient, WorkerError
+from refit_worker import contract
 
 from tests.support.simworker import SimFleet, make_sim_checkpoint
 from tests.support.tiny_model import TinyModel
@@ -221,3 +224,64 @@ def test_simulator_answers_with_the_real_shapes(
     ]
     statuses = [o[2] for o in observed_real if o[:2] == ("error", "http")]
     assert statuses == [400, 400, 400, 401, 401, 401]  # bad token, bad batch, empty prompt
+
+
+async def run_fencing(target: Target) -> list[Any]:
+    """Two passes drive one pod with fencing tokens; the older one must be refused."""
+    seen: list[Any] = []
+    # Above any token another test of this module may have sent (none sends one today).
+    newer_token, older_token = (7 << 32) | 2, (7 << 32) | 1
+    async with aiohttp.ClientSession() as http:
+
+        def make(token: int | None) -> WorkerClient:
+            return WorkerClient(
+                target.base_url,
+                http=http,
+                admin_token=target.admin_token,
+                api_key=target.api_key,
+                fence=token,
+            )
+
+        newer, older, anyone = make(newer_token), make(older_token), make(None)
+
+        async def outcome(call: Awaitable[Any]) -> None:
+            try:
+                result = await call
+            except WorkerError as exc:
+                seen.append(("error", exc.kind, exc.status, exc.code, exc.message))
+                return
+            seen.append(("ok", result))
+
+        async def raw(path: str, value: str, body: Any = None) -> None:
+            headers = {
+                "Authorization": f"Bearer {target.admin_token}",
+                contract.FENCE_HEADER: value,
+            }
+            async with http.post(target.base_url + path, headers=headers, json=body) as r:
+                seen.append(("raw", path, r.status, await r.json()))
+
+        await outcome(newer.reset_prefix_cache())  # admitted: the pod's mark is now newer
+        await outcome(older.reset_prefix_cache())  # refused
+        await outcome(older.refit_info())  # refused on /collective_rpc too
+        await outcome(older.resume())
+        await outcome(older.is_paused())  # a read: not refused
+        await outcome(newer.resume())  # equal: admitted
+        await outcome(anyone.resume())  # no header: admitted
+        await raw("/resume", str(older_token))  # the refusal's exact body
+        await raw("/collective_rpc", str(older_token), {"method": "refit_info"})
+        await raw("/resume", "not-a-number")
+        await raw("/resume", "-3")
+        await outcome(older.resume())  # still refused: refusals did not move the mark
+    return seen
+
+
+def test_simulator_fences_like_the_real_guard(real: Target, sim: Target) -> None:
+    observed_real = asyncio.run(run_fencing(real))
+    observed_sim = asyncio.run(run_fencing(sim))
+    assert observed_sim == observed_real
+    stale = [o for o in observed_real if o[0] == "error"]
+    assert [o[1:4] for o in stale] == [("rejected", 409, contract.STALE_FENCE)] * 4
+    assert "another refit pass owns this pod" in stale[0][4]
+    raw = [o[1:3] for o in observed_real if o[0] == "raw"]
+    assert raw == [("/resume", 409), ("/collective_rpc", 409), ("/resume", 400), ("/resume", 400)]
+    assert observed_real[-2][3]["error"]["message"] == "X-Refit-Fence header '-3' is negative"

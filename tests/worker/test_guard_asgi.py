@@ -134,3 +134,182 @@ def test_guard_configured(token_file: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not guard_configured(argv)
     monkeypatch.delenv("REFIT_ADMIN_TOKEN_FILE")
     assert not guard_configured(argv)
+
+
+# --- fencing: one driver per pod ------------------------------------------------------
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+class Recorder:
+    """An inner app that records which requests reached it (past the guard)."""
+
+    def __init__(self) -> None:
+        self.reached: list[tuple[str, str]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.reached.append((scope["method"], scope["path"]))
+        await app(scope, receive, send)
+
+
+@pytest.fixture
+def fenced(token_file: Path) -> tuple[AdminGuard, Recorder, httpx.AsyncClient]:
+    inner = Recorder()
+    guard = AdminGuard(inner, token_file=str(token_file))
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t")
+    return guard, inner, c
+
+
+def fenced_headers(token: object) -> dict[str, str]:
+    return {**AUTH, "X-Refit-Fence": str(token)}
+
+
+def stale(token: int, highest: int) -> dict[str, object]:
+    return {
+        "error": {
+            "code": "StaleFence",
+            "message": f"fencing token {token} is older than {highest}, the newest this pod "
+            "has seen: another refit pass owns this pod",
+        }
+    }
+
+
+FENCED_POSTS = [
+    "/pause",
+    "/resume",
+    "/sleep",
+    "/wake_up",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/update_weight_version",
+]
+
+
+@pytest.mark.parametrize("path", FENCED_POSTS)
+async def test_stale_token_is_refused_with_409_and_reaches_nothing(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient], path: str
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        assert (await c.post("/pause", headers=fenced_headers(7))).status_code == 200
+        inner.reached.clear()
+        r = await c.post(path, headers=fenced_headers(6))
+        assert r.status_code == 409
+        assert r.headers["content-type"] == "application/json"
+        assert r.json() == stale(6, 7)
+    assert inner.reached == []  # vLLM never saw it
+    assert guard.fences.highest == 7  # a refusal leaves the mark where it was
+
+
+async def test_equal_and_higher_tokens_are_admitted_and_raise_the_mark(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient],
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        for token, highest in [(3, 3), (3, 3), (4, 4), (4, 4), (2**40, 2**40)]:
+            r = await c.post("/sleep", headers=fenced_headers(token))
+            assert (r.status_code, r.text) == (200, "inner")
+            assert guard.fences.highest == highest
+        r = await c.post("/sleep", headers=fenced_headers(4))
+        assert r.status_code == 409
+        assert r.json() == stale(4, 2**40)
+    assert len(inner.reached) == 5
+
+
+async def test_absent_header_is_admitted_and_leaves_the_mark(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient],
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        assert (await c.post("/pause", headers=AUTH)).status_code == 200
+        assert guard.fences.highest is None
+        assert (await c.post("/pause", headers=fenced_headers(10))).status_code == 200
+        # A person with the admin token and curl is not fenced, and moves nothing.
+        assert (await c.post("/resume", headers=AUTH)).status_code == 200
+        assert guard.fences.highest == 10
+        assert (await c.post("/resume", headers=fenced_headers(9))).status_code == 409
+    assert inner.reached == [("POST", "/pause"), ("POST", "/pause"), ("POST", "/resume")]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("abc", "is not a non-negative integer"),
+        ("-3", "is negative"),
+        ("1" * 64, "at most 20 digits"),
+        ("", "is empty"),
+        (str(2**64), "above the largest fencing token"),
+    ],
+)
+async def test_malformed_header_is_a_400_that_names_the_problem(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient], value: str, says: str
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        assert (await c.post("/pause", headers=fenced_headers(5))).status_code == 200
+        r = await c.post("/sleep", headers={**AUTH, "X-Refit-Fence": value})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert says in error["message"] and "X-Refit-Fence" in error["message"]
+        assert error["param"] == "X-Refit-Fence"
+    assert inner.reached == [("POST", "/pause")]
+    assert guard.fences.highest == 5
+
+
+async def test_header_given_twice_is_a_400(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient],
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        headers = [("Authorization", "Bearer s3cret"), ("X-Refit-Fence", "9")]
+        headers.append(("x-refit-fence", "1"))
+        r = await c.post("/sleep", headers=headers)
+        assert r.status_code == 400
+        assert "given 2 times" in r.json()["error"]["message"]
+    assert inner.reached == [] and guard.fences.highest is None
+
+
+async def test_reads_are_not_refused_and_do_not_move_the_mark(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient],
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        assert (await c.post("/pause", headers=fenced_headers(8))).status_code == 200
+        for path in ("/is_paused", "/is_sleeping", "/weight_info", "/server_info"):
+            for value in ("1", "100", "garbage"):
+                r = await c.get(path, headers={**AUTH, "X-Refit-Fence": value})
+                assert (r.status_code, r.text) == (200, "inner"), (path, value)
+        assert (await c.get("/metrics", headers={"X-Refit-Fence": "1"})).status_code == 200
+        assert guard.fences.highest == 8  # a higher token on a read did not raise it
+        assert (await c.post("/resume", headers=fenced_headers(8))).status_code == 200
+    assert len(inner.reached) == 1 + 4 * 3 + 1 + 1
+
+
+async def test_unauthorized_calls_never_touch_the_mark(
+    fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient],
+) -> None:
+    guard, inner, c = fenced
+    async with c:
+        r = await c.post("/pause", headers={"X-Refit-Fence": "100"})
+        assert r.status_code == 401  # the token check comes first
+        r = await c.post("/pause", headers={"Authorization": "Bearer no", "X-Refit-Fence": "x"})
+        assert r.status_code == 401
+        assert guard.fences.highest is None
+        assert (await c.post("/pause", headers=fenced_headers(1))).status_code == 200
+    assert inner.reached == [("POST", "/pause")]
+
+
+async def test_v1_is_not_fenced(fenced: tuple[AdminGuard, Recorder, httpx.AsyncClient]) -> None:
+    guard, inner, c = fenced
+    async with c:
+        assert (await c.post("/pause", headers=fenced_headers(8))).status_code == 200
+        r = await c.post("/v1/completions", headers={"X-Refit-Fence": "1"})
+        assert r.status_code == 200  # vLLM's --api-key territory, not the guard's
+    assert guard.fences.highest == 8
+    assert inner.reached == [("POST", "/pause"), ("POST", "/v1/completions")]
+
+
+async def test_each_guard_has_its_own_mark(token_file: Path) -> None:
+    async with client(token_file) as a, client(token_file) as b:
+        assert (await a.post("/pause", headers=fenced_headers(50))).status_code == 200
+        assert (await b.post("/pause", headers=fenced_headers(1))).status_code == 200
+        assert (await a.post("/pause", headers=fenced_headers(1))).status_code == 409

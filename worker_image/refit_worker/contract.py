@@ -1,10 +1,11 @@
 """The wire contract between the Refit operator and the refit_worker vLLM plugin.
 
 Both packages import this module, so it depends on the standard library alone. It names
-the RPC methods the operator calls through vLLM's ``/collective_rpc``, the capability
-names the plugin reports, and the two public file formats a trainer writes next to a
-checkpoint: ``refit-manifest.json`` and ``refit-probe.json``. Changing anything here is a
-change of a public format: bump the matching ``*_FORMAT_VERSION``.
+the RPC methods the operator calls through vLLM's ``/collective_rpc``, the fencing header
+its calls carry, the capability names the plugin reports, and the two public file formats a
+trainer writes next to a checkpoint: ``refit-manifest.json`` and ``refit-probe.json``.
+Changing anything here is a change of a public format: bump the matching
+``*_FORMAT_VERSION``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ RPC_INFO = "refit_info"
 RPC_PREFLIGHT = "refit_preflight"
 RPC_LOAD = "refit_load"
 RPC_PROBE_REFERENCE = "refit_probe_reference"
+
+# --- Fencing: one driver per pod (refit_worker.fence, refit_worker.guard) ---
+# Every call a refit pass makes to a pod outside /v1 carries this header: a non-negative
+# integer, monotonic across passes and operator leaders, opaque to the pod. The admin guard
+# refuses a state-changing call whose token is lower than the highest the pod has seen.
+FENCE_HEADER = "X-Refit-Fence"
+# The refusal's code: HTTP 409, body {"error": {"code": "StaleFence", "message": "..."}}.
+STALE_FENCE = "StaleFence"
 
 # --- Files a trainer writes into a checkpoint directory ---
 MANIFEST_FILE = "refit-manifest.json"

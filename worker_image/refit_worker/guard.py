@@ -9,16 +9,29 @@ probes a kubelet and Prometheus need. An unknown path is an admin path: deny by 
 
 Fails closed: with no token file, an unreadable or an empty one, every admin path answers
 401 and the reason is logged (never sent to the client).
+
+Fencing (one driver per pod, refit_worker.fence): once the token check passes, a
+state-changing admin request (any method but GET, HEAD and OPTIONS: in vLLM's admin API,
+POST) that carries ``X-Refit-Fence`` is admitted only if its token is at least the highest
+this pod has admitted; a lower one answers 409 with
+``{"error": {"code": "StaleFence", "message": ...}}``, a malformed one 400. The mark lives
+in this middleware, i.e. in the API-server process: a restarted container starts without
+one. With several API-server processes (vLLM's ``--api-server-count`` > 1) each would keep
+its own mark, so a fleet pod runs one.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from refit_worker import fence
+from refit_worker.contract import FENCE_HEADER
 
 TOKEN_FILE_ENV = "REFIT_ADMIN_TOKEN_FILE"
 # vLLM's own --api-key middleware guards exactly these prefixes (vllm/entrypoints/serve/
@@ -44,6 +57,14 @@ def needs_admin(method: str, path: str) -> bool:
     if path in OPEN_PATHS or path.rstrip("/") in OPEN_PATHS:
         return method.upper() not in OPEN_METHODS
     return True
+
+
+_FENCE_KEY = FENCE_HEADER.lower().encode("ascii")
+
+
+def fence_values(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """Every value of the fencing header in an ASGI header list (normally none or one)."""
+    return [value for key, value in headers if key.lower() == _FENCE_KEY]
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -122,29 +143,51 @@ class AdminGuard:
         self.app = app
         self.tokens = TokenSource(token_file or os.environ.get(TOKEN_FILE_ENV))
         self.tokens.get()  # log a misconfiguration at start, not at the first request
+        # The highest fencing token this pod (this API-server process) has admitted.
+        self.fences = fence.FenceTracker()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         method = scope.get("method", "GET") if scope["type"] == "http" else "GET"
-        if not needs_admin(method, scope.get("path", "")) or self._authorized(scope):
+        if not needs_admin(method, scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
+        if not self._authorized(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _respond(
+                send, 401, b'{"error":"Unauthorized"}', [(b"www-authenticate", b"Bearer")]
+            )
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        if scope["type"] == "http" and fence.is_fenced(method):
+            refusal = self._fence(scope)
+            if refusal is not None:
+                status, body = refusal
+                await _respond(send, status, json.dumps(body).encode())
+                return
+        await self.app(scope, receive, send)
+
+    def _fence(self, scope: Scope) -> tuple[int, dict[str, Any]] | None:
+        """None to admit an authorized state-changing request, else (status, JSON body)."""
+        where = f"{scope.get('method')} {scope.get('path')}"
+        try:
+            token = fence.read_fence(fence_values(scope.get("headers") or []))
+        except fence.FenceError as exc:
+            log.warning("refit admin guard: %s refused: %s", where, exc)
+            return fence.MALFORMED_FENCE_STATUS, fence.malformed_fence_body(str(exc))
+        highest = self.fences.highest
+        if self.fences.admit(token):
+            return None
+        assert token is not None and highest is not None  # admit() refuses nothing else
+        log.warning(
+            "refit admin guard: %s refused: %s",
+            where,
+            fence.stale_fence_message(token, highest),
         )
-        await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
+        return fence.STALE_FENCE_STATUS, fence.stale_fence_body(token, highest)
 
     def _authorized(self, scope: Scope) -> bool:
         expected = self.tokens.get()
@@ -152,3 +195,16 @@ class AdminGuard:
         if expected is None or given is None:
             return False
         return hmac.compare_digest(given, expected)
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *(headers or [])],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -48,9 +48,11 @@ app.kubernetes.io/part-of: refit
 
 {{/* Rules for the watched WeightRefits and fleet pods (Role or ClusterRole). */}}
 {{- define "refit.workloadRules" -}}
+# delete: garbage collection of finished refits (--history-limit, spec.ttlSecondsAfterFinished);
+# never create: only trainers decide which checkpoint the fleet loads.
 - apiGroups: [refit.rollout.dev]
   resources: [weightrefits]
-  verbs: [get, list, watch, patch, update]
+  verbs: [get, list, watch, patch, update, delete]
 - apiGroups: [refit.rollout.dev]
   resources: [weightrefits/status]
   verbs: [get, patch]

@@ -1,0 +1,138 @@
+"""Garbage collection of finished WeightRefits: which ones to delete, by policy. Pure.
+
+A training run creates one WeightRefit per step, for thousands of steps. Without a policy
+every one of them stays in etcd, in `kubectl get wr` and in the operator's index forever.
+The policy (docs/concepts.md, "History and garbage collection"):
+
+- Only finished refits (api.TERMINAL_PHASES) are ever deleted; an active or queued one never.
+- Per fleet, at most `Policy.history_limit` finished refits are kept: the newest by
+  (creationTimestamp, name). The fleet's target counts as one of them.
+- A finished refit with `spec.ttlSecondsAfterFinished` is deleted once that many seconds have
+  passed since its `status.completionTime` (a refit whose completion time is unknown is
+  never deleted by its TTL, only by the count).
+- The fleet's **target** — its newest Succeeded refit, by the same order as
+  plan.fleet_target — is never deleted, whatever the limit or its TTL: it is the rollback
+  target of the next refit (status.previous) and the refit that keeps converging pods that
+  join the fleet later. A history_limit of 0 therefore keeps exactly the target (or nothing
+  when the fleet has never had a Succeeded refit).
+
+The engine feeds `to_delete` from its in-memory index; it costs O(n log n) in the refits that
+exist now, which the policy itself keeps bounded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from .api import TERMINAL_PHASES
+
+DEFAULT_HISTORY_LIMIT = 10
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One WeightRefit as the garbage collector sees it (active ones included: never deleted).
+
+    name is returned as given: when refits of several namespaces go into one call, pass a
+    name that is unique across them (e.g. "namespace/name").
+    """
+
+    name: str
+    created: str  # metadata.creationTimestamp, RFC3339 (sorts in time order)
+    phase: str  # status.phase
+    completed: float | None  # status.completionTime as Unix seconds; None if unknown
+    ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
+    fleet: str  # fleet key: refits with equal keys are one fleet
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any], fleet: str) -> Finished:
+        """From a WeightRefit as the API server returns it (a dict)."""
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        ttl = spec.get("ttlSecondsAfterFinished")
+        return cls(
+            name=str(meta.get("name", "")),
+            created=str(meta.get("creationTimestamp") or ""),
+            phase=str(status.get("phase") or "Pending"),
+            completed=epoch(status.get("completionTime")),
+            ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
+            fleet=fleet,
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How many finished refits each fleet keeps (the TTL is per refit, in its spec)."""
+
+    # Finished refits kept per fleet, newest by creation, the fleet's target included.
+    # 0 keeps only the target.
+    history_limit: int = DEFAULT_HISTORY_LIMIT
+
+    def __post_init__(self) -> None:
+        limit = self.history_limit
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise ValueError(f"history_limit must be an integer, got {limit!r}")
+        if limit < 0:
+            raise ValueError(
+                f"history_limit must be >= 0 (finished refits kept per fleet; 0 keeps only "
+                f"the fleet's newest Succeeded refit), got {limit}"
+            )
+
+
+def epoch(rfc3339: object) -> float | None:
+    """Unix seconds of an RFC3339 timestamp such as status.completionTime; None if unset
+    or unreadable (a timestamp without a zone is taken as UTC, as Kubernetes writes it)."""
+    if not isinstance(rfc3339, str) or not rfc3339:
+        return None
+    try:
+        parsed = datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+def _order(r: Finished) -> tuple[str, str]:
+    return (r.created, r.name)
+
+
+def target(fleet: Sequence[Finished]) -> Finished | None:
+    """The fleet's newest Succeeded refit: kept whatever the policy says."""
+    done = [r for r in fleet if r.phase == "Succeeded"]
+    return max(done, key=_order) if done else None
+
+
+def to_delete(refits: Sequence[Finished], policy: Policy, now: float) -> list[str]:
+    """Names of the refits to delete now, oldest first (by creationTimestamp, then name).
+
+    refits: every WeightRefit the operator knows, of any phase and fleet; now: Unix seconds.
+    """
+    fleets: dict[str, list[Finished]] = defaultdict(list)
+    for r in refits:
+        fleets[r.fleet].append(r)
+    doomed: list[Finished] = []
+    for members in fleets.values():
+        keep = target(members)
+        finished = sorted(
+            (r for r in members if r.phase in TERMINAL_PHASES), key=_order, reverse=True
+        )
+        others = [r for r in finished if r is not keep]
+        # The target takes one of the limit's places; with a limit of 0 it is still kept.
+        room = policy.history_limit - (1 if keep is not None else 0)
+        for i, r in enumerate(others):
+            over_limit = i >= room
+            if over_limit or _expired(r, now):
+                doomed.append(r)
+    return [r.name for r in sorted(doomed, key=_order)]
+
+
+def _expired(r: Finished, now: float) -> bool:
+    if r.ttl is None or r.completed is None:
+        return False
+    return now >= r.completed + max(r.ttl, 0)

@@ -1,0 +1,260 @@
+"""history.to_delete: which finished WeightRefits the garbage collector deletes, by policy."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from refit_operator import api, history
+from refit_operator.history import Finished, Policy, to_delete
+
+NOW = 1_000_000.0
+FLEET = "rl/app=rollout"
+
+
+def wr(
+    step: int,
+    phase: str = "Succeeded",
+    *,
+    fleet: str = FLEET,
+    completed: float | None = NOW - 3600,
+    ttl: int | None = None,
+    name: str | None = None,
+) -> Finished:
+    """Refit of training step `step`, created `step` minutes into the run."""
+    hours, minutes = divmod(step, 60)
+    return Finished(
+        name=name or f"step-{step:04d}",
+        created=f"2025-01-{1 + hours // 24:02d}T{hours % 24:02d}:{minutes:02d}:00Z",
+        phase=phase,
+        completed=completed,
+        ttl=ttl,
+        fleet=fleet,
+    )
+
+
+def names(*steps: int) -> list[str]:
+    return [f"step-{s:04d}" for s in steps]
+
+
+# --- the count limit ---------------------------------------------------------------------------
+
+
+def test_one_refit_per_step_keeps_the_newest_limit_per_fleet() -> None:
+    refits = [wr(s) for s in range(1, 26)]
+    assert to_delete(refits, Policy(history_limit=10), NOW) == names(*range(1, 16))
+    assert to_delete(refits, Policy(), NOW) == names(*range(1, 16)), "default limit is 10"
+
+
+def test_nothing_is_deleted_within_the_limit() -> None:
+    refits = [wr(s) for s in range(1, 11)]
+    assert to_delete(refits, Policy(history_limit=10), NOW) == []
+    assert to_delete([], Policy(), NOW) == []
+
+
+def test_order_is_by_creation_then_name_not_by_input_order() -> None:
+    refits = [wr(s) for s in (5, 1, 4, 2, 3)]
+    assert to_delete(refits, Policy(history_limit=2), NOW) == names(1, 2, 3)
+    # Same creationTimestamp: the name breaks the tie (as queueing does).
+    tied = [wr(7, name=n) for n in ("c", "a", "b")]
+    assert to_delete(tied, Policy(history_limit=1), NOW) == ["a", "b"]
+
+
+def test_every_terminal_phase_counts_and_can_be_deleted() -> None:
+    phases = sorted(api.TERMINAL_PHASES - {"Succeeded"})
+    refits = [wr(i + 1, phase) for i, phase in enumerate(phases)]
+    refits.append(wr(len(phases) + 1))  # the target, newest
+    deleted = to_delete(refits, Policy(history_limit=1), NOW)
+    assert deleted == names(*range(1, len(phases) + 1))
+
+
+# --- the rollback target ------------------------------------------------------------------------
+
+
+def test_the_fleets_newest_succeeded_refit_survives_the_limit() -> None:
+    # A run of failures after the last good step: the target is older than the newest ten.
+    refits = [wr(1), wr(2), *(wr(s, "Failed") for s in range(3, 20))]
+    deleted = to_delete(refits, Policy(history_limit=10), NOW)
+    assert "step-0002" not in deleted, "the rollback target was deleted"
+    # It takes one of the ten places: nine failures are kept with it.
+    assert deleted == names(1, *range(3, 11))
+    kept = {r.name for r in refits} - set(deleted)
+    assert len(kept) == 10
+
+
+def test_the_target_survives_its_own_ttl() -> None:
+    refits = [wr(1, ttl=0), wr(2, ttl=60), wr(3, "Halted", ttl=60)]
+    assert to_delete(refits, Policy(), NOW) == names(1, 3)
+
+
+def test_the_target_survives_both_rules_at_once() -> None:
+    refits = [wr(1), wr(2, ttl=0), *(wr(s, "RolledBack") for s in range(3, 8))]
+    deleted = to_delete(refits, Policy(history_limit=1), NOW)
+    assert "step-0002" not in deleted
+    assert deleted == names(1, *range(3, 8))
+
+
+def test_limit_zero_keeps_only_the_target() -> None:
+    refits = [wr(1), wr(2), wr(3, "Failed"), wr(4, "Superseded")]
+    assert to_delete(refits, Policy(history_limit=0), NOW) == names(1, 3, 4)
+    # A fleet that never succeeded keeps nothing finished.
+    never = [wr(1, "Failed"), wr(2, "Halted")]
+    assert to_delete(never, Policy(history_limit=0), NOW) == names(1, 2)
+
+
+def test_a_newer_failure_does_not_replace_the_target() -> None:
+    refits = [wr(1), wr(2), wr(3, "Failed")]
+    assert to_delete(refits, Policy(history_limit=1), NOW) == names(1, 3)
+
+
+# --- the TTL ----------------------------------------------------------------------------------
+
+
+def test_ttl_deletes_once_elapsed_since_completion() -> None:
+    finished_at = NOW - 100
+    refits = [
+        wr(1, "Failed", completed=finished_at, ttl=99),  # elapsed
+        wr(2, "Failed", completed=finished_at, ttl=100),  # elapsed exactly now
+        wr(3, "Failed", completed=finished_at, ttl=101),  # not yet
+        wr(4, "Failed", completed=finished_at, ttl=None),  # no TTL
+        wr(5, completed=finished_at),  # the target
+    ]
+    assert to_delete(refits, Policy(history_limit=100), NOW) == names(1, 2)
+    assert to_delete(refits, Policy(history_limit=100), NOW + 1) == names(1, 2, 3)
+
+
+def test_ttl_zero_deletes_as_soon_as_finished() -> None:
+    refits = [wr(1), wr(2, "Superseded", completed=NOW, ttl=0)]
+    assert to_delete(refits, Policy(), NOW) == names(2)
+
+
+def test_ttl_needs_a_known_completion_time() -> None:
+    refits = [wr(1), wr(2, "Failed", completed=None, ttl=0)]
+    assert to_delete(refits, Policy(), NOW) == []
+
+
+def test_ttl_and_limit_together() -> None:
+    # Old refits fall to the limit; a kept one with an elapsed TTL goes too.
+    refits = [*(wr(s) for s in range(1, 6)), wr(6, "Failed", ttl=10), wr(7)]
+    assert to_delete(refits, Policy(history_limit=3), NOW) == names(1, 2, 3, 4, 6)
+
+
+# --- what is never touched ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "phase",
+    sorted(set(api.Phase.__args__) - api.TERMINAL_PHASES),  # type: ignore[attr-defined]
+)
+def test_active_refits_are_never_deleted(phase: str) -> None:
+    refits = [
+        wr(1, phase, completed=None, ttl=0),
+        wr(2, phase, completed=NOW - 10_000, ttl=0),  # a stale completionTime changes nothing
+        wr(3, "Failed"),
+    ]
+    assert to_delete(refits, Policy(history_limit=0), NOW) == names(3)
+
+
+def test_active_refits_do_not_take_places_in_the_limit() -> None:
+    refits = [wr(1), wr(2), wr(3, "Progressing"), wr(4, "Queued"), wr(5, "Pending")]
+    assert to_delete(refits, Policy(history_limit=2), NOW) == []
+    assert to_delete(refits, Policy(history_limit=1), NOW) == names(1)
+
+
+def test_fleets_are_counted_and_protected_separately() -> None:
+    other = "rl/app=eval"
+    refits = [
+        *(wr(s) for s in range(1, 6)),
+        wr(1, fleet=other, name="eval-1"),
+        wr(2, "Failed", fleet=other, name="eval-2"),
+        wr(3, "Failed", fleet=other, name="eval-3"),
+        wr(4, "Progressing", fleet=other, name="eval-4"),
+    ]
+    deleted = to_delete(refits, Policy(history_limit=2), NOW)
+    # FLEET keeps steps 4 and 5; the other fleet keeps its target eval-1 and eval-3.
+    assert deleted == ["step-0001", "eval-2", "step-0002", "step-0003"]
+    assert to_delete(refits, Policy(history_limit=5), NOW) == []
+
+
+def test_same_names_in_two_fleets_are_separate_refits() -> None:
+    a = [wr(s, fleet="ns-a/app=x", name=f"ns-a/step-{s}") for s in range(1, 4)]
+    b = [wr(s, fleet="ns-b/app=x", name=f"ns-b/step-{s}") for s in range(1, 3)]
+    assert to_delete([*a, *b], Policy(history_limit=2), NOW) == ["ns-a/step-1"]
+
+
+# --- the policy and the inputs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, -10])
+def test_negative_limit_is_refused(bad: int) -> None:
+    with pytest.raises(ValueError, match=r"history_limit must be >= 0"):
+        Policy(history_limit=bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "10", True, None])
+def test_non_integer_limit_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="history_limit must be an integer"):
+        Policy(history_limit=bad)  # type: ignore[arg-type]
+
+
+def test_default_policy() -> None:
+    assert Policy().history_limit == history.DEFAULT_HISTORY_LIMIT == 10
+
+
+def test_from_object_reads_a_weightrefit_as_the_api_server_returns_it() -> None:
+    obj = {
+        "metadata": {"name": "step-7", "creationTimestamp": "2025-01-01T00:07:00Z"},
+        "spec": {"ttlSecondsAfterFinished": 600},
+        "status": {"phase": "Failed", "completionTime": "2025-01-01T00:08:00Z"},
+    }
+    r = Finished.from_object(obj, FLEET)
+    assert r == Finished("step-7", "2025-01-01T00:07:00Z", "Failed", 1735690080.0, 600, FLEET)
+    fresh = Finished.from_object({"metadata": {"name": "new"}, "spec": {}}, FLEET)
+    assert (fresh.phase, fresh.completed, fresh.ttl) == ("Pending", None, None)
+    odd = {"metadata": {"name": "x"}, "status": {"completionTime": "yesterday"}}
+    assert Finished.from_object(odd, FLEET).completed is None
+
+
+def test_epoch() -> None:
+    assert history.epoch("1970-01-01T00:01:40Z") == 100.0
+    assert history.epoch("1970-01-01T00:01:40.5Z") == 100.5
+    assert history.epoch("1970-01-01T00:01:40") == 100.0
+    assert history.epoch("") is None and history.epoch(None) is None
+
+
+def test_history_is_pure() -> None:
+    """No kopf, kubernetes, HTTP or asyncio: the engine calls it with plain data."""
+    source = Path(history.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." * node.level + (node.module or "").split(".")[0])
+    assert imported <= {"__future__", "collections", "dataclasses", "datetime", "typing", ".api"}
+
+
+def test_cost_stays_flat_for_a_long_run() -> None:
+    """Applied after every step, the collector keeps a long run at limit + active refits."""
+    policy = Policy(history_limit=10)
+    alive: list[Finished] = []
+    for step in range(1, 2001):
+        alive.append(wr(step, "Failed" if step % 7 == 0 else "Succeeded"))
+        alive.append(wr(step + 1, "Progressing"))  # the next step's refit, already applied
+        doomed = set(to_delete(alive, policy, NOW))
+        alive = [r for r in alive if r.name not in doomed and r.phase != "Progressing"]
+        assert len(alive) <= 10
+    assert [r.name for r in alive] == names(*range(1991, 2001))
+
+
+def test_the_spec_carries_the_ttl() -> None:
+    base = {
+        "fleet": {"selector": {"matchLabels": {"app": "x"}}},
+        "checkpoint": {"path": "/c", "version": "v"},
+    }
+    assert api.WeightRefitSpec.model_validate(base).ttl_seconds_after_finished is None
+    assert "ttlSecondsAfterFinished" not in api.WeightRefitSpec.model_validate(base).dump()
+    spec = api.WeightRefitSpec.model_validate({**base, "ttlSecondsAfterFinished": 600})
+    assert spec.ttl_seconds_after_finished == 600
+    assert spec.dump()["ttlSecondsAfterFinished"] == 600

@@ -1,0 +1,23 @@
+"""`refit-operator` command-line arguments."""
+
+from __future__ import annotations
+
+import pytest
+from refit_operator import history
+from refit_operator.main import parse_args
+
+
+def test_history_limit_defaults_to_the_policy_default() -> None:
+    assert parse_args([]).history_limit == history.Policy().history_limit == 10
+    assert parse_args(["--history-limit=0"]).history_limit == 0
+    assert parse_args(["--history-limit", "250"]).history_limit == 250
+
+
+@pytest.mark.parametrize(("value", "message"), [("-1", "must be >= 0"), ("ten", "not an integer")])
+def test_history_limit_refuses_bad_values(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([f"--history-limit={value}"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
