@@ -119,19 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reaggregate",
         action="store_true",
-        help="rebuild scale.json's metrics from its raw runs and rewrite the table; run nothing",
+        help="rebuild the scale and soak results' metrics from their raw runs and rewrite the "
+        "table; run nothing",
     )
     args = p.parse_args(argv)
     if args.result_name and len(args.only or SUITES) != 1:
         p.error("--result-name needs exactly one --only suite")
     if args.reaggregate:
-        from bench import scale
+        from bench import scale, soak
 
-        path = args.out / "scale.json"
-        result = SuiteResult.from_json(json.loads(path.read_text()))
-        runs = [scale.RunResult(**r) for r in result.raw["runs"]]
-        result.metrics = scale.metrics_of(runs, sorted({r.pods for r in runs}))
-        write_result(args.out, result)
+        for path in sorted(args.out.glob("*.json")):
+            result = SuiteResult.from_json(json.loads(path.read_text()))
+            if result.suite == "scale":
+                runs = [scale.RunResult(**r) for r in result.raw["runs"]]
+                result.metrics = scale.metrics_of(runs, sorted({r.pods for r in runs}))
+            elif result.suite == "soak":
+                run = soak.SoakRun.from_json(
+                    {k: v for k, v in result.raw.items() if k not in soak.RAW_EXTRA}
+                )
+                result.metrics = soak.soak_metrics(run)
+            else:
+                continue
+            write_result(args.out, result, path.stem)
         log(f"table: {write_table(args.out, SUITES)}")
         return 0
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -484,6 +484,8 @@ def sim_fleet(n: int, ckpt_root: Path) -> ShardedSimFleet:
 
 def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
     out: list[Metric] = []
+    if not runs or not sizes:
+        return out  # every run failed: the result's notes say why
     biggest = max(sizes)
     for strategy in STRATEGIES:
         for n in sizes:

@@ -59,6 +59,7 @@ SETTLE_TIMEOUT = 30.0  # seconds the history collection may take after the last 
 WINDOW = 100  # refits compared at the start and at the end
 SAMPLE_EVERY = 50  # refits between RSS / WeightRefit-count samples
 DEFAULT_HISTORY_LIMIT = 10  # the operator's default (refit_operator.history)
+RAW_EXTRA = ("poll_seconds", "seconds")  # keys of the result's raw beside SoakRun's
 
 Log = Callable[[str], None]
 
@@ -85,7 +86,7 @@ class SoakRun:
     pods: int
     history_limit: int
     planned: int
-    seconds: list[float] = field(default_factory=list)  # apply->Succeeded, per refit
+    refit_s: list[float] = field(default_factory=list)  # apply->Succeeded, per refit
     cpu_s: list[float] = field(default_factory=list)  # operator CPU per refit cycle
     samples: list[Sample] = field(default_factory=list)
     every: int = SAMPLE_EVERY
@@ -181,6 +182,20 @@ def per_refit_between(a: Sample, b: Sample) -> dict[str, float]:
     }
 
 
+def trajectory(run: SoakRun, w: int) -> str:
+    """Each window's median apply->Succeeded and, where samples bound it, the cores the rest
+    of the machine used meanwhile: a slow window on a busy machine is the machine's doing."""
+    parts = []
+    for start in range(0, len(run.refit_s) - w + 1, w):
+        median = summarize(run.refit_s[start : start + w]).median
+        a, b = at(run.samples, start), at(run.samples, start + w)
+        other = ""
+        if a is not None and b is not None and b.busy_s:
+            other = f" ({per_refit_between(a, b)['other_cores']:.2f})"
+        parts.append(f"{start + 1}-{start + w}: {median:.3f}{other}")
+    return ", ".join(parts)
+
+
 def _per_refit(requests: dict[str, int], refits: int) -> dict[str, float]:
     return {k: round(v / refits, 2) for k, v in sorted(requests.items()) if v}
 
@@ -188,15 +203,15 @@ def _per_refit(requests: dict[str, int], refits: int) -> dict[str, float]:
 def soak_metrics(run: SoakRun) -> list[Metric]:
     """The suite's figures from one run (pure: unit-tested)."""
     out: list[Metric] = []
-    n = len(run.seconds)
+    n = len(run.refit_s)
     if n == 0:
         return out
     w = window_size(n, run.window)
-    t = drift(run.seconds, w)
+    t = drift(run.refit_s, w)
     first_w, last_w = f"refits 1-{w}", f"refits {n - w + 1}-{n}"
     poll = f"polled every {POLL_SECONDS * 1000:.0f} ms (a sample is late by up to that + 1 GET)"
-    out.append(Metric(f"apply->Succeeded, {first_w}", run.seconds[:w], "s", note=poll))
-    out.append(Metric(f"apply->Succeeded, {last_w}", run.seconds[-w:], "s"))
+    out.append(Metric(f"apply->Succeeded, {first_w}", run.refit_s[:w], "s", note=poll))
+    out.append(Metric(f"apply->Succeeded, {last_w}", run.refit_s[-w:], "s"))
     out.append(
         Metric(
             f"apply->Succeeded, median of the last {w} / the first {w}",
@@ -204,10 +219,11 @@ def soak_metrics(run: SoakRun) -> list[Metric]:
             "x",
             "<= 1.10",
             f"{t.last:.3f} s / {t.first:.3f} s; {n} of {run.planned} refits, "
-            f"{run.pods} pods, AllAtOnce",
+            f"{run.pods} pods, AllAtOnce; by window of {w} refits (median s, cores used by "
+            f"processes outside the benchmark): {trajectory(run, w)}",
         )
     )
-    out.append(Metric(f"apply->Succeeded, all {n} refits", run.seconds, "s"))
+    out.append(Metric(f"apply->Succeeded, all {n} refits", run.refit_s, "s"))
     if run.cpu_s:
         c = drift(run.cpu_s, w)
         out.append(
@@ -338,7 +354,7 @@ def soak_metrics(run: SoakRun) -> list[Metric]:
 def notes_of(run: SoakRun) -> list[str]:
     notes = []
     if run.failure:
-        notes.append(f"STOPPED EARLY after {len(run.seconds)} refits: {run.failure}")
+        notes.append(f"STOPPED EARLY after {len(run.refit_s)} refits: {run.failure}")
     if run.log_errors:
         notes.append(
             f"the operator logged {run.log_errors} ERROR lines; the first: "
@@ -455,7 +471,7 @@ def soak(
                 f"{s.weightrefits} WeightRefits ({s.terminating} deleting)"
                 + (f", {stale} pods STALE" if stale else "")
                 + (
-                    f", last {min(done, w)} median {summarize(run.seconds[-w:]).median:.3f} s"
+                    f", last {min(done, w)} median {summarize(run.refit_s[-w:]).median:.3f} s"
                     if done
                     else ""
                 )
@@ -497,14 +513,14 @@ def soak(
                 run.failure = f"{name}: Succeeded with {passed} of {pods} probes passed"
                 break
             cpu_now = sum(me.cpu_times()[:2])
-            run.seconds.append(took)
+            run.refit_s.append(took)
             run.cpu_s.append(cpu_now - cpu_before)
             cpu_before = cpu_now
             if i == w:
                 marks[w] = h.totals()
             if i % every == 0 or i == refits:
                 sample(i, name)
-        done = len(run.seconds)
+        done = len(run.refit_s)
         if not run.failure and done >= w:
             end = h.totals()
             run.requests_first = _window_requests(marks[0], marks[w])
@@ -534,13 +550,24 @@ def soak(
 
 
 def log_errors(path: Path, keep: int = 5) -> tuple[int, list[str]]:
-    """(ERROR lines in an operator log, the first `keep` of them with the line after each)."""
+    """(ERROR lines in an operator log, the first `keep` of them, each with the exception
+    line that ends the traceback after it, if one does)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return 0, []
     hits = [i for i, line in enumerate(lines) if " ERROR " in line]
-    return len(hits), [" | ".join(lines[i : i + 2])[:400] for i in hits[:keep]]
+    out = []
+    for i in hits[:keep]:
+        text = lines[i]
+        j = i + 1
+        if j < len(lines) and lines[j].startswith("Traceback"):
+            while j < len(lines) and (lines[j].startswith(("Traceback", " ")) or not lines[j]):
+                j += 1
+            if j < len(lines):
+                text += " | " + lines[j]
+        out.append(text[:400])
+    return len(hits), out
 
 
 def _cpu(p: psutil.Process) -> float:
@@ -575,5 +602,5 @@ def run_suite(
     with control_plane("refit-bench-soak-", profile) as bench:
         run = soak(bench, refits, pods, history_limit, log, every)
     raw = run.to_json()
-    raw["poll_seconds"] = POLL_SECONDS
+    raw["poll_seconds"] = POLL_SECONDS  # RAW_EXTRA: not a SoakRun field
     return soak_metrics(run), raw, notes_of(run)

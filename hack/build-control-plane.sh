@@ -37,6 +37,13 @@ ldf=""
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ldf="$ldf -X $pkg.gitVersion=$kube_version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=$now"
 done
+# A first build is minutes of silence otherwise: say how long it has been running.
+started=$SECONDS
+( while sleep 30; do
+    echo "build-control-plane: still building ($((SECONDS - started)) s so far; first time only, then cached in $cache/bin)" >&2
+  done ) &
+ticker=$!
+trap 'kill $ticker 2>/dev/null' EXIT
 (
   cd "$root/tools/kube"
   CGO_ENABLED=0 go build -trimpath -ldflags "$ldf" -o "$bin.partial/" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl
@@ -44,4 +51,5 @@ done
   CGO_ENABLED=0 go build -trimpath -o "$bin.partial/etcd" go.etcd.io/etcd/server/v3
 ) >"$log" 2>&1 || { tail -20 "$log" >&2; die "go build failed (full log: $log)"; }
 rm -rf "$bin"; mv "$bin.partial" "$bin"
+echo "build-control-plane: built in $((SECONDS - started)) s: $bin" >&2
 echo "$bin"

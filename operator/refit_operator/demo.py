@@ -376,7 +376,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         say("building/finding the tiny model")
         model = TinyModel(tiny_model_root())
 
-        say("starting the control plane (kube-apiserver + etcd)")
+        say(
+            "starting the control plane (kube-apiserver + etcd; the first run builds them from "
+            "Go modules: 5-10 min on 2 cores, then cached)"
+        )
         cp = controlplane.ControlPlane(state / "control-plane")
         cp.start()
         stack.callback(cp.stop)

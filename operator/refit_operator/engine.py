@@ -31,6 +31,7 @@ from .worker import WorkerClient, WorkerError
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
+SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
@@ -129,7 +130,17 @@ class Engine:
         to tick already sees every other one; the watch keeps it current from then on."""
         scopes: list[str | None] = list(namespaces) if namespaces else [None]
         for ns in scopes:
-            for doc in await self.cluster.list_refits(ns):
+            for attempt in range(SYNC_TRIES):
+                try:
+                    docs = await self.cluster.list_refits(ns)
+                    break
+                except ApiException as e:
+                    # A starting API server answers 429 "storage is (re)initializing".
+                    if e.status not in (429, 500, 503) or attempt + 1 == SYNC_TRIES:
+                        raise
+                    metrics.api_retry("list")
+                    await asyncio.sleep(1.0)
+            for doc in docs:
                 self.observe(doc)
 
     def next_fence(self) -> int:
@@ -163,6 +174,7 @@ class Engine:
         st = self.state(view.uid)
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
+        before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
         st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
         fleet, previous = self._fleet(namespace, view, st.pods)
         present = {p.name for p in st.pods if not p.deleting}
@@ -171,7 +183,7 @@ class Engine:
         )
         for pod in vanished:  # deleted mid-pass: nothing left to make safe
             st.tasks.pop(pod).cancel()
-        for gone in {p.name for p in view.status.pods} - present:
+        for gone in before - present:
             metrics.forget_pod(namespace, selector, gone)
         refits = {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
         obs = Observed(
@@ -461,9 +473,7 @@ class Engine:
         target = view.spec.checkpoint.version
         if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:
             target = d.status.previous.version or target
-        by_phase: dict[str, int] = {}
-        for p in d.status.pods:
-            by_phase[p.phase] = by_phase.get(p.phase, 0) + 1
+        by_phase = reconcile.pod_phases(d.status.pods, st.pods, view.uid)
         live = [p for p in st.pods if not p.deleting]
         active = phase in ACTIVE_PHASES
         metrics.fleet_state(

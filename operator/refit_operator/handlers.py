@@ -12,24 +12,31 @@ import kopf
 from . import api, metrics
 from .cluster import FINALIZER
 from .engine import Engine
+from .leader import LeadershipLost
 
 log = logging.getLogger(__name__)
 
 ACTIVE_INTERVAL = 1.0  # seconds between ticks while pods are moving
 IDLE_INTERVAL = 5.0  # while queued or watching a converged fleet for late pods
 DORMANT_INTERVAL = 60.0  # finished and no longer the fleet's target
-_engine: Engine | None = None
 
 
-def install(engine: Engine) -> None:
-    global _engine
-    _engine = engine
+def memo(engine: Engine, connection: kopf.ConnectionInfo) -> kopf.Memo:
+    """What every handler reads from kopf's memo: the engine, and the credentials our own
+    client loaded (kopf logs in with them)."""
+    return kopf.Memo(engine=engine, connection=connection)
 
 
-def engine() -> Engine:
-    if _engine is None:
-        raise RuntimeError("handlers.install(engine) was not called")
-    return _engine
+def _engine(memo: kopf.Memo) -> Engine:
+    engine: Engine = memo.engine
+    return engine
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf talks to the API server with the credentials our own client loaded."""
+    connection: kopf.ConnectionInfo = memo.connection
+    return connection
 
 
 @kopf.on.startup()
@@ -46,10 +53,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=5.0)
 async def refit_daemon(
-    name: str, namespace: str | None, uid: str, stopped: kopf.DaemonStopped, **_: Any
+    name: str,
+    namespace: str | None,
+    uid: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     assert namespace is not None  # WeightRefit is namespaced
-    eng = engine()
+    eng = _engine(memo)
     while not stopped:
         interval = IDLE_INTERVAL
         try:
@@ -59,6 +71,8 @@ async def refit_daemon(
             interval = (
                 DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL
             )
+        except LeadershipLost:
+            return  # the process is stopping: another replica may lead now
         except Exception as e:
             metrics.reconcile_error("api")
             log.exception("reconcile of %s/%s failed: %s", namespace, name, e)
@@ -71,15 +85,15 @@ async def refit_daemon(
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def refit_event(event: kopf.RawEvent, **_: Any) -> None:
+def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Keep the engine's index of WeightRefits current (queueing, rollback targets and
     history collection read it instead of listing every refit on every tick)."""
-    engine().observe(dict(event["object"]), deleted=event["type"] == "DELETED")
+    _engine(memo).observe(dict(event["object"]), deleted=event["type"] == "DELETED")
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL)
-async def refit_deleted(name: str, namespace: str | None, **_: Any) -> None:
+async def refit_deleted(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     assert namespace is not None
-    d = await engine().tick(namespace, name, deleting=True)
+    d = await _engine(memo).tick(namespace, name, deleting=True)
     if d is not None and not d.release_finalizer:
         raise kopf.TemporaryError("waiting for pods in flight to finish their pass", delay=2)

@@ -53,9 +53,7 @@ def _non_negative_int(text: str) -> int:
 
 
 async def run(args: argparse.Namespace) -> int:
-    global _connection
     api_client = await cluster.connect(args.kubeconfig)
-    _connection = connection_info(api_client)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     identity = f"{args.identity}-{os.getpid()}"
@@ -68,9 +66,9 @@ async def run(args: argparse.Namespace) -> int:
         policy = history.Policy(args.history_limit)
         engine = Engine(cluster.Cluster(api_client, identity), http, lease, policy)
         await engine.sync(args.namespace or None)
-        handlers.install(engine)
         kopf_task = asyncio.create_task(
             kopf.operator(
+                memo=handlers.memo(engine, connection_info(api_client)),
                 standalone=True,
                 clusterwide=not args.namespace,
                 namespaces=args.namespace,
@@ -86,15 +84,6 @@ async def run(args: argparse.Namespace) -> int:
         log.error("leadership lost: exiting so that exactly one replica acts")
         return 1
     return 0
-
-
-_connection: kopf.ConnectionInfo | None = None
-
-
-@kopf.on.login()
-def login(**_: object) -> kopf.ConnectionInfo | None:
-    """kopf talks to the API server with the credentials our own client loaded."""
-    return _connection
 
 
 def connection_info(api_client: Any) -> kopf.ConnectionInfo:

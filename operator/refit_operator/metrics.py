@@ -29,23 +29,16 @@ from prometheus_client import (
     start_http_server,
 )
 
+from . import podflow
+
 log = logging.getLogger(__name__)
 
 # The *_created series double every counter and histogram and no dashboard or alert uses them.
 disable_created_metrics()
 
 # The per-pod sequence (podflow.STEPS, snake_case): their series exist from a fleet's first call.
-PIPELINE_STEPS: Final = (
-    "drain",
-    "sleep",
-    "wake_weights",
-    "preflight",
-    "load",
-    "wake_kv",
-    "reset_cache",
-    "stamp_version",
-    "probe",
-    "ready",
+PIPELINE_STEPS: Final = tuple(
+    re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", s).lower() for s in podflow.STEPS
 )
 # Also accepted: steps outside the per-pod sequence that the operator may time.
 STEPS: Final = frozenset({*PIPELINE_STEPS, "resume", "rollback"})

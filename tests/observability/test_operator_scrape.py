@@ -99,9 +99,15 @@ def test_real_operator_metrics_feed_dashboards_and_alerts(
         prom.wait_scraped(scrapes=2, timeout=90)
 
         sims[0].set_fault("sleep", "error", 500, times=1)
+        sims[1].set_fault("refit_load", "delay", 2.0)
         fleet.apply_refit("wr-v1", "v1", ckpt["v1"], sims[0].port)
+        # A change to pod-1 the pass did not make, while it loads: the pass's next write meets
+        # a conflict, finds its claim intact on a fresh read and retries (an API retry).
+        fleet.wait_serving(sims[1], "refit_load")
+        fleet.core.patch_namespaced_pod("pod-1", namespace, {"metadata": {"labels": {"x": "1"}}})
         doc = fleet.wait_phase("wr-v1", {"Succeeded", "Failed", "Halted"}, 90)
         assert doc["status"]["phase"] == "Succeeded", operator_log()
+        sims[1].clear_faults()
         time.sleep(3)  # a few scrapes between the refits, so counters visibly grow
 
         sims[2].set_fault("completions", "drift", 1.0)
@@ -138,6 +144,13 @@ def test_real_operator_metrics_feed_dashboards_and_alerts(
     used.discard("up")
     missing = sorted(n for n in used if n not in exposed and artifacts.family(n) not in exposed)
     assert not missing, f"not in the operator's /metrics: {missing}"
+    retries = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "refit_operator_api_retries_total" and s.labels.get("verb") == "patch"
+    ]
+    assert retries and retries[0] >= 1, f"the conflict on pod-1 was not counted: {retries}"
 
     # 2. Every dashboard query returns (finite) data, except those waiting on the operator.
     range_ = f"{math.ceil(end - began) + 60}s"

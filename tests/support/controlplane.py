@@ -74,11 +74,11 @@ def cache_dir() -> Path:
 
 
 def binaries() -> Path:
-    """Folder holding etcd, kube-apiserver and kubectl; builds them on first use."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
+    """Folder holding etcd, kube-apiserver and kubectl; builds them on first use. The build
+    script's progress (a first build takes minutes) goes to our stderr as it happens."""
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise ControlPlaneError(lines[-1] if lines else f"{BUILD_SCRIPT} failed")
+        raise ControlPlaneError(f"{BUILD_SCRIPT.name} failed (its output is above)")
     return Path(proc.stdout.strip())
 
 
