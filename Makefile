@@ -4,14 +4,15 @@ SHELL := /bin/bash
 PY    := .venv/bin/python
 VENV_STAMP := .venv/.refit-installed
 
-.PHONY: help test demo cluster cluster-down lint venv bench clean
+.PHONY: help test demo cluster cluster-down lint generate venv bench clean
 
 help:
 	@echo "make demo          run the end-to-end demo on real parts"
 	@echo "make test          lint + the full test suite (what CI runs)"
 	@echo "make cluster       start a local kube-apiserver + etcd in the background"
 	@echo "make cluster-down  stop it"
-	@echo "make lint          ruff + mypy over both packages"
+	@echo "make lint          ruff + mypy"
+	@echo "make generate      rewrite the generated files (API docs, dashboards, chart copies)"
 	@echo "make bench         benchmarks; results under bench/results/"
 
 venv: $(VENV_STAMP)
@@ -20,8 +21,8 @@ $(VENV_STAMP): pyproject.toml worker_image/requirements-cpu.txt worker_image/req
 	bash hack/venv.sh
 
 lint: $(VENV_STAMP)
-	.venv/bin/ruff check operator worker_image tests hack bench
-	.venv/bin/ruff format --check operator worker_image tests hack bench
+	.venv/bin/ruff check operator worker_image testbed demo tests hack bench
+	.venv/bin/ruff format --check operator worker_image testbed demo tests hack bench
 	.venv/bin/mypy
 
 test: lint
@@ -29,13 +30,16 @@ test: lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: $(VENV_STAMP)
-	$(PY) -m refit_operator.demo $(DEMO_ARGS)
+	$(PY) -m demo $(DEMO_ARGS)
 
 cluster: $(VENV_STAMP)
-	@$(PY) -m tests.support.controlplane up
+	@$(PY) -m testbed.controlplane up
 
 cluster-down: $(VENV_STAMP)
-	@$(PY) -m tests.support.controlplane down
+	@$(PY) -m testbed.controlplane down
+
+generate: $(VENV_STAMP)
+	$(PY) -m hack.generate
 
 bench: $(VENV_STAMP)
 	bash hack/build-control-plane.sh >/dev/null

@@ -6,7 +6,7 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.controlplane import ControlPlane
+from testbed.controlplane import ControlPlane
 
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
 Key = tuple[str, str]  # (verb, resource[/subresource])

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     from bench.vllm_suites import WIDE, WIDE_QUICK, wide_model
-    from tests.support.tiny_model import ensure_tiny_model
+    from testbed.tiny_model import ensure_tiny_model
 
     wide = wide_model(ensure_tiny_model(), WIDE_QUICK if args.quick else WIDE)
     ckpt = str(wide.allowed_root / "W")

@@ -1,5 +1,6 @@
 """Suite `scale`: the real `refit-operator` process against a real kube-apiserver + etcd, with
-simulated workers (one subprocess, one loopback address per pod, no added latency).
+simulated workers (one loopback address per pod, no added latency; one simulator subprocess
+for up to ~9,500 pods, more above that: ShardedSimFleet, sized by the open-file limit).
 
 Per fleet size and strategy: wall time from `create WeightRefit` to phase Succeeded (every
 pod probed and passed, checked in the status and in each simulated pod's version), operator
@@ -9,15 +10,17 @@ the requests this harness itself made in that window (one create, its status pol
 size of the WeightRefit as the API server returns it (its JSON), largest seen while polling.
 
 The pieces other suites reuse (bench/soak.py): `control_plane` (a temporary control plane
-with the CRD and a `Bench` on it), `Bench.start_operator`, `refit_body`, `operator_process`,
-`stop`, `raise_fd_limit`.
+with the CRD and a `Bench` on it), `Bench.start_operator`, `refit_body`, `sim_fleet`,
+`operator_process`, `stop`, `raise_fd_limit`.
+
+10,000 pods (`--scale-sizes 10000`) are not among the default sizes: creating the pods,
+starting the simulators and the refit take several minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -36,11 +39,12 @@ from kubernetes import config as k8s_config
 
 from bench import apiserver
 from bench.results import Metric, summarize
-from tests.support.controlplane import ControlPlane, kill_group
-from tests.support.pods import register_pod
-from tests.support.simworker import SimFleet, make_sim_checkpoint
+from testbed.controlplane import ControlPlane
+from testbed.operator_process import OperatorError, OperatorProcess
+from testbed.pods import register_pod
+from testbed.simfleet import SimFleet
+from testbed.simworker import make_sim_checkpoint
 
-OPERATOR = Path(sys.executable).with_name("refit-operator")
 PY_SPY = Path(sys.executable).with_name("py-spy")
 LABELS = {"app": "bench"}
 GROUP, VERSION, PLURAL = "refit.rollout.dev", "v1alpha1", "weightrefits"
@@ -115,10 +119,9 @@ class Bench:
 
     def start_operator(
         self, ns: str, lease: str, extra_args: Sequence[str] = ()
-    ) -> subprocess.Popen[bytes]:
+    ) -> OperatorProcess:
         """The operator for namespace ns, holding Lease `lease` (log: work/<lease>.log);
         returns once it holds the lease and its watches have had time to start."""
-        log = (self.work / f"{lease}.log").open("wb")
         wrap: list[str] = []
         if self.profile is not None:
             self.profile.mkdir(parents=True, exist_ok=True)
@@ -126,48 +129,25 @@ class Bench:
             # Collapsed stacks (one line per stack, sample count last): grep-able, and
             # flamegraph tools read them. --idle off: only time the operator spends on CPU.
             wrap = [str(PY_SPY), "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
-        with log:
-            proc = subprocess.Popen(
-                [
-                    *wrap,
-                    str(OPERATOR),
-                    "--kubeconfig",
-                    str(self.cp.kubeconfig),
-                    "--namespace",
-                    ns,
-                    "--metrics-port",
-                    "0",
-                    "--lease-namespace",
-                    ns,
-                    "--lease-name",
-                    lease,
-                    "--lease-seconds",
-                    str(self.lease_seconds),
-                    "--identity",
-                    lease,
-                    *extra_args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        op = OperatorProcess.start(
+            self.cp.kubeconfig, ns, self.work / f"{lease}.log", identity=lease,
+            lease_name=lease, lease_seconds=self.lease_seconds, extra_args=extra_args, wrap=wrap,
+        )  # fmt: skip
         coord: Any = k8s.CoordinationV1Api(self.api)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"operator exited: {self.log_tail(lease)}")
+
+        def leads() -> bool:
             try:
-                if coord.read_namespaced_lease(lease, ns).spec.holder_identity:
-                    break
+                return bool(coord.read_namespaced_lease(lease, ns).spec.holder_identity)
             except k8s.ApiException:
-                pass
-            time.sleep(0.2)
-        else:
-            stop(proc)
-            raise RuntimeError(f"operator took no lease in 60 s: {self.log_tail(lease)}")
+                return False
+
+        try:
+            op.wait_until(leads, timeout=60, what="holding its lease")
+        except OperatorError:
+            stop(op)
+            raise
         time.sleep(2.0)  # kopf's watches start after leadership
-        return proc
+        return op
 
     def log_tail(self, lease: str) -> str:
         return (self.work / f"{lease}.log").read_text(errors="replace")[-3000:]
@@ -325,7 +305,7 @@ def raise_fd_limit(want: int) -> int:
         return hard
 
 
-def operator_process(proc: subprocess.Popen[bytes]) -> psutil.Process:
+def operator_process(proc: OperatorProcess) -> psutil.Process:
     """The operator itself: the process started, or py-spy's child when profiling."""
     me = psutil.Process(proc.pid)
     deadline = time.monotonic() + 10
@@ -344,16 +324,14 @@ def _vm_hwm_kib(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for {pid}")
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: OperatorProcess) -> None:
     if proc.poll() is None:
         me = operator_process(proc)
         if me.pid != proc.pid:  # py-spy writes its profile once the operator has exited
             me.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-    if proc.poll() is None:
-        kill_group(proc.pid, grace=15.0)
-        proc.wait()
+    proc.stop(grace=15.0)
 
 
 @contextlib.contextmanager

@@ -50,8 +50,8 @@ from bench.scale import (
     sim_fleet,
     stop,
 )
-from tests.support.controlplane import free_port
-from tests.support.simworker import make_sim_checkpoint
+from testbed.controlplane import free_port
+from testbed.simworker import make_sim_checkpoint
 
 POLL_SECONDS = 0.05  # the harness's GET of the WeightRefit while it waits for Succeeded
 STEP_TIMEOUT = 120.0  # seconds one refit may take before the soak stops

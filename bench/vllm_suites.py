@@ -1,9 +1,9 @@
 """Suites on real vLLM CPU servers (one server at a time: the machine is shared).
 
-The refit cycle here is the operator's per-pod sequence (runner._execute and runner._probe)
-issued through the operator's own WorkerClient against one real server: pause, drain check,
-sleep, wake weights, preflight, load (after reading refit_info), wake KV cache, reset prefix
-cache, resume, stamp and read back the version, then the probe (reference + scoring of every
+The refit cycle here runs the operator's own step code (runner.execute_step over
+podflow.STEPS, the API's default sequence) through its WorkerClient against one real server:
+pause and drain, sleep, wake weights, preflight, load, wake KV cache, reset prefix cache and
+resume, stamp and read back the version; then the probe (reference + scoring of every
 reference prompt, judged by refit_operator.probe.evaluate, which must say Pass).
 """
 
@@ -26,14 +26,14 @@ import aiohttp
 import blake3
 import httpx
 import psutil
-from refit_operator import probe, worker
-from refit_operator.api import Thresholds
+from refit_operator import podflow, probe, runner, worker
+from refit_operator.api import Sequence, Thresholds
 from refit_operator.worker import WorkerClient
 from refit_worker import checkpoint
 
 from bench.results import Metric
-from tests.support.tiny_model import CACHE_ROOT, TinyModel, ensure_tiny_model
-from tests.support.vllm_testbed import VllmServer, start_vllm_server
+from testbed.tiny_model import CACHE_ROOT, TinyModel, ensure_tiny_model
+from testbed.vllm_server import VllmServer, start_vllm_server
 
 Log = Callable[[str], None]
 SuiteOut = tuple[list[Metric], dict[str, Any], list[str]]
@@ -58,28 +58,13 @@ async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
         steps[name] = now - t
         t = now
 
-    await w.pause("wait")
-    if await w.requests_in_flight() != 0:
-        raise RuntimeError("server not drained on an idle bench server")
-    lap("drain")
-    await w.sleep(1)
-    lap("sleep")
-    await w.wake_up(["weights"])
-    lap("wakeWeights")
-    await w.preflight(path)
-    lap("preflight")
-    await w.refit_info()
-    await w.load(path, version)
-    lap("load")
-    await w.wake_up(["kv_cache"])
-    lap("wakeKV")
-    await w.reset_prefix_cache()
-    await w.resume()
-    lap("resetCache")
-    await w.update_weight_version(version)
-    if await w.weight_version() != version:
-        raise RuntimeError("version not stamped")
-    lap("stampVersion")
+    # The operator's own step code (runner.execute_step) with the API's default sequence.
+    progress = podflow.start("bench", "bench", version, path, time.time())
+    for step in podflow.STEPS:
+        if step in ("probe", "ready"):
+            continue
+        await runner.execute_step(w, Sequence(), progress, step, resumed=False)
+        lap(step)
     # The operator fetches a reference once per refit and path, not per pod: timed apart.
     reference = await w.probe_reference(path)
     lap("probeReference")

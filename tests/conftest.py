@@ -1,8 +1,17 @@
-"""Session-wide fixtures live in tests/support/*; each module registers its own."""
+"""The fixtures live in tests/fixtures/ (over the test bed in testbed/), one plugin per area:
+
+cluster     control_plane, weightrefit_crd, namespace, harness (the operator + a fleet)
+workers     sim_fleet, tiny_model, vllm_server
+prometheus  prometheus_bin, promtool, prometheus
+"""
+
+import pytest
+
+# The test bed's own checks (testbed.fleet.assert_one_driver) report like the tests' asserts.
+pytest.register_assert_rewrite("testbed")
 
 pytest_plugins = [
-    "tests.support.controlplane",
-    "tests.support.vllm_testbed",
-    "tests.support.simworker",
-    "tests.support.prometheus",
+    "tests.fixtures.cluster",
+    "tests.fixtures.workers",
+    "tests.fixtures.prometheus",
 ]

@@ -12,8 +12,9 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from refit_worker.contract import API_GROUP
 
-GROUP = "refit.rollout.dev"
+GROUP = API_GROUP
 VERSION = "v1alpha1"
 PLURAL = "weightrefits"
 KIND = "WeightRefit"

@@ -33,6 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import api
+from .views import reason_of
 
 API_VERSION = f"{api.GROUP}/{api.VERSION}"
 FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
@@ -118,19 +119,6 @@ class RefitTimeout(RefitError, TimeoutError):
             f"WeightRefit {name} not finished after {timeout:g}s: phase {self.phase}, "
             f"{updated}/{target} pods updated; {status.get('message') or 'no message yet'}"
         )
-
-
-def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
-    """The operator's reason and message for the refit's current phase."""
-    conds = {c.get("type"): c for c in status.get("conditions") or []}
-    phase = status.get("phase", "")
-    # Degraded carries the failure reason; Ready carries it too when Degraded is not set
-    # (Superseded is not degraded, but not ready either).
-    for ctype in ("Degraded", "Ready"):
-        c = conds.get(ctype)
-        if c and c.get("status") == ("True" if ctype == "Degraded" else "False"):
-            return str(c.get("reason", phase)), str(c.get("message", status.get("message", "")))
-    return str(phase), str(status.get("message", ""))
 
 
 def pod_failures(status: Mapping[str, Any]) -> list[PodFailure]:

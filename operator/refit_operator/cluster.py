@@ -18,16 +18,14 @@ from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
+from refit_worker.contract import READINESS_GATE
 
 from . import api, metrics
-from .podflow import Claim, Progress, Readiness
-from .reconcile import PodView, rfc3339
+from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, PodView, Progress, Readiness
+from .times import rfc3339
 
 log = logging.getLogger(__name__)
 
-PROGRESS_ANNOTATION = f"{api.GROUP}/progress"
-CLAIM_ANNOTATION = f"{api.GROUP}/claim"
-CONDITION = f"{api.GROUP}/weights-ready"
 FINALIZER = f"{api.GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
 SMP = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
@@ -62,28 +60,6 @@ async def connect(kubeconfig: str | None = None) -> client.ApiClient:
         return client.ApiClient(configuration=cfg)
 
 
-def pod_view(doc: dict[str, Any]) -> PodView:
-    meta, spec, status = doc["metadata"], doc.get("spec", {}), doc.get("status", {})
-    gates = {g.get("conditionType") for g in spec.get("readinessGates") or []}
-    conds = {c.get("type"): c for c in status.get("conditions") or []}
-    restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
-    annotations = meta.get("annotations") or {}
-    return PodView(
-        name=meta["name"],
-        ip=status.get("podIP") or "",
-        has_gate=CONDITION in gates,
-        running=status.get("phase") == "Running",
-        deleting=bool(meta.get("deletionTimestamp")),
-        ready=conds.get(CONDITION, {}).get("status") == "True",
-        restarts=restarts,
-        uid=meta.get("uid", ""),
-        progress=Progress.from_annotation(annotations.get(PROGRESS_ANNOTATION)),
-        labels=dict(meta.get("labels") or {}),
-        claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
-        resource_version=meta.get("resourceVersion", ""),
-    )
-
-
 class AccessDenied(PermissionError):
     """RBAC forbids a read the refit needs: a user error, not a transient one."""
 
@@ -104,7 +80,7 @@ def _record_body(progress: Progress, readiness: Readiness | None) -> dict[str, A
     }
     if readiness is not None:
         cond = {
-            "type": CONDITION,
+            "type": READINESS_GATE,
             "status": "True" if readiness.ready else "False",
             "reason": readiness.reason,
             "message": readiness.message[:1000],
@@ -151,7 +127,7 @@ class ClaimedPod:
                     raise
             metrics.api_retry("patch")
             doc = await self.cluster.read_pod(self.namespace, self.name)
-            now = pod_view(doc)
+            now = PodView.from_pod(doc)
             if now.claim != self.claim:
                 raise ClaimLost(
                     f"pod {self.name}: claim taken over by "
@@ -182,7 +158,7 @@ class Cluster:
             namespace, label_selector=selector, _preload_content=False
         )
         doc = await read_json(resp)
-        return [pod_view(item) for item in doc.get("items", [])]
+        return [PodView.from_pod(item) for item in doc.get("items", [])]
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)

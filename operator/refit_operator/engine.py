@@ -12,19 +12,18 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
-from . import history, metrics, plan, reconcile
+from . import history, metrics, plan, reconcile, times
 from .api import TERMINAL_PHASES, Previous, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
 from .leader import LeadershipLost, Lease
-from .podflow import Progress
-from .reconcile import Decision, Observed, PodView, PreflightResult, RefitView
+from .podflow import PodView, Progress
+from .reconcile import Decision, Observed, PreflightResult, RefitView
 from .runner import PassContext, run_pass
 from .worker import WorkerClient, WorkerError
 
@@ -66,6 +65,7 @@ class Known:
     phase: str
     spec: WeightRefitSpec
     completed: float | None
+    deleting: bool = False  # deletion requested: collected already, its finalizer runs
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> Known | None:
@@ -76,7 +76,8 @@ class Known:
             return None  # the CRD's schema keeps these out; nothing to queue against
         return cls(
             meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
-            status.get("phase", "Pending"), spec, history.epoch(status.get("completionTime")),
+            status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
+            bool(meta.get("deletionTimestamp")),
         )  # fmt: skip
 
     def ref(self) -> plan.RefitRef:
@@ -237,7 +238,9 @@ class Engine:
         """A refit just finished: the refits sharing its pods decide now, not at their next
         (possibly dormant) tick: the queued one starts, a finished one sees its pods moved on
         or takes up convergence again."""
-        names = {r.name for r in fleet}
+        # Only refits with something to decide: a queued or active one, or a Succeeded one
+        # whose pods may have moved on (the rest are finished for good).
+        names = {r.name for r in fleet if r.phase not in TERMINAL_PHASES or r.phase == "Succeeded"}
         for k in self.known.values():
             if k.namespace == namespace and k.name in names and k.uid != me:
                 st = self.refits.get(k.uid)
@@ -282,14 +285,17 @@ class Engine:
 
     async def _collect(self, namespace: str) -> None:
         """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
-        mine = [k for k in self.known.values() if k.namespace == namespace]
+        mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical())
-            for k in mine
+            for k in mine.values()
         ]  # fmt: skip
         for name in history.to_delete(finished, self.policy, time.time()):
+            if mine[name].deleting:
+                continue  # asked already; the watch forgets it once it is gone
             await self.cluster.delete_refit(namespace, name)
+            self.known[mine[name].uid] = replace(mine[name], deleting=True)
 
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
@@ -481,7 +487,7 @@ class Engine:
             out_of_traffic=sum(not p.ready for p in live),
             version_skew=sum(not p.verified(target) for p in live),
             target_version=target,
-            started_at=_epoch(d.status.start_time) if active else None,
+            started_at=times.epoch(d.status.start_time) if active else None,
             timeout_seconds=float(view.spec.sequence.total_timeout_seconds) if active else None,
         )  # fmt: skip
         if not st.thresholds_published:
@@ -491,12 +497,3 @@ class Engine:
                 max_abs_diff=t.max_abs_logprob_diff, nll_diff=t.nll_diff,
             )  # fmt: skip
             st.thresholds_published = True
-
-
-def _epoch(rfc3339: str | None) -> float | None:
-    if not rfc3339:
-        return None
-    try:
-        return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None

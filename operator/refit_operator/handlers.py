@@ -85,9 +85,10 @@ async def refit_daemon(
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+async def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Keep the engine's index of WeightRefits current (queueing, rollback targets and
-    history collection read it instead of listing every refit on every tick)."""
+    history collection read it instead of listing every refit on every tick). Async so that
+    kopf runs it on the event loop with the ticks, never in a thread beside them."""
     _engine(memo).observe(dict(event["object"]), deleted=event["type"] == "DELETED")
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from . import times
 from .api import TERMINAL_PHASES
 
 DEFAULT_HISTORY_LIMIT = 10
@@ -59,7 +59,7 @@ class Finished:
             name=str(meta.get("name", "")),
             created=str(meta.get("creationTimestamp") or ""),
             phase=str(status.get("phase") or "Pending"),
-            completed=epoch(status.get("completionTime")),
+            completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,
         )
@@ -82,20 +82,6 @@ class Policy:
                 f"history_limit must be >= 0 (finished refits kept per fleet; 0 keeps only "
                 f"the fleet's newest Succeeded refit), got {limit}"
             )
-
-
-def epoch(rfc3339: object) -> float | None:
-    """Unix seconds of an RFC3339 timestamp such as status.completionTime; None if unset
-    or unreadable (a timestamp without a zone is taken as UTC, as Kubernetes writes it)."""
-    if not isinstance(rfc3339, str) or not rfc3339:
-        return None
-    try:
-        parsed = datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
 
 
 def _order(r: Finished) -> tuple[str, str]:

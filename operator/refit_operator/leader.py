@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from . import times
 from .cluster import read_json
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,6 @@ FENCE_SHIFT = 32  # token = epoch << 32 | pass sequence: a newer leader's tokens
 
 class LeadershipLost(RuntimeError):
     """This replica may no longer be the leader: it must not make another call."""
-
-
-def _micro(ts: datetime) -> str:
-    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse(text: str) -> datetime:
-    return datetime.strptime(text.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z")
 
 
 class Lease:
@@ -72,13 +64,15 @@ class Lease:
         self._passes += 1
         return (self.epoch << FENCE_SHIFT) | self._passes
 
-    def _body(self, old: dict[str, Any] | None, now: datetime) -> dict[str, Any]:
+    def _body(self, old: dict[str, Any] | None, now: float) -> dict[str, Any]:
         spec = dict((old or {}).get("spec") or {})
         if spec.get("holderIdentity") != self.identity:
-            spec["acquireTime"] = _micro(now)
+            spec["acquireTime"] = times.rfc3339_micro(now)
             spec["leaseTransitions"] = int(spec.get("leaseTransitions", 0)) + (1 if old else 0)
         spec.update(
-            holderIdentity=self.identity, leaseDurationSeconds=self.duration, renewTime=_micro(now)
+            holderIdentity=self.identity,
+            leaseDurationSeconds=self.duration,
+            renewTime=times.rfc3339_micro(now),
         )
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
         if old:
@@ -92,7 +86,7 @@ class Lease:
 
     async def try_acquire(self) -> bool:
         sent = time.monotonic()  # the deadline counts from before the request left
-        now = datetime.now(UTC)
+        now = time.time()
         try:
             resp = await self.api.read_namespaced_lease(
                 self.name, self.namespace, _preload_content=False
@@ -111,7 +105,8 @@ class Lease:
             spec = old.get("spec") or {}
             holder, renewed = spec.get("holderIdentity"), spec.get("renewTime")
             duration = int(spec.get("leaseDurationSeconds") or self.duration)
-            expired = renewed is None or (now - _parse(renewed)).total_seconds() > duration
+            renewed_at = times.epoch(renewed)
+            expired = renewed_at is None or now - renewed_at > duration
             if holder not in (None, "", self.identity) and not expired:
                 return False
             body = self._body(old, now)

@@ -57,7 +57,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     identity = f"{args.identity}-{os.getpid()}"
-    lease = Lease(api_client, args.lease_namespace, args.lease_name, identity, args.lease_seconds)
+    # The Lease has a client (and connection pool) of its own: a renewal must not queue
+    # behind thousands of pod writes of a large refit and miss the local deadline.
+    lease_client = await cluster.connect(args.kubeconfig)
+    lease = Lease(lease_client, args.lease_namespace, args.lease_name, identity, args.lease_seconds)
     log.info("waiting for leadership as %s", identity)
     await lease.acquire()
     stop = asyncio.Event()
@@ -80,6 +83,7 @@ async def run(args: argparse.Namespace) -> int:
         await kopf_task
     holder.cancel()
     await api_client.close()
+    await lease_client.close()
     if lease.lost.is_set():
         log.error("leadership lost: exiting so that exactly one replica acts")
         return 1

@@ -13,8 +13,15 @@ load, is preceded by a read-back of the pod's weight version whenever it may alr
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
+
+from refit_worker.contract import API_GROUP, READINESS_GATE
+
+# Where a pod's record lives on the pod (docs/operator.md).
+PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
+CLAIM_ANNOTATION = f"{API_GROUP}/claim"
 
 STEPS: tuple[str, ...] = (
     "drain",  # readiness condition False, then /pause and a bounded wait for in-flight requests
@@ -297,3 +304,55 @@ def load_needed(read_back_version: str | None, target: str) -> bool:
 def step_applies(step: str, sleep_level: int) -> bool:
     """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes)."""
     return not (sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"))
+
+
+@dataclass(frozen=True)
+class PodView:
+    """A pod as the operator sees it: what the decisions need, parsed from the Pod object."""
+
+    name: str
+    ip: str
+    has_gate: bool
+    running: bool
+    deleting: bool
+    ready: bool  # the weights-ready condition is True
+    restarts: int
+    progress: Progress | None
+    uid: str = ""  # a pod recreated under the same name (StatefulSet) is another pod
+    labels: dict[str, str] = field(default_factory=dict)
+    claim: Claim | None = None  # the pass that drives the pod now
+    resource_version: str = ""  # as listed: the claim is taken conditional on it
+
+    def verified(self, version: str) -> bool:
+        """At ``version`` with a passed probe and no container restart since."""
+        p = self.progress
+        return (
+            p is not None
+            and p.outcome == "Succeeded"
+            and p.version == version
+            and p.restarts == self.restarts
+            and self.ready
+        )
+
+    @classmethod
+    def from_pod(cls, doc: Mapping[str, Any]) -> PodView:
+        """From a Pod object as the API server returns it (a dict)."""
+        meta, spec, status = doc["metadata"], doc.get("spec", {}), doc.get("status", {})
+        gates = {g.get("conditionType") for g in spec.get("readinessGates") or []}
+        conds = {c.get("type"): c for c in status.get("conditions") or []}
+        restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+        annotations = meta.get("annotations") or {}
+        return cls(
+            name=meta["name"],
+            ip=status.get("podIP") or "",
+            has_gate=READINESS_GATE in gates,
+            running=status.get("phase") == "Running",
+            deleting=bool(meta.get("deletionTimestamp")),
+            ready=conds.get(READINESS_GATE, {}).get("status") == "True",
+            restarts=restarts,
+            uid=meta.get("uid", ""),
+            progress=Progress.from_annotation(annotations.get(PROGRESS_ANNOTATION)),
+            labels=dict(meta.get("labels") or {}),
+            claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
+            resource_version=meta.get("resourceVersion", ""),
+        )

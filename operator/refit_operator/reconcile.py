@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Final, Literal, Protocol
 
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
-from . import plan
+from . import plan, times
 from .api import (
     STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
@@ -26,42 +25,12 @@ from .api import (
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from .podflow import Claim, Progress
+from .podflow import PodView, Progress
+from .times import rfc3339
 
 
 class Transition(Protocol):
     def __call__(self, phase: str, reason: str, message: str, etype: str = "Normal") -> None: ...
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class PodView:
-    name: str
-    ip: str
-    has_gate: bool
-    running: bool
-    deleting: bool
-    ready: bool  # the weights-ready condition is True
-    restarts: int
-    progress: Progress | None
-    uid: str = ""  # a pod recreated under the same name (StatefulSet) is another pod
-    labels: dict[str, str] = field(default_factory=dict)
-    claim: Claim | None = None  # the pass that drives the pod now (see podflow.Claim)
-    resource_version: str = ""  # as listed: the claim is taken conditional on it
-
-    def verified(self, version: str) -> bool:
-        """At ``version`` with a passed probe and no container restart since."""
-        p = self.progress
-        return (
-            p is not None
-            and p.outcome == "Succeeded"
-            and p.version == version
-            and p.restarts == self.restarts
-            and self.ready
-        )
 
 
 @dataclass(frozen=True)
@@ -663,7 +632,7 @@ def _held(obs: Observed, states: dict[str, plan.PodState]) -> str:
 def _started(st: WeightRefitStatus) -> float | None:
     if not st.start_time:
         return None
-    return datetime.strptime(st.start_time, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    return times.epoch(st.start_time)
 
 
 def _fresh(name: str, spec: WeightRefitSpec) -> PodStart:

@@ -16,12 +16,11 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
-from . import api
-from .podflow import STEPS
+from . import api, times
+from .podflow import STEPS, PodView
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
@@ -47,12 +46,6 @@ STEP_COLORS: Final = dict(
         strict=True,
     )
 )
-
-
-def _time(text: str) -> datetime | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def render(
@@ -190,15 +183,15 @@ def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> 
     the whole fleet, so 10,000 pods draw in seconds."""
     from matplotlib.patches import Patch
 
-    starts = [t for t in (_time(p.start_time) for p in pods) if t is not None]
-    origin = _time(st.start_time) or (min(starts) if starts else None)
+    starts = [t for t in (times.parse(p.start_time) for p in pods) if t is not None]
+    origin = times.parse(st.start_time) or (min(starts) if starts else None)
     huge = len(pods) > LABELLED_ROWS
     # In points; the timeline is 0.28 in * LABELLED_ROWS tall when the fleet is that large.
     row_points = max(0.3, 0.28 * LABELLED_ROWS * 72 / len(pods) * 0.8)
     steps = [*STEPS, *sorted({s for p in pods for s in p.step_seconds} - set(STEPS))]
     lefts: list[float] = []
     for pod in pods:
-        begin = _time(pod.start_time)
+        begin = times.parse(pod.start_time)
         lefts.append((begin - origin).total_seconds() if begin and origin else 0.0)
     ends = list(lefts)
     used: list[str] = []
@@ -219,7 +212,7 @@ def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> 
         used.append(step)
     waits = []
     for row, pod in enumerate(pods):
-        end = _time(pod.completion_time)
+        end = times.parse(pod.completion_time)
         if end and origin and (end - origin).total_seconds() > ends[row]:
             waits.append((row, ends[row], (end - origin).total_seconds()))
             ends[row] = (end - origin).total_seconds()
@@ -307,11 +300,10 @@ def render_refit(
     status = doc.get("status") or {}
     results = None
     if pods is not None:
-        from .cluster import pod_view
         from .reconcile import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
-        views = [pod_view(dict(p)) for p in pods]
+        views = [PodView.from_pod(p) for p in pods]
         results = fleet_results(listed, views, str(meta.get("uid", "")))
     return render(status, out, thresholds=thresholds, title=title, pods=results)
 

@@ -18,10 +18,10 @@ from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
 from . import metrics, podflow, probe
-from .api import WeightRefitSpec
+from .api import Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Cluster
-from .podflow import Claim, Finished, Progress, RunStep, WaitUntil
-from .reconcile import PodStart, PodView, admission_problem
+from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
+from .reconcile import PodStart, admission_problem
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ async def _run_step(
     try:
         if step == "probe":
             return await _probe(ctx, pod, worker, progress)
-        await _execute(ctx, worker, progress, step, resumed)
+        await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
             raise ClaimLost(f"pod {pod.name}: {step}: {e.message}") from e
@@ -179,10 +179,11 @@ async def _run_step(
     return podflow.step_done(progress, step, seconds, time.time())
 
 
-async def _execute(
-    ctx: PassContext, worker: WorkerClient, progress: Progress, step: str, resumed: bool
+async def execute_step(
+    worker: WorkerClient, seq: Sequence, progress: Progress, step: str, resumed: bool
 ) -> None:
-    seq = ctx.spec.sequence
+    """Run one step of the pod sequence other than the probe (the pass's own I/O; the bench's
+    refit cycle runs the same code)."""
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
     if not podflow.step_applies(step, seq.sleep_level):
         return

@@ -15,11 +15,8 @@ CHART = REPO / "charts" / "refit-operator"
 ALL_OPTIONS = Path(__file__).with_name("values-all-options.yaml")
 FLEET = REPO / "examples" / "fleet"
 
-# What the chart carries as copies (Helm reads only files inside the chart) -> the source.
-CHART_CRDS = CHART / "crds"
-CHART_ALERTS = CHART / "files" / "alerts.yaml"
-CHART_DASHBOARDS = CHART / "files" / "dashboards"
-SOURCE_CRDS = REPO / "crds"
+# Sources of what the chart carries as copies (Helm reads only files inside the chart);
+# `make generate` copies them (hack/generate.py).
 SOURCE_ALERTS = REPO / "monitoring" / "alerts.yaml"
 SOURCE_DASHBOARDS = REPO / "monitoring" / "dashboards"
 

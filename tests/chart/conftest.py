@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from testbed.controlplane import ControlPlane
 from tests.chart.chartkit import MONITORING_CRDS, Helm, helm_binary, prometheus_operator_crds
-from tests.support.controlplane import ControlPlane
 
 
 @pytest.fixture(scope="session")

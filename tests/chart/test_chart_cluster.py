@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from testbed.controlplane import ControlPlane
 from tests.chart.chartkit import ALL_OPTIONS, CHART, Helm, fleet_docs
-from tests.support.controlplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

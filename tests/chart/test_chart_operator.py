@@ -7,10 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import secrets
-import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,9 +18,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.chart.chartkit import CHART, FLEET, REPO, Helm, fleet_docs, one
-from tests.support.controlplane import ControlPlane, free_port, kill_group
-from tests.support.simworker import SimPod, make_sim_checkpoint
+from testbed.controlplane import ControlPlane, free_port
+from testbed.operator_process import OperatorProcess
+from testbed.simfleet import SimPod
+from testbed.simworker import make_sim_checkpoint
+from tests.chart.chartkit import CHART, FLEET, Helm, fleet_docs, one
 
 pytestmark = pytest.mark.cluster
 
@@ -58,30 +57,14 @@ def _start_pod(cp: ControlPlane, namespace: str, name: str, sim: SimPod) -> None
 @contextlib.contextmanager
 def _operator(
     args: list[str], kubeconfig: Path, log: Path, pod_name: str
-) -> Iterator[subprocess.Popen[bytes]]:
+) -> Iterator[OperatorProcess]:
     """`refit-operator ARGS` as the Deployment's container would run it (env from the pod)."""
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "POD_NAME": pod_name,
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "refit-operator"), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-        )
+    env = {"KUBECONFIG": str(kubeconfig), "POD_NAME": pod_name, "PYTHONDONTWRITEBYTECODE": "1"}
+    op = OperatorProcess(args, log, env=env)
     try:
-        yield proc
+        yield op
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        kill_group(proc.pid)
-        proc.wait()
+        op.stop(grace=5.0)
 
 
 def _refused(*logs: Path) -> list[str]:

@@ -1,11 +1,11 @@
-"""The chart renders, lints, validates its values and keeps its copies equal to the sources.
+"""The chart renders, lints and validates its values (tests/unit/test_generated.py checks that
+its copies of the CRDs, alerts and dashboards are current).
 
 No API server needed: these run `helm lint` and `helm template` with the real Helm binary.
 """
 
 from __future__ import annotations
 
-import filecmp
 import json
 import re
 import subprocess
@@ -18,13 +18,9 @@ import yaml
 from tests.chart.chartkit import (
     ALL_OPTIONS,
     CHART,
-    CHART_ALERTS,
-    CHART_CRDS,
-    CHART_DASHBOARDS,
     FLEET,
     REPO,
     SOURCE_ALERTS,
-    SOURCE_CRDS,
     SOURCE_DASHBOARDS,
     Helm,
     by_kind,
@@ -52,38 +48,6 @@ def _verbs_on(rules: list[dict[str, Any]], group: str, resource: str) -> set[str
         if group in r["apiGroups"] and resource in r["resources"]
         for v in r["verbs"]
     }
-
-
-# --- the copies the chart must carry ----------------------------------------------------------
-
-
-def test_chart_crds_are_byte_identical_to_repo_crds() -> None:
-    """Sync: cp crds/*.yaml charts/refit-operator/crds/"""
-    source = sorted(p.name for p in SOURCE_CRDS.glob("*.yaml"))
-    assert source, "crds/ holds no CRD"
-    assert sorted(p.name for p in CHART_CRDS.glob("*.yaml")) == source
-    for name in source:
-        assert (CHART_CRDS / name).read_bytes() == (SOURCE_CRDS / name).read_bytes(), (
-            f"charts/refit-operator/crds/{name} differs from crds/{name}: "
-            "cp crds/*.yaml charts/refit-operator/crds/"
-        )
-
-
-def test_chart_alerts_are_a_copy_of_monitoring_alerts() -> None:
-    """Sync: cp monitoring/alerts.yaml charts/refit-operator/files/alerts.yaml"""
-    assert SOURCE_ALERTS.exists(), "monitoring/alerts.yaml is missing"
-    assert filecmp.cmp(CHART_ALERTS, SOURCE_ALERTS, shallow=False), (
-        "charts/refit-operator/files/alerts.yaml differs from monitoring/alerts.yaml"
-    )
-
-
-def test_chart_dashboards_are_copies_of_monitoring_dashboards() -> None:
-    """Sync: cp monitoring/dashboards/*.json charts/refit-operator/files/dashboards/"""
-    source = sorted(p.name for p in SOURCE_DASHBOARDS.glob("*.json"))
-    assert source, "monitoring/dashboards/ holds no dashboard"
-    assert sorted(p.name for p in CHART_DASHBOARDS.glob("*.json")) == source
-    for name in source:
-        assert (CHART_DASHBOARDS / name).read_bytes() == (SOURCE_DASHBOARDS / name).read_bytes()
 
 
 # --- lint and render ----------------------------------------------------------------------------

@@ -16,10 +16,9 @@ import pytest
 from refit_operator.client import RefitClient, RefitError, RefitFailed, RefitTimeout
 from refit_worker import contract
 
-from tests.cluster.test_operator_kit import harness, make_checkpoints
-from tests.support.controlplane import ControlPlane
+from testbed.controlplane import ControlPlane
+from testbed.fleet import make_checkpoints
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 

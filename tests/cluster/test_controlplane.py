@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.controlplane import REPO, ControlPlane, binaries, process_running
+from testbed.controlplane import REPO, ControlPlane, binaries, process_running
 
 pytestmark = pytest.mark.cluster
 
@@ -131,7 +131,7 @@ def test_namespace_fixture_gives_a_fresh_namespace(
 START_AND_REPORT = """
 import json, sys
 from pathlib import Path
-from tests.support.controlplane import ControlPlane
+from testbed.controlplane import ControlPlane
 cp = ControlPlane(Path(sys.argv[1]))
 cp.start()
 print(json.dumps({"pids": cp.pids, "ports": cp.ports}), flush=True)
@@ -189,7 +189,7 @@ def test_failing_test_session_tears_down(tmp_path: Path) -> None:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(FAILING_TEST))
     state_file = tmp_path / "state.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.support.controlplane",
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.fixtures.cluster",
          "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
         env=child_env(STATE_FILE=str(state_file)),
@@ -203,7 +203,7 @@ def test_cli_up_is_idempotent_and_down_stops_it(tmp_path: Path) -> None:
     state_dir = tmp_path / "cluster"
 
     def cli(action: str) -> str:
-        cmd = [sys.executable, "-m", "tests.support.controlplane", action, "--state-dir",
+        cmd = [sys.executable, "-m", "testbed.controlplane", action, "--state-dir",
                str(state_dir)]  # fmt: skip
         return subprocess.run(
             cmd, capture_output=True, text=True, check=True, env=child_env(), timeout=120
@@ -229,7 +229,7 @@ def test_missing_go_toolchain_is_one_clear_line(tmp_path: Path) -> None:
         d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "go").exists()
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.controlplane", "up", "--state-dir",
+        [sys.executable, "-m", "testbed.controlplane", "up", "--state-dir",
          str(tmp_path / "cluster")],
         capture_output=True, text=True, env=child_env(PATH=path), timeout=60,
     )  # fmt: skip

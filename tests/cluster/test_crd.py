@@ -13,7 +13,7 @@ import pytest
 import yaml
 from refit_worker.contract import PROBE_FILE, ProbeReference
 
-from tests.support.controlplane import CRD_DIR, REPO, ControlPlane
+from testbed.controlplane import CRD_DIR, REPO, ControlPlane
 
 pytestmark = pytest.mark.cluster
 

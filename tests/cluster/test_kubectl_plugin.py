@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_operator_kit import Fleet, harness, make_checkpoints
-from tests.support.controlplane import ControlPlane
+from testbed.controlplane import ControlPlane
+from testbed.fleet import Fleet, make_checkpoints
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 INSTALLED = Path(sys.executable).with_name("kubectl-refit")

@@ -14,14 +14,8 @@ import aiohttp
 import pytest
 from refit_worker import contract
 
-from tests.cluster.test_operator_kit import (
-    assert_one_driver,
-    fenced_calls,
-    harness,
-    make_checkpoints,
-)
+from testbed.fleet import assert_one_driver, fenced_calls, make_checkpoints
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 END = {"Succeeded", "Failed", "Halted", "RolledBack", "Superseded"}

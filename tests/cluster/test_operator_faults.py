@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+from testbed.fleet import make_checkpoints, start_fleet
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 FAST = {"stepTimeoutSeconds": 2, "loadTimeoutSeconds": 3, "probeTimeoutSeconds": 2, "retries": 1}

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+from testbed.fleet import make_checkpoints, start_fleet
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 

@@ -10,9 +10,8 @@ import pytest
 from kubernetes import client as k8s
 from refit_operator.podflow import STEPS
 
-from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+from testbed.fleet import make_checkpoints, start_fleet
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 # The simulator endpoint behind each step (slowed down so the kill lands inside the step),

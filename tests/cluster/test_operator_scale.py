@@ -11,9 +11,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.test_operator_kit import harness, make_checkpoints, start_fleet
+from testbed.fleet import make_checkpoints, start_fleet
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 # REFIT_SCALE_PODS=1000 runs the benchmark size.

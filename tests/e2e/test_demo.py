@@ -21,7 +21,7 @@ PODS = int(os.environ.get("REFIT_DEMO_PODS", "3"))
 def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     out = tmp_path / "reports"
     proc = subprocess.run(
-        [sys.executable, "-m", "refit_operator.demo", "--pods", str(PODS), "--out", str(out)],
+        [sys.executable, "-m", "demo", "--pods", str(PODS), "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1100,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip

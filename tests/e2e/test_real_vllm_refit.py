@@ -8,16 +8,16 @@ import base64
 
 import pytest
 
-from tests.cluster.test_operator_kit import Fleet, OperatorProc, harness
-from tests.support.vllm_testbed import start_vllm_server
+from testbed.fleet import Fleet
+from testbed.operator_process import Operators
+from testbed.vllm_server import start_vllm_server
 
-__all__ = ["harness"]
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 END = {"Succeeded", "Failed", "Halted"}
 
 
-def refit(fleet: Fleet, op: OperatorProc, name: str, path: str, version: str, port: int) -> dict:
+def refit(fleet: Fleet, op: Operators, name: str, path: str, version: str, port: int) -> dict:
     ref = {"adminTokenSecretRef": {"name": "vllm-admin"}}
     fleet.apply_refit(name, version, path, port, fleet=ref, sequence={"sleepLevel": 1})
     return dict(fleet.wait_phase(name, END, 180, op)["status"])

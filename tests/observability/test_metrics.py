@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from refit_operator import metrics as metrics_module
 from refit_operator.metrics import POD_PHASES, Metrics
 
+from testbed.controlplane import free_port
 from tests.observability import artifacts, driver
-from tests.support.controlplane import free_port
 
 ALLOWED_LABELS = {"namespace", "fleet", "refit", "pod", "step", "result", "phase", "kind", "verb"}
 NAME = re.compile(r"^refit_[a-z][a-z0-9]*(_[a-z0-9]+)*$")

@@ -9,8 +9,6 @@ pod-0; refit wr-v2 halts because pod-2's probe sees a drift of 1 nat per token.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from refit_operator.report import render_refit
 
-from tests.cluster.test_operator_kit import OPERATOR, Fleet, make_checkpoints
+from testbed.controlplane import ControlPlane, free_port
+from testbed.fleet import Fleet, make_checkpoints
+from testbed.operator_process import OperatorProcess
+from testbed.prometheus import PrometheusServer
 from tests.observability import artifacts
-from tests.support.controlplane import ControlPlane, free_port, kill_group
-from tests.support.prometheus import PrometheusServer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -58,19 +57,14 @@ def operator_with_metrics(
 ) -> Iterator[tuple[str, Callable[[], str]]]:
     """The real refit-operator process, its /metrics on a free loopback port."""
     port = free_port()
-    log_path = tmp_path / "operator.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [str(OPERATOR), "--kubeconfig", str(control_plane.kubeconfig), "--namespace",
-             namespace, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",
-             "--lease-namespace", namespace, "--lease-seconds", "3", "--identity", "obs"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+    op = OperatorProcess.start(
+        control_plane.kubeconfig, namespace, tmp_path / "operator.log", identity="obs",
+        lease_seconds=3, metrics_port=port, metrics_addr="127.0.0.1",
+    )  # fmt: skip
     try:
-        yield f"127.0.0.1:{port}", lambda: log_path.read_text(errors="replace")[-4000:]
+        yield f"127.0.0.1:{port}", op.log_tail
     finally:
-        kill_group(proc.pid)
+        op.stop(grace=5.0)
 
 
 def _has_finite(result: list[dict[str, Any]]) -> bool:

@@ -17,9 +17,9 @@ import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 from refit_operator.metrics import Metrics
 
+from testbed.controlplane import free_port
+from testbed.prometheus import PrometheusServer
 from tests.observability import artifacts, driver
-from tests.support.controlplane import free_port
-from tests.support.prometheus import PrometheusServer
 
 FLEET_REGEX = "|".join(driver.FLEETS)
 

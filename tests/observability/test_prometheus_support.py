@@ -1,4 +1,4 @@
-"""tests/support/prometheus.py and hack/prometheus.sh: install, start, query, tear down."""
+"""testbed/prometheus.py and hack/prometheus.sh: install, start, query, tear down."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.prometheus import INSTALL_SCRIPT, PrometheusError, PrometheusServer
+from testbed.prometheus import INSTALL_SCRIPT, PrometheusError, PrometheusServer
 
 
 def test_install_failure_is_one_clear_line(tmp_path: Path) -> None:

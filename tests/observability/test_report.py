@@ -66,7 +66,7 @@ def test_bad_status_is_a_clear_error(tmp_path: Path) -> None:
 def test_cli_reads_the_refit_from_the_api_server(
     control_plane: object, weightrefit_crd: str, namespace: str, tmp_path: Path
 ) -> None:
-    from tests.support.controlplane import ControlPlane
+    from testbed.controlplane import ControlPlane
 
     assert isinstance(control_plane, ControlPlane)
     example = Path(__file__).resolve().parents[2] / "examples" / "weightrefit-minimal.yaml"
@@ -95,7 +95,7 @@ def test_cli_reads_the_refit_from_the_api_server(
 
 
 def _pod_doc(name: str, progress: dict | None) -> dict:
-    from refit_operator.cluster import PROGRESS_ANNOTATION
+    from refit_operator.podflow import PROGRESS_ANNOTATION
 
     meta: dict = {"name": name}
     if progress is not None:

@@ -1,15 +1,11 @@
-"""docs/api-reference.md is generated from the CRD: stale docs fail here."""
+"""docs/api-reference.md documents every field of the CRD (tests/unit/test_generated.py
+checks that it is current)."""
 
 from __future__ import annotations
 
 import yaml
 
 from hack import gen_api_reference as gen
-
-
-def test_api_reference_is_current():
-    text = gen.render(yaml.safe_load(gen.CRD.read_text()))
-    assert gen.OUT.read_text() == text, "run: .venv/bin/python hack/gen_api_reference.py"
 
 
 def test_every_schema_field_is_documented():

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 from refit_operator import api, history
 from refit_operator.history import Finished, Policy, to_delete
@@ -214,25 +211,6 @@ def test_from_object_reads_a_weightrefit_as_the_api_server_returns_it() -> None:
     assert (fresh.phase, fresh.completed, fresh.ttl) == ("Pending", None, None)
     odd = {"metadata": {"name": "x"}, "status": {"completionTime": "yesterday"}}
     assert Finished.from_object(odd, FLEET).completed is None
-
-
-def test_epoch() -> None:
-    assert history.epoch("1970-01-01T00:01:40Z") == 100.0
-    assert history.epoch("1970-01-01T00:01:40.5Z") == 100.5
-    assert history.epoch("1970-01-01T00:01:40") == 100.0
-    assert history.epoch("") is None and history.epoch(None) is None
-
-
-def test_history_is_pure() -> None:
-    """No kopf, kubernetes, HTTP or asyncio: the engine calls it with plain data."""
-    source = Path(history.__file__).read_text()
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add("." * node.level + (node.module or "").split(".")[0])
-    assert imported <= {"__future__", "collections", "dataclasses", "datetime", "typing", ".api"}
 
 
 def test_cost_stays_flat_for_a_long_run() -> None:

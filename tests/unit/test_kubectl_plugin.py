@@ -8,16 +8,11 @@ import json
 
 import pytest
 from refit_operator import api
-from refit_operator.cluster import CONDITION, PROGRESS_ANNOTATION
-from refit_operator.kubectl_plugin import (
-    describe,
-    history_rows,
-    parse_timeout,
-    plan_batches,
-    plan_report,
-    table,
-)
+from refit_operator.kubectl_plugin import parse_timeout
+from refit_operator.podflow import PROGRESS_ANNOTATION
 from refit_operator.reconcile import RefitView
+from refit_operator.views import describe, history_rows, plan_batches, plan_report, table
+from refit_worker.contract import READINESS_GATE
 
 
 def pod(name: str, *, gate: bool = True, running: bool = True, progress: dict | None = None,
@@ -27,11 +22,11 @@ def pod(name: str, *, gate: bool = True, running: bool = True, progress: dict | 
         meta["annotations"] = {PROGRESS_ANNOTATION: json.dumps(progress)}
     return {
         "metadata": meta,
-        "spec": {"readinessGates": [{"conditionType": CONDITION}] if gate else []},
+        "spec": {"readinessGates": [{"conditionType": READINESS_GATE}] if gate else []},
         "status": {
             "phase": "Running" if running else "Pending",
             "podIP": "127.0.0.2" if running else "",
-            "conditions": [{"type": CONDITION, "status": "True" if ready else "False"}],
+            "conditions": [{"type": READINESS_GATE, "status": "True" if ready else "False"}],
         },
     }
 
@@ -50,9 +45,9 @@ def view(doc: dict) -> RefitView:
 
 
 def views(*docs: dict) -> list:
-    from refit_operator.cluster import pod_view
+    from refit_operator.podflow import PodView
 
-    return [pod_view(d) for d in docs]
+    return [PodView.from_pod(d) for d in docs]
 
 
 def test_rolling_plan_with_canary_and_width():

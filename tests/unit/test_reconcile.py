@@ -5,14 +5,14 @@ from dataclasses import replace
 from refit_operator import podflow
 from refit_operator.api import LabelSelector, Previous, WeightRefitSpec, WeightRefitStatus
 from refit_operator.plan import RefitRef
+from refit_operator.podflow import PodView
 from refit_operator.reconcile import (
     Observed,
-    PodView,
     PreflightResult,
     RefitView,
     decide,
-    rfc3339,
 )
+from refit_operator.times import rfc3339
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
 NOW = 1_800_000_000.0

@@ -13,14 +13,8 @@ from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract, fence
 
-from tests.support.simworker import (
-    SIM_VOCAB,
-    SimFleet,
-    SimPod,
-    loopback_ips,
-    make_sim_checkpoint,
-    sim_logprobs,
-)
+from testbed.simfleet import SimFleet, SimPod
+from testbed.simworker import SIM_VOCAB, loopback_ips, make_sim_checkpoint, sim_logprobs
 
 Fleet = Callable[..., list[SimPod]]
 

@@ -18,7 +18,8 @@ from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract
 
-from tests.support.simworker import SIM_VOCAB, SimFleet, SimPod, make_sim_checkpoint
+from testbed.simfleet import SimFleet, SimPod
+from testbed.simworker import SIM_VOCAB, make_sim_checkpoint
 
 ADMIN = "admin-secret"
 API_KEY = "api-secret"

@@ -18,7 +18,7 @@ from refit_worker.contract import (
     ProbeReference,
 )
 
-from tests.support.tiny_model import TinyModel
+from testbed.tiny_model import TinyModel
 
 pytestmark = pytest.mark.slow  # builds the tiny model on first use, runs HF transformers
 

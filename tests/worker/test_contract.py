@@ -1,6 +1,6 @@
 """Contract: the simulated worker answers like a real vLLM CPU pod with the refit_worker plugin.
 
-The same WorkerClient calls run against a real server (tests/support/vllm_testbed.py) and
+The same WorkerClient calls run against a real server (testbed/vllm_server.py) and
 against the simulator; a client middleware on the aiohttp session records every answer. For
 each call both must agree on: the path and RPC method, the HTTP status, the JSON shape of the
 body (keys and value types, recursively; list elements as the set of their shapes; token-id
@@ -30,9 +30,10 @@ import pytest
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract
 
-from tests.support.simworker import SimFleet, make_sim_checkpoint
-from tests.support.tiny_model import TinyModel
-from tests.support.vllm_testbed import VllmServer
+from testbed.simfleet import SimFleet
+from testbed.simworker import make_sim_checkpoint
+from testbed.tiny_model import TinyModel
+from testbed.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from refit_worker.contract import CAP_ADMIN_GUARD, CAP_VERIFIED_RELOAD, RefitInfo
 
-from tests.support.tiny_model import TinyModel
-from tests.support.vllm_testbed import SERVED_MODEL, VllmServer
+from testbed.tiny_model import TinyModel
+from testbed.vllm_server import SERVED_MODEL, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

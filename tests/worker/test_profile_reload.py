@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support.vllm_testbed import REPO
+from testbed.vllm_server import REPO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

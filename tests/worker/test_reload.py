@@ -12,8 +12,8 @@ import httpx
 import pytest
 from refit_worker.contract import PROBE_FILE, ProbeReference, parse_rejection
 
-from tests.support.tiny_model import EXPECTED_REJECTION, TinyModel
-from tests.support.vllm_testbed import VllmServer
+from testbed.tiny_model import EXPECTED_REJECTION, TinyModel
+from testbed.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

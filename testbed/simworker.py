@@ -66,22 +66,25 @@ Steps and faults
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
     ``unsafe_reasons``; ``calls()`` lists the steps a pod served, in order (``call_log()``
     with parameters, RPC bodies, fencing tokens and status codes; ``counts()`` per step);
-    ``state()`` shows a pod's state. The same methods on ``pods[0].fleet`` (:class:`SimFleet`) take
+    ``state()`` shows a pod's state. The same methods on ``pods[0].fleet`` (the SimFleet) take
     ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
     RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
 
-Use
+Use (the tests' ``sim_fleet`` fixture starts a :class:`testbed.simfleet.SimFleet` like this and
+closes it when the test ends)
     async def test_x(sim_fleet):
-        pods = sim_fleet(3, admin_token="t")
+        pods = sim_fleet(3, admin_token="t")  # SimFleet(3, admin_token="t").pods
         pods[1].set_fault("refit_load", "error", code="LoadFailed", times=1)
         async with refit_operator.worker.session() as http:
             ... WorkerClient(pods[1].base_url, http=http, admin_token="t") ...
         assert pods[1].calls() == ["pause", "sleep", ...]
 
-The subprocess (``python -m tests.support.simworker``) reads its configuration as one JSON
+The subprocess (``python -m testbed.simworker``) reads its configuration as one JSON
 line on stdin, prints one JSON line with its ports when every address listens, and exits
-when its stdin closes (the test process ended, however it ended). The control API
-listens on 127.0.0.1 on a port of its own; :class:`SimFleet` is its Python handle.
+when its stdin closes (the process that started it ended, however it ended). The control
+API listens on 127.0.0.1 on a port of its own; :class:`testbed.simfleet.SimFleet` is its
+Python handle (kept apart: this module is what the subprocess runs, and it starts faster
+without the client side's imports).
 """
 
 from __future__ import annotations
@@ -95,11 +98,9 @@ import math
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -878,215 +879,5 @@ def main() -> None:
         asyncio.run(_serve_forever(config))
 
 
-# ---------------------------------------------------------------------------------------
-# Test side: the handle and the fixture
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimPod:
-    ip: str
-    port: int
-    fleet: SimFleet = field(repr=False, compare=False)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.ip}:{self.port}"
-
-    def set_fault(
-        self,
-        step: str,
-        kind: str,
-        value: Any = None,
-        *,
-        code: str | None = None,
-        times: int | None = None,
-    ) -> None:
-        self.fleet.set_fault(step, kind, value, code=code, times=times, pods=[self])
-
-    def clear_faults(self, step: str | None = None) -> None:
-        self.fleet.clear_faults(step, pods=[self])
-
-    def crash(self, restart_after: float | None = None) -> None:
-        self.fleet.crash([self], restart_after=restart_after)
-
-    def restart(self) -> None:
-        self.fleet.restart([self])
-
-    def set_state(self, **values: Any) -> None:
-        self.fleet.set_state([self], **values)
-
-    def state(self) -> dict[str, Any]:
-        return self.fleet.states([self])[self.ip]
-
-    def call_log(self, *, clear: bool = False) -> list[dict[str, Any]]:
-        return self.fleet.call_logs([self], clear=clear)[self.ip]
-
-    def calls(self, *, clear: bool = False) -> list[str]:
-        """The steps this pod served, in order (health and metrics included)."""
-        return [c["step"] for c in self.call_log(clear=clear)]
-
-    def counts(self) -> Counter[str]:
-        return Counter(self.calls())
-
-
-class SimFleet:
-    """Handle on one simulator subprocess and its pods."""
-
-    def __init__(
-        self,
-        n: int | None = None,
-        *,
-        ips: list[str] | None = None,
-        admin_token: str | None = None,
-        api_key: str | None = None,
-        allowed_root: str | Path | None = None,
-        vocab: int = SIM_VOCAB,
-        port: int = 0,
-        start_timeout: float = 60.0,
-    ) -> None:
-        if ips is None:
-            if n is None or n < 1:
-                raise ValueError("give n >= 1 or ips")
-            # Distinct addresses for every fleet of this test process.
-            ips = loopback_ips(n, str(ipaddress.IPv4Address("127.1.0.1") + _take(n)))
-        config = {
-            "ips": ips,
-            "admin_token": admin_token,
-            "api_key": api_key,
-            "allowed_root": str(allowed_root) if allowed_root else None,
-            "vocab": vocab,
-            "port": port,
-        }
-        root = Path(__file__).resolve().parents[2]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "worker_image")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.simworker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=root,
-            env=env,
-            text=True,
-        )
-        try:
-            assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(config) + "\n")
-            self.proc.stdin.flush()
-            ready = _read_line(self.proc, start_timeout)
-            self.port = int(ready["port"])
-            self._control = httpx.Client(
-                base_url=f"http://127.0.0.1:{ready['control_port']}", timeout=30.0
-            )
-        except BaseException:
-            self.close()
-            raise
-        self.pods = [SimPod(ip, self.port, self) for ip in ips]
-
-    def _post(self, action: str, pods: list[SimPod] | None, **doc: Any) -> Any:
-        doc["ips"] = [p.ip for p in pods] if pods is not None else None
-        response = self._control.post(f"/control/{action}", json=doc)
-        if response.status_code != 200:
-            raise ValueError(f"simworker control {action}: {response.text}")
-        return response.json()
-
-    def set_fault(
-        self,
-        step: str,
-        kind: str,
-        value: Any = None,
-        *,
-        code: str | None = None,
-        times: int | None = None,
-        pods: list[SimPod] | None = None,
-    ) -> None:
-        """Inject a fault on `step` of `pods` (all when None); see the module docstring."""
-        self._post("fault", pods, step=step, kind=kind, value=value, code=code, times=times)
-
-    def clear_faults(self, step: str | None = None, *, pods: list[SimPod] | None = None) -> None:
-        self._post("clear_faults", pods, step=step)
-
-    def crash(
-        self, pods: list[SimPod] | None = None, *, restart_after: float | None = None
-    ) -> None:
-        self._post("crash", pods, restart_after=restart_after)
-
-    def restart(self, pods: list[SimPod] | None = None) -> None:
-        self._post("restart", pods)
-
-    def set_state(self, pods: list[SimPod] | None = None, **values: Any) -> None:
-        self._post("state", pods, set=values)
-
-    def states(self, pods: list[SimPod] | None = None) -> dict[str, dict[str, Any]]:
-        result: dict[str, dict[str, Any]] = self._post("pods", pods)
-        return result
-
-    def call_logs(
-        self, pods: list[SimPod] | None = None, *, clear: bool = False
-    ) -> dict[str, list[dict[str, Any]]]:
-        result: dict[str, list[dict[str, Any]]] = self._post("calls", pods, clear=clear)
-        return result
-
-    def close(self) -> None:
-        if getattr(self, "_control", None) is not None:
-            self._control.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
-_ip_cursor = 0
-
-
-def _take(n: int) -> int:
-    """Reserve room for n addresses (plus skipped .0/.255) in this process's range."""
-    global _ip_cursor
-    start = _ip_cursor
-    _ip_cursor += n + 2 * (n // 254 + 1) + 2
-    return start
-
-
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    import selectors
-
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError(f"simworker did not start within {timeout}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"simworker exited with {proc.wait()} before it listened")
-    result: dict[str, Any] = json.loads(line)
-    return result
-
-
-def _sim_fleet() -> Iterator[Callable[..., list[SimPod]]]:
-    """Factory: sim_fleet(n, admin_token=, api_key=, allowed_root=, vocab=) -> list[SimPod].
-
-    Every fleet is one subprocess, stopped when the test ends; pods[0].fleet is its handle.
-    """
-    fleets: list[SimFleet] = []
-
-    def start(n: int | None = None, **kwargs: Any) -> list[SimPod]:
-        fleet = SimFleet(n, **kwargs)
-        fleets.append(fleet)
-        return fleet.pods
-
-    yield start
-    for fleet in fleets:
-        fleet.close()
-
-
 if __name__ == "__main__":
     main()
-else:
-    # The simulator process itself needs neither pytest nor httpx (they slow its start).
-    import httpx
-    import pytest
-
-    sim_fleet = pytest.fixture(name="sim_fleet")(_sim_fleet)

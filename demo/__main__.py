@@ -1,6 +1,6 @@
 """`make demo`: Refit doing its job on real parts, in one command.
 
-    .venv/bin/python -m refit_operator.demo [--pods 3] [--out DIR] [--keep]
+    .venv/bin/python -m demo [--pods 3] [--out DIR] [--keep]
 
 Starts, on loopback only: a real kube-apiserver + etcd with the WeightRefit CRD, the operator
 (the real `refit-operator` process), N real vLLM CPU servers (tiny model, refit_worker plugin,
@@ -17,8 +17,8 @@ only when every outcome is the expected one and every pod serves v2 again, in tr
 Everything started is stopped at the end (also on Ctrl-C); `--keep` leaves it all running
 until Ctrl-C and prints how to look at it.
 
-Runs from a checkout (it uses the test bed under tests/support); torch and vLLM run only in
-the child processes, never in this one.
+Runs from a checkout: it is built from the test bed (testbed/), and it is not part of the
+installed package. torch and vLLM run only in the child processes, never in this one.
 """
 
 from __future__ import annotations
@@ -45,13 +45,17 @@ from typing import Any, TextIO
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_operator.client import RefitClient, RefitFailed, RefitTimeout, reason_of
+from refit_operator.report import render_refit
+from refit_operator.views import describe, duration, table
+from refit_worker.contract import READINESS_GATE
 
-from .client import RefitClient, RefitFailed, RefitTimeout, reason_of
-from .cluster import CONDITION
-from .kubectl_plugin import describe, duration, table
-from .report import render_refit
+from testbed import controlplane, prometheus, vllm_server
+from testbed.operator_process import OperatorProcess
+from testbed.pods import register_pod
+from testbed.tiny_model import TinyModel
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "refit-demo"
 LABELS = {"app": "demo-rollout"}
 SECRET = "vllm-admin-token"
@@ -119,20 +123,10 @@ class DemoError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ set-up
-def _test_bed() -> Any:
-    try:
-        from tests.support import controlplane, prometheus, vllm_testbed
-    except ImportError as e:
-        raise DemoError(
-            f"the demo runs from a Refit checkout (make demo in the repository root): {e}"
-        ) from e
-    return controlplane, prometheus, vllm_testbed
-
-
 def tiny_model_root() -> Path:
     """Build (or find) the tiny model in a child process: torch stays out of this one."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.tiny_model"],
+        [sys.executable, "-m", "testbed.tiny_model"],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     if proc.returncode != 0:
@@ -157,14 +151,14 @@ def common_free_port(ips: list[str]) -> int:
 
 
 def start_servers(
-    stack: ExitStack, testbed: Any, model: Any, ips: list[str], port: int, token: str,
+    stack: ExitStack, model: Any, ips: list[str], port: int, token: str,
     say: Callable[[str], None],
 ) -> list[Any]:  # fmt: skip
     """Start the vLLM servers in parallel; every one that started is stopped by `stack`."""
     results: dict[str, Any] = {}
 
     def start(ip: str) -> None:
-        cm: AbstractContextManager[Any] = testbed.start_vllm_server(
+        cm: AbstractContextManager[Any] = vllm_server.start_vllm_server(
             model, host=ip, port=port, admin_token=token
         )
         try:
@@ -194,8 +188,6 @@ def start_servers(
 
 def register_pods(core: Any, servers: list[Any]) -> list[str]:
     """One Pod object per server: the readiness gate, Running, status.podIP = its address."""
-    from tests.support.pods import register_pod
-
     names = [f"rollout-{i}" for i in range(len(servers))]
     for name, server in zip(names, servers, strict=True):
         register_pod(core, NAMESPACE, name, server.host, labels=LABELS,
@@ -204,35 +196,17 @@ def register_pods(core: Any, servers: list[Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def operator_process(kubeconfig: Path, metrics_port: int, log: Path) -> Iterator[Any]:
-    from tests.support.controlplane import kill_group
-
-    exe = Path(sys.executable).with_name("refit-operator")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_operator.main"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*cmd, "--kubeconfig", str(kubeconfig), "--namespace", NAMESPACE,
-             "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
-             "--lease-namespace", NAMESPACE, "--identity", "demo"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+def operator_process(kubeconfig: Path, metrics_port: int, log: Path) -> Iterator[OperatorProcess]:
+    """The operator for the demo's namespace, once its /metrics answers."""
+    op = OperatorProcess.start(
+        kubeconfig, NAMESPACE, log, identity="demo", metrics_port=metrics_port,
+        metrics_addr="127.0.0.1",
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:  # ready when /metrics answers
-            if proc.poll() is not None:
-                raise DemoError(f"the operator exited {proc.returncode}:\n{_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).is_success:
-                    break
-            if time.monotonic() > deadline:
-                raise DemoError(f"the operator's /metrics did not answer in 60s:\n{_tail(log)}")
-            time.sleep(0.3)
-        yield proc
+        op.wait_metrics(timeout=60)
+        yield op
     finally:
-        if proc.poll() is None:
-            kill_group(proc.pid, grace=15.0)
-            proc.wait()
+        op.stop(grace=15.0)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -337,7 +311,7 @@ def in_traffic(core: Any, names: list[str]) -> dict[str, bool]:
     for name in names:
         pod = core.read_namespaced_pod_status(name, NAMESPACE)
         conds = {c.type: c.status for c in pod.status.conditions or []}
-        out[name] = conds.get(CONDITION) == "True"
+        out[name] = conds.get(READINESS_GATE) == "True"
     return out
 
 
@@ -366,8 +340,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         out.flush()
 
     t0 = time.monotonic()
-    controlplane, prometheus, testbed = _test_bed()
-    from tests.support.tiny_model import TinyModel
 
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -393,11 +365,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         port = common_free_port(ips)
         token = os.urandom(16).hex()
         say(f"starting {args.pods} vLLM CPU servers on {', '.join(ips)} port {port}")
-        servers = start_servers(stack, testbed, model, ips, port, token, say)
+        servers = start_servers(stack, model, ips, port, token, say)
         core.create_namespaced_secret(NAMESPACE, {
             "metadata": {"name": SECRET}, "stringData": {"token": token}})  # fmt: skip
         names = register_pods(core, servers)
-        say(f"registered Pods {', '.join(names)} (readiness gate {CONDITION})")
+        say(f"registered Pods {', '.join(names)} (readiness gate {READINESS_GATE})")
 
         metrics_port = controlplane.free_port()
         say("starting the operator")
@@ -493,7 +465,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m refit_operator.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
     p.add_argument("--pods", type=int, default=3, help="vLLM servers (default 3, ~3 GB each)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "refit-demo"),
                    help="where the PNG reports go")  # fmt: skip
@@ -504,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args, sys.stdout)
-    except RuntimeError as e:  # DemoError, ControlPlaneError, PrometheusError: say why
+    except RuntimeError as e:  # DemoError, ControlPlaneError, OperatorError, PrometheusError
         print(f"demo: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

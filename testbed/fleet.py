@@ -1,89 +1,30 @@
-"""Shared harness of the operator's cluster tests (no tests here): the real `refit-operator`
-process against the test API server, Pod objects pointing at simulated workers, and the
-invariant every test checks: a pod's weights-ready condition is True only with a passed probe
-at the version its progress records."""
+"""Pod objects of one namespace pointing at simulated (or real) workers, WeightRefits applied
+and waited for, and the invariant the operator's cluster tests check all along: a pod's
+weights-ready condition is True only with a passed probe at the version its progress records
+(a watcher thread polls the pods; `Fleet.close()` checks once more; `violations` lists what
+it saw). Also the checks of one driver per pod on a simulated pod's call log."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.cluster import CONDITION, PROGRESS_ANNOTATION
+from refit_operator.podflow import PROGRESS_ANNOTATION
+from refit_worker.contract import READINESS_GATE
 
-from tests.support.controlplane import ControlPlane
-from tests.support.pods import register_pod
-from tests.support.simworker import SimPod, make_sim_checkpoint
+from testbed.controlplane import ControlPlane
+from testbed.operator_process import Operators
+from testbed.pods import register_pod
+from testbed.simfleet import SimPod
+from testbed.simworker import make_sim_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-OPERATOR = Path(sys.executable).with_name("refit-operator")
 LABELS = {"app": "rollout"}
-
-
-@dataclass
-class OperatorProc:
-    cp: ControlPlane
-    namespace: str
-    log_dir: Path
-    lease_seconds: int = 3
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, *extra: str) -> subprocess.Popen[bytes]:
-        n = len(self.procs)
-        log = (self.log_dir / f"operator-{n}.log").open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [str(OPERATOR), "--kubeconfig", str(self.cp.kubeconfig), "--namespace",
-             self.namespace, "--metrics-port", "0", "--lease-namespace", self.namespace,
-             "--lease-seconds", str(self.lease_seconds), "--identity", f"op{n}", *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def kill(self, proc: subprocess.Popen[bytes] | None = None) -> None:
-        """SIGKILL: no chance to clean up, as when a node dies."""
-        proc = proc or self.procs[-1]
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGCONT)  # a frozen one could not stop
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def freeze(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGSTOP: the process stops between any two instructions, as in a long GC pause
-        or CPU throttling, and carries on where it was on thaw()."""
-        os.kill(proc.pid, signal.SIGSTOP)
-
-    def thaw(self, proc: subprocess.Popen[bytes]) -> None:
-        os.kill(proc.pid, signal.SIGCONT)
-
-    def logs(self) -> str:
-        return "\n".join(
-            p.read_text(errors="replace")[-4000:]
-            for p in sorted(self.log_dir.glob("operator-*.log"))
-        )
 
 
 class Fleet:
@@ -92,8 +33,9 @@ class Fleet:
     def __init__(self, cp: ControlPlane, namespace: str) -> None:
         self.cp, self.ns = cp, namespace
         self.api = k8s_config.new_client_from_config(str(cp.kubeconfig))
-        self.core = k8s.CoreV1Api(self.api)
-        self.custom = k8s.CustomObjectsApi(self.api)
+        # Typed as Any: plain dict bodies and _preload_content=False answers.
+        self.core: Any = k8s.CoreV1Api(self.api)
+        self.custom: Any = k8s.CustomObjectsApi(self.api)
         self.violations: list[str] = []
         self.max_out_of_traffic = 0  # most pods seen with weights-ready False at once
         self._stop = threading.Event()
@@ -127,7 +69,7 @@ class Fleet:
     @staticmethod
     def ready(pod: dict[str, Any]) -> bool | None:
         for c in pod.get("status", {}).get("conditions") or []:
-            if c["type"] == CONDITION:
+            if c["type"] == READINESS_GATE:
                 return bool(c["status"] == "True")
         return None
 
@@ -169,7 +111,7 @@ class Fleet:
         name: str,
         phases: set[str] | str,
         timeout: float = 90.0,
-        op: OperatorProc | None = None,
+        op: Operators | None = None,
     ) -> dict[str, Any]:
         want = {phases} if isinstance(phases, str) else phases
         deadline = time.monotonic() + timeout
@@ -288,19 +230,3 @@ def make_checkpoints(
     root: Path, *versions: str, drift: dict[str, float] | None = None
 ) -> dict[str, Path]:
     return {v: make_sim_checkpoint(root / v, v, drift=(drift or {}).get(v, 0.0)) for v in versions}
-
-
-@pytest.fixture
-def harness(
-    control_plane: ControlPlane, weightrefit_crd: str, namespace: str, tmp_path: Path
-) -> Iterator[tuple[Fleet, OperatorProc]]:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    op = OperatorProc(control_plane, namespace, logs)
-    fleet = Fleet(control_plane, namespace)
-    try:
-        yield fleet, op
-    finally:
-        op.stop_all()
-        fleet.close()
-    assert not fleet.violations, "\n".join(fleet.violations)

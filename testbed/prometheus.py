@@ -1,12 +1,9 @@
-"""A real Prometheus (and promtool) for the tests, from Debian's `prometheus` package.
+"""A real Prometheus (and promtool), from Debian's `prometheus` package.
 
-hack/prometheus.sh installs the binaries into ~/.cache/refit/prometheus-<version>/ on first use.
-Fixtures:
-  prometheus_bin  (session) folder holding `prometheus` and `promtool`
-  promtool        (session) path of promtool
-  prometheus      factory: prometheus(targets=["127.0.0.1:PORT"], rule_files=[...]) ->
-                  PrometheusServer on a free loopback port, scraping those targets; every server
-                  it started is stopped at teardown, also when the test fails.
+hack/prometheus.sh installs the binaries into ~/.cache/refit/prometheus-<version>/ on first use:
+`install()` returns their folder. `PrometheusServer(bin_dir, state_dir, targets, rule_files=...)`
+is one Prometheus on a free loopback port scraping those targets (`start()`, `stop()`, queries).
+The tests' fixtures (tests/fixtures/prometheus.py) wrap both.
 """
 
 from __future__ import annotations
@@ -15,17 +12,16 @@ import atexit
 import contextlib
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
-from tests.support.controlplane import free_port, kill_group
+from testbed.controlplane import free_port, kill_group
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "hack" / "prometheus.sh"
 
 
@@ -171,44 +167,3 @@ class PrometheusServer:
             timeout=timeout,
             what=f"{scrapes} successful scrapes of every target",
         )
-
-
-# --- pytest fixtures ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def prometheus_bin() -> Path:
-    try:
-        return install()
-    except PrometheusError as e:
-        pytest.fail(f"Prometheus is not installable: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="session")
-def promtool(prometheus_bin: Path) -> Path:
-    return prometheus_bin / "promtool"
-
-
-@pytest.fixture
-def prometheus(
-    prometheus_bin: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., PrometheusServer]]:
-    """Factory: prometheus(targets, rule_files=(), scrape_interval="1s") -> started server."""
-    started: list[PrometheusServer] = []
-
-    def start(targets: Sequence[str], **kwargs: Any) -> PrometheusServer:
-        server = PrometheusServer(
-            prometheus_bin, tmp_path_factory.mktemp("prometheus"), targets, **kwargs
-        )
-        started.append(server)
-        try:
-            server.start()
-        except PrometheusError as e:
-            pytest.fail(str(e), pytrace=False)
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in started:
-            server.stop()

@@ -1,17 +1,15 @@
-"""Grafana dashboards for reload health, built with grafana-foundation-sdk (Grafana 11).
+"""Grafana dashboards for reload health, built with grafana-foundation-sdk (Grafana 11, a
+development dependency: the operator never imports this).
 
-The generated JSON is committed under monitoring/dashboards/; regenerate it with
-    python -m refit_operator.dashboards --out monitoring/dashboards
-(tests/observability fail when the committed files differ from what this module builds).
+The generated JSON is committed under monitoring/dashboards/ and copied into the chart
+(charts/refit-operator/files/dashboards/); `make generate` (hack/generate.py) writes both, and
+tests/unit/test_generated.py fails when either differs from what `rendered()` builds.
 Every query uses only metrics from refit_operator.metrics (and Prometheus' own `up`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any, Final
 
 from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, table, timeseries
@@ -451,37 +449,3 @@ def render(board: dash.Dashboard) -> str:
 
 def rendered() -> dict[str, str]:
     return {name: render(build()) for name, build in DASHBOARDS.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m refit_operator.dashboards", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files")
-    parser.add_argument(
-        "--check", action="store_true", help="only compare; exit 1 when a file is out of date"
-    )
-    args = parser.parse_args(argv)
-    stale = []
-    for name, text in rendered().items():
-        path = args.out / name
-        current = path.read_text() if path.exists() else None
-        if current == text:
-            continue
-        stale.append(path)
-        if not args.check:
-            args.out.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path}")
-    if args.check and stale:
-        print(
-            "out of date: " + ", ".join(map(str, stale)) + " (run python -m "
-            "refit_operator.dashboards --out monitoring/dashboards)",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

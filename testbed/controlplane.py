@@ -5,13 +5,14 @@ The API server runs with RBAC authorization and token authentication, so code un
 act as a ServiceAccount with exactly the RBAC a chart grants it.
 
 Teardown is layered because a leaked apiserver holds ports and ~300 MB on a shared machine:
-fixture finalizers stop it; an atexit hook and SIGTERM/SIGINT handlers stop whatever is still
-running; and in test mode the children also get PR_SET_PDEATHSIG, so even a SIGKILLed pytest
-takes them along. Each child runs in its own process group, killed as a group.
+its owner stops it (the tests' fixture finalizer, the demo's and the benches' exit stacks);
+an atexit hook and SIGTERM/SIGINT handlers stop whatever is still running; and unless
+detached the children also get PR_SET_PDEATHSIG, so even a SIGKILLed owner (pytest, the
+demo) takes them along. Each child runs in its own process group, killed as a group.
 
 CLI (`make cluster` / `make cluster-down`):
-    python -m tests.support.controlplane up [--state-dir DIR]
-    python -m tests.support.controlplane down [--state-dir DIR]
+    python -m testbed.controlplane up [--state-dir DIR]
+    python -m testbed.controlplane down [--state-dir DIR]
 """
 
 from __future__ import annotations
@@ -36,19 +37,17 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import pytest
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "hack" / "build-control-plane.sh"
 CRD_DIR = REPO / "crds"
 WEIGHTREFIT_CRD = "weightrefits.refit.rollout.dev"
@@ -75,11 +74,22 @@ def cache_dir() -> Path:
 
 def binaries() -> Path:
     """Folder holding etcd, kube-apiserver and kubectl; builds them on first use. The build
-    script's progress (a first build takes minutes) goes to our stderr as it happens."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise ControlPlaneError(f"{BUILD_SCRIPT.name} failed (its output is above)")
-    return Path(proc.stdout.strip())
+    script's progress lines (a first build takes minutes) go to our stderr as they come; a
+    failure is one error whose message is the script's last line."""
+    proc = subprocess.Popen(
+        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line.rstrip())
+        if "building" in line or "built in" in line:
+            print(line.rstrip(), file=sys.stderr, flush=True)
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        shown = [line for line in lines if line.strip()]
+        raise ControlPlaneError(shown[-1] if shown else f"{BUILD_SCRIPT} failed")
+    return Path(out.strip())
 
 
 def free_port() -> int:
@@ -194,8 +204,9 @@ def kill_group(pid: int, *, grace: float = 5.0, timeout: float = 10.0) -> None:
 class ControlPlane:
     """etcd + kube-apiserver on free loopback ports, state under state_dir.
 
-    detached=False (tests): children die with this process. detached=True (`make cluster`):
-    they outlive it, and `stop_recorded` ends them later from the pids in state.json.
+    detached=False (tests, demo, benches): children die with this process.
+    detached=True (`make cluster`): they outlive it, and `stop_recorded` ends them later from
+    the pids in state.json.
     """
 
     def __init__(self, state_dir: Path, *, detached: bool = False) -> None:
@@ -465,36 +476,6 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signum)
 
 
-# --- pytest fixtures ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    """One real etcd + kube-apiserver for the whole test session (admin kubeconfig: .kubeconfig)."""
-    cp = ControlPlane(tmp_path_factory.mktemp("control-plane"))
-    try:
-        cp.start()
-    except ControlPlaneError as e:
-        pytest.fail(str(e), pytrace=False)
-    try:
-        yield cp
-    finally:
-        cp.stop()
-
-
-@pytest.fixture(scope="session")
-def weightrefit_crd(control_plane: ControlPlane) -> str:
-    """crds/ installed and Established; returns the CRD name."""
-    control_plane.install_crds()
-    return WEIGHTREFIT_CRD
-
-
-@pytest.fixture
-def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> str:
-    """A fresh namespace named after the test."""
-    return control_plane.create_namespace(request.node.name)
-
-
 # --- CLI: make cluster / make cluster-down ---------------------------------------------------
 
 
@@ -533,7 +514,7 @@ def _print_access(cp_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.controlplane")
+    parser = argparse.ArgumentParser(prog="python -m testbed.controlplane")
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--state-dir", help="default: ~/.cache/refit/cluster")
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ uses>/; a build happens in a temporary sibling directory renamed into place when
 a crashed build never leaves a half cache. A file lock keeps concurrent sessions from
 building the same model twice.
 
-Run `python -m tests.support.tiny_model` to build (or find) it and print its directory.
+Run `python -m testbed.tiny_model` to build (or find) it and print its directory.
 """
 
 from __future__ import annotations

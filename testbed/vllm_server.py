@@ -1,10 +1,9 @@
-"""The real vLLM CPU test bed: the tiny model (tests/support/tiny_model.py) and real vLLM
-servers running the refit_worker plugin, the admin guard and the worker extension on loopback.
+"""Real vLLM CPU servers serving the tiny model (testbed/tiny_model.py), running the
+refit_worker plugin, the admin guard and the worker extension on loopback.
 
-    tiny_model            session fixture -> TinyModel (.base_dir, .allowed_root,
-                          .checkpoints, .reference(name))
-    start_vllm_server()   context manager -> VllmServer (.base_url, .admin_token, .stop())
-    vllm_server           module-scoped fixture: one server per test module
+    start_vllm_server(model)  context manager -> VllmServer (.base_url, .admin_token, .stop())
+
+The tests' fixtures `tiny_model` and `vllm_server` (tests/fixtures/vllm.py) wrap it.
 
 Each server is its own process group, killed at exit whatever happened; a server that does
 not answer /health in time fails with its log tail in the error.
@@ -27,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from tests.support.tiny_model import TinyModel, ensure_tiny_model
+from testbed.tiny_model import TinyModel
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = float(os.environ.get("REFIT_VLLM_START_TIMEOUT", "240"))
 SERVED_MODEL = "tiny"
 GUARD = "refit_worker.guard.AdminGuard"
@@ -277,15 +275,3 @@ def start_vllm_server(
                 file=sys.stderr,
             )
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> TinyModel:
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
-    """One dummy-start server per test module (API key "test-api-key" on /v1)."""
-    with start_vllm_server(tiny_model, api_key="test-api-key") as server:
-        yield server

@@ -1,0 +1,100 @@
+"""The tree, top down. The `refit` distribution (what the operator image and `pip install` get)
+holds refit_operator and refit_worker, every module of both, and nothing of what runs only
+from a checkout (the test bed, the demo, the benchmarks, the generators); the operator
+imports only the standard library, the two packages and its declared dependencies. The test
+bed is a library the tests, the demo and the benchmarks share: it imports neither pytest nor
+the tests, and neither do the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from importlib.metadata import packages_distributions, requires
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OPERATOR = REPO / "operator" / "refit_operator"
+WORKER = REPO / "worker_image" / "refit_worker"
+CHECKOUT_ONLY = {"testbed", "demo", "bench", "hack", "tests"}
+
+
+def _modules(package: Path) -> set[str]:
+    return {
+        p.relative_to(package.parent).as_posix()
+        for p in package.rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports in a module (function-level ones included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_wheel_holds_both_packages_whole_and_nothing_else(tmp_path: Path) -> None:
+    """Built as the operator image builds it: from pyproject.toml, README.md, operator/ and
+    worker_image/refit_worker only (operator/Dockerfile)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "operator", src / "operator", ignore=ignore)
+    shutil.copytree(WORKER, src / "worker_image" / "refit_worker", ignore=ignore)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    files = set(zipfile.ZipFile(wheel).namelist())
+    modules = {f for f in files if not re.match(r"refit-[^/]+\.dist-info/", f)}
+    assert modules == _modules(OPERATOR) | _modules(WORKER)
+
+
+def _dist(requirement: str) -> str:
+    """The normalized distribution name of a requirement ("kubernetes-asyncio>=33" ->
+    "kubernetes-asyncio")."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[;( ]", requirement, maxsplit=1)[0]).lower()
+
+
+def test_the_operator_imports_only_its_dependencies() -> None:
+    """What it imports is installed by `pip install refit[report]`: a declared dependency, or
+    one those bring (urllib3, with kubernetes)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + project["optional-dependencies"]["report"]
+    declared = {_dist(r) for r in requirements}
+    installed = set(declared)
+    for dist in declared:
+        installed |= {_dist(r) for r in requires(dist) or [] if "extra ==" not in r}
+    dists = packages_distributions()
+    wrong = {}
+    for path in sorted(OPERATOR.rglob("*.py")):
+        names = _imports(path) - set(sys.stdlib_module_names) - {"refit_operator", "refit_worker"}
+        bad = {n for n in names if not {_dist(d) for d in dists.get(n, [])} & installed}
+        if bad:
+            wrong[path.name] = sorted(bad)
+    assert not wrong, f"imports of the operator that are not its dependencies: {wrong}"
+
+
+def test_neither_package_imports_the_checkout() -> None:
+    for path in sorted([*OPERATOR.rglob("*.py"), *WORKER.rglob("*.py")]):
+        assert not _imports(path) & CHECKOUT_ONLY, path.relative_to(REPO)
+
+
+def test_the_test_bed_demo_and_benches_import_neither_pytest_nor_the_tests() -> None:
+    for folder in ("testbed", "demo", "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            assert not _imports(path) & {"pytest", "tests"}, path.relative_to(REPO)
