@@ -19,8 +19,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
 from . import history, metrics, plan, reconcile, times
-from .api import TERMINAL_PHASES, Previous, WeightRefitSpec, WeightRefitStatus
+from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
+from .index import RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import PodView, Progress
 from .reconcile import Decision, Observed, PreflightResult, RefitView
@@ -53,39 +54,6 @@ class _RefitState:
     thresholds_published: bool = False
 
 
-@dataclass(frozen=True)
-class Known:
-    """What the engine knows of a WeightRefit without reading it: enough to queue refits that
-    share pods, find a rollback target and collect history. Kept current by the watch."""
-
-    namespace: str
-    name: str
-    uid: str
-    created: str
-    phase: str
-    spec: WeightRefitSpec
-    completed: float | None
-    deleting: bool = False  # deletion requested: collected already, its finalizer runs
-
-    @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> Known | None:
-        meta, status = doc["metadata"], doc.get("status") or {}
-        try:
-            spec = WeightRefitSpec.model_validate(doc.get("spec") or {})
-        except ValueError:
-            return None  # the CRD's schema keeps these out; nothing to queue against
-        return cls(
-            meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
-            status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
-            bool(meta.get("deletionTimestamp")),
-        )  # fmt: skip
-
-    def ref(self) -> plan.RefitRef:
-        return plan.RefitRef(
-            self.name, self.created, self.phase, self.spec.queue_policy, self.spec.fleet.selector
-        )
-
-
 class Engine:
     def __init__(
         self,
@@ -99,7 +67,7 @@ class Engine:
         self.lease = lease  # None: a single replica without election (tests of the engine)
         self.policy = policy or history.Policy()
         self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
-        self.known: dict[str, Known] = {}  # by uid: every WeightRefit watched
+        self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
         if lease is not None:
             cluster.before_write = lease.check
@@ -111,20 +79,14 @@ class Engine:
     def observe(self, doc: dict[str, Any], deleted: bool = False) -> None:
         """Fold a watched (or just read) WeightRefit into the index; forget a deleted one and
         everything kept for it, so nothing grows with the number of refits ever seen."""
-        uid = doc["metadata"]["uid"]
-        known = None if deleted else Known.from_doc(doc)
-        if known is None:
-            gone = self.known.pop(uid, None)
-            st = self.refits.pop(uid, None)
-            if st is not None:
-                for task in st.tasks.values():
-                    task.cancel()
-            if gone is not None:
-                metrics.forget_refit(
-                    gone.namespace, gone.spec.fleet.selector.canonical(), gone.name
-                )
+        gone = self.index.observe(doc, deleted)
+        if gone is None:
             return
-        self.known[uid] = known
+        st = self.refits.pop(gone.uid, None)
+        if st is not None:
+            for task in st.tasks.values():
+                task.cancel()
+        metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
 
     async def sync(self, namespaces: list[str] | None) -> None:
         """Fill the index before the first tick (None: every namespace), so the first refit
@@ -177,7 +139,9 @@ class Engine:
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
         st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
-        fleet, previous = self._fleet(namespace, view, st.pods)
+        fleet, previous = self.index.sharing(
+            namespace, view.uid, view.created, view.status.phase, st.pods
+        )
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(
             [n for n in st.tasks if n not in present and await self._gone(namespace, n)]
@@ -186,7 +150,7 @@ class Engine:
             st.tasks.pop(pod).cancel()
         for gone in before - present:
             metrics.forget_pod(namespace, selector, gone)
-        refits = {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
+        refits = self.index.names(namespace)
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
             now=time.time(), previous=previous, vanished=vanished, refits=refits,
@@ -235,17 +199,13 @@ class Engine:
         return False
 
     def _wake(self, namespace: str, fleet: list[plan.RefitRef], me: str) -> None:
-        """A refit just finished: the refits sharing its pods decide now, not at their next
+        """A refit just finished: the refits it concerns decide now, not at their next
         (possibly dormant) tick: the queued one starts, a finished one sees its pods moved on
         or takes up convergence again."""
-        # Only refits with something to decide: a queued or active one, or a Succeeded one
-        # whose pods may have moved on (the rest are finished for good).
-        names = {r.name for r in fleet if r.phase not in TERMINAL_PHASES or r.phase == "Succeeded"}
-        for k in self.known.values():
-            if k.namespace == namespace and k.name in names and k.uid != me:
-                st = self.refits.get(k.uid)
-                if st is not None:
-                    st.wake.set()
+        for uid in self.index.to_wake(namespace, fleet, me):
+            st = self.refits.get(uid)
+            if st is not None:
+                st.wake.set()
 
     async def _gone(self, namespace: str, pod: str) -> bool:
         """A pod in flight that the list no longer shows: deleted (or being deleted), or only
@@ -258,44 +218,10 @@ class Engine:
             raise
         return bool(doc["metadata"].get("deletionTimestamp"))
 
-    def _fleet(
-        self, namespace: str, me: RefitView, pods: list[PodView]
-    ) -> tuple[list[plan.RefitRef], Previous | None]:
-        """The refits that share at least one pod with ``me`` (from the index: no list per
-        tick), and the newest Succeeded one of them created before ``me``: the rollback
-        target. Fleets are compared by the pods they select, so two selectors written
-        differently that pick the same pods are one fleet."""
-        refs, succeeded = [], []
-        for k in self.known.values():
-            if k.namespace != namespace:
-                continue
-            phase = me.status.phase if k.uid == me.uid else k.phase
-            if k.uid != me.uid and not any(k.spec.fleet.selector.matches(p.labels) for p in pods):
-                continue
-            ref = replace(k.ref(), phase=phase)
-            refs.append(ref)
-            if phase == "Succeeded" and k.uid != me.uid and ref.created <= me.created:
-                succeeded.append(k)
-        previous = None
-        if succeeded:
-            last = max(succeeded, key=lambda k: (k.created, k.name))
-            c = last.spec.checkpoint
-            previous = Previous(version=c.version, path=c.path, refit=last.name)
-        return refs, previous
-
     async def _collect(self, namespace: str) -> None:
         """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
-        mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
-        finished = [
-            history.Finished(k.name, k.created, k.phase, k.completed,
-                             k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical())
-            for k in mine.values()
-        ]  # fmt: skip
-        for name in history.to_delete(finished, self.policy, time.time()):
-            if mine[name].deleting:
-                continue  # asked already; the watch forgets it once it is gone
-            await self.cluster.delete_refit(namespace, name)
-            self.known[mine[name].uid] = replace(mine[name], deleting=True)
+        for k in self.index.to_collect(namespace, self.policy, time.time()):
+            await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:

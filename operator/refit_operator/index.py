@@ -1,0 +1,115 @@
+"""What the operator knows of every WeightRefit it watches, without reading them: enough to
+queue refits that share pods, find a rollback target, wake the refits a finish concerns and
+collect history. Fed by the watch (handlers.refit_event) and the start-up list; pure: the
+engine does the I/O around it. Bounded by the refits that exist, which history keeps few."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import history, plan, times
+from .api import TERMINAL_PHASES, Previous, WeightRefitSpec
+from .podflow import PodView
+
+
+@dataclass(frozen=True)
+class Known:
+    namespace: str
+    name: str
+    uid: str
+    created: str
+    phase: str
+    spec: WeightRefitSpec
+    completed: float | None
+    deleting: bool = False  # deletion requested: collected already, its finalizer runs
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Known | None:
+        meta, status = doc["metadata"], doc.get("status") or {}
+        try:
+            spec = WeightRefitSpec.model_validate(doc.get("spec") or {})
+        except ValueError:
+            return None  # the CRD's schema keeps these out; nothing to queue against
+        return cls(
+            meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
+            status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
+            bool(meta.get("deletionTimestamp")),
+        )  # fmt: skip
+
+    def ref(self, phase: str | None = None) -> plan.RefitRef:
+        return plan.RefitRef(
+            self.name, self.created, phase or self.phase, self.spec.queue_policy,
+            self.spec.fleet.selector,
+        )  # fmt: skip
+
+
+class RefitIndex:
+    def __init__(self) -> None:
+        self.known: dict[str, Known] = {}  # by uid
+
+    def observe(self, doc: dict[str, Any], deleted: bool = False) -> Known | None:
+        """Fold a watched (or just read) WeightRefit in; a deleted one is dropped and
+        returned, so the caller forgets what it kept for it."""
+        uid = doc["metadata"]["uid"]
+        known = None if deleted else Known.from_doc(doc)
+        if known is None:
+            return self.known.pop(uid, None)
+        self.known[uid] = known
+        return None
+
+    def names(self, namespace: str) -> dict[str, str]:
+        """uid -> name of every refit of the namespace (a claim of a refit not here is stale)."""
+        return {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
+
+    def sharing(
+        self, namespace: str, uid: str, created: str, phase: str, pods: Sequence[PodView]
+    ) -> tuple[list[plan.RefitRef], Previous | None]:
+        """The refits that select at least one of ``pods`` (the refit ``uid``'s own, itself
+        included with its current ``phase``), and the newest Succeeded one of them created
+        before it: the rollback target. Fleets are compared by the pods they select, so two
+        selectors written differently that pick the same pods are one fleet."""
+        refs, succeeded = [], []
+        for k in self.known.values():
+            if k.namespace != namespace:
+                continue
+            if k.uid != uid and not any(k.spec.fleet.selector.matches(p.labels) for p in pods):
+                continue
+            ref = k.ref(phase if k.uid == uid else None)
+            refs.append(ref)
+            if ref.phase == "Succeeded" and k.uid != uid and ref.created <= created:
+                succeeded.append(k)
+        previous = None
+        if succeeded:
+            last = max(succeeded, key=lambda k: (k.created, k.name))
+            c = last.spec.checkpoint
+            previous = Previous(version=c.version, path=c.path, refit=last.name)
+        return refs, previous
+
+    def to_wake(self, namespace: str, fleet: Sequence[plan.RefitRef], uid: str) -> list[str]:
+        """uids of the refits a finish of refit ``uid`` concerns: those of ``fleet`` that are
+        queued or active, or Succeeded (their pods may have moved on); the rest are done."""
+        names = {r.name for r in fleet if r.phase not in TERMINAL_PHASES or r.phase == "Succeeded"}
+        return [
+            k.uid
+            for k in self.known.values()
+            if k.namespace == namespace and k.name in names and k.uid != uid
+        ]
+
+    def to_collect(self, namespace: str, policy: history.Policy, now: float) -> list[Known]:
+        """Refits of the namespace the history policy no longer keeps and whose deletion was
+        not asked yet; they are marked as being deleted."""
+        mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
+        finished = [
+            history.Finished(k.name, k.created, k.phase, k.completed,
+                             k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical())
+            for k in mine.values()
+        ]  # fmt: skip
+        out = []
+        for name in history.to_delete(finished, policy, now):
+            k = mine[name]
+            if not k.deleting:
+                self.known[k.uid] = replace(k, deleting=True)
+                out.append(k)
+        return out

@@ -1,0 +1,53 @@
+"""The engine's index of WeightRefits (refit_operator.index), with plain documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_operator import history
+from refit_operator.index import RefitIndex
+from refit_operator.podflow import PodView
+
+
+def doc(name: str, created: str, phase: str, selector: dict[str, Any], **meta: Any) -> dict:
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}",
+                     "creationTimestamp": created, **meta},
+        "spec": {"fleet": {"selector": selector},
+                 "checkpoint": {"path": f"/c/{name}", "version": f"v-{name}"}},
+        "status": {"phase": phase, "completionTime": "2026-01-01T00:00:00Z"},
+    }  # fmt: skip
+
+
+def pod(name: str, **labels: str) -> PodView:
+    return PodView(name, "127.0.0.2", True, True, False, True, 0, None, labels=labels)
+
+
+def test_refits_share_a_fleet_by_the_pods_they_select_not_by_selector_text() -> None:
+    idx = RefitIndex()
+    idx.observe(doc("a", "2026-01-01T00:00:01Z", "Succeeded", {"matchLabels": {"app": "r"}}))
+    tier = {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}
+    idx.observe(doc("b", "2026-01-01T00:00:02Z", "Succeeded", tier))
+    idx.observe(doc("other", "2026-01-01T00:00:03Z", "Progressing", {"matchLabels": {"x": "y"}}))
+    idx.observe(doc("me", "2026-01-01T00:00:04Z", "Pending", {"matchLabels": {"tier": "g"}}))
+    pods = [pod("p0", app="r", tier="g")]
+    refs, previous = idx.sharing("ns", "u-me", "2026-01-01T00:00:04Z", "Preflight", pods)
+    assert sorted((r.name, r.phase) for r in refs) == [
+        ("a", "Succeeded"), ("b", "Succeeded"), ("me", "Preflight"),
+    ]  # fmt: skip
+    assert previous is not None and previous.refit == "b" and previous.version == "v-b"
+    assert idx.to_wake("ns", refs, "u-me") == ["u-a", "u-b"]
+
+
+def test_deleted_refits_leave_the_index_and_collection_asks_once() -> None:
+    idx = RefitIndex()
+    sel = {"matchLabels": {"app": "r"}}
+    for i in range(4):
+        idx.observe(doc(f"s{i}", f"2026-01-01T00:00:0{i}Z", "Succeeded", sel))
+    policy = history.Policy(history_limit=2)
+    first = idx.to_collect("ns", policy, now=1e10)
+    assert [k.name for k in first] == ["s0", "s1"]
+    assert idx.to_collect("ns", policy, now=1e10) == []  # asked already: not again
+    gone = idx.observe(doc("s0", "2026-01-01T00:00:00Z", "Succeeded", sel), deleted=True)
+    assert gone is not None and gone.name == "s0"
+    assert sorted(idx.names("ns").values()) == ["s1", "s2", "s3"]
