@@ -52,6 +52,14 @@ class _RefitState:
     written: dict[str, Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     thresholds_published: bool = False
+    # NLLs of the pods passed at a version, sorted, from this tick's pods: every probe of the
+    # tick compares against the same list, built once (per probe it was quadratic in pods).
+    peers: dict[str, list[float]] = field(default_factory=dict)
+
+    def peer_nlls(self, version: str) -> list[float]:
+        if version not in self.peers:
+            self.peers[version] = sorted(reconcile.peer_nlls(self.pods, version))
+        return self.peers[version]
 
 
 class Engine:
@@ -139,6 +147,7 @@ class Engine:
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
         st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
+        st.peers = {}
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
         )
@@ -350,7 +359,7 @@ class Engine:
             fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
             client=lambda pod, fence: self._client(view, st, pod, fence),
             next_fence=self.next_fence, reference=reference,
-            peer_nlls=lambda version: reconcile.peer_nlls(st.pods, version),
+            peer_nlls=st.peer_nlls,
             admitted=st.admitted, live=st.live,
         )  # fmt: skip
         pods = {p.name: p for p in st.pods}
