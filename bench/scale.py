@@ -36,6 +36,8 @@ from typing import Any
 import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_operator import api
+from refit_worker.contract import API_GROUP
 
 from bench import apiserver
 from bench.results import Metric, summarize
@@ -47,7 +49,7 @@ from testbed.simworker import make_sim_checkpoint
 
 PY_SPY = Path(sys.executable).with_name("py-spy")
 LABELS = {"app": "bench"}
-GROUP, VERSION, PLURAL = "refit.rollout.dev", "v1alpha1", "weightrefits"
+GROUP, VERSION, PLURAL = API_GROUP, api.VERSION, api.PLURAL
 STRATEGIES = {
     "AllAtOnce": {"type": "AllAtOnce"},
     "Rolling25": {"type": "Rolling", "maxUnavailable": "25%"},

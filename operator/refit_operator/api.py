@@ -12,9 +12,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
-from refit_worker.contract import API_GROUP
 
-GROUP = API_GROUP
 VERSION = "v1alpha1"
 PLURAL = "weightrefits"
 KIND = "WeightRefit"

@@ -31,11 +31,12 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from refit_worker.contract import API_GROUP
 
 from . import api
 from .views import reason_of
 
-API_VERSION = f"{api.GROUP}/{api.VERSION}"
+API_VERSION = f"{API_GROUP}/{api.VERSION}"
 FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
 _NAME_MAX = 63
 # The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
@@ -340,7 +341,7 @@ class RefitClient:
             )
         try:
             self.custom.create_namespaced_custom_object(
-                api.GROUP, api.VERSION, ns, api.PLURAL, body
+                API_GROUP, api.VERSION, ns, api.PLURAL, body
             )
         except ApiException as e:
             if e.status != 409:
@@ -359,7 +360,7 @@ class RefitClient:
         ns = namespace or self.namespace
         try:
             doc: dict[str, Any] = self.custom.get_namespaced_custom_object(
-                api.GROUP, api.VERSION, ns, api.PLURAL, name
+                API_GROUP, api.VERSION, ns, api.PLURAL, name
             )
         except ApiException as e:
             if e.status == 404:
@@ -371,7 +372,7 @@ class RefitClient:
         """The namespace's WeightRefits, oldest first."""
         ns = namespace or self.namespace
         try:
-            doc = self.custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL)
+            doc = self.custom.list_namespaced_custom_object(API_GROUP, api.VERSION, ns, api.PLURAL)
         except ApiException as e:
             raise RefitError(f"listing WeightRefits in {ns}: {_api_message(e)}") from e
         items: list[dict[str, Any]] = doc.get("items", [])
@@ -453,7 +454,7 @@ class RefitClient:
         try:
             stream = w.stream(
                 self.custom.list_namespaced_custom_object,
-                api.GROUP,
+                API_GROUP,
                 api.VERSION,
                 ns,
                 api.PLURAL,

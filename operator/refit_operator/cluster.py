@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from . import api, metrics
 from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, PodView, Progress, Readiness
@@ -26,7 +26,7 @@ from .times import rfc3339
 
 log = logging.getLogger(__name__)
 
-FINALIZER = f"{api.GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
+FINALIZER = f"{API_GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
 SMP = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 
@@ -203,7 +203,7 @@ class Cluster:
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             resp = await self.custom.get_namespaced_custom_object(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
+                API_GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
             )
             doc: dict[str, Any] = await read_json(resp)
         except ApiException as e:
@@ -216,11 +216,11 @@ class Cluster:
         """The WeightRefits of ``namespace`` (None: of every namespace)."""
         if namespace is None:
             resp = await self.custom.list_cluster_custom_object(
-                api.GROUP, api.VERSION, api.PLURAL, _preload_content=False
+                API_GROUP, api.VERSION, api.PLURAL, _preload_content=False
             )
         else:
             resp = await self.custom.list_namespaced_custom_object(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, _preload_content=False
+                API_GROUP, api.VERSION, namespace, api.PLURAL, _preload_content=False
             )
         items: list[dict[str, Any]] = (await read_json(resp)).get("items", [])
         return items
@@ -236,7 +236,7 @@ class Cluster:
             body["metadata"] = {"resourceVersion": resource_version}
         await _done(
             await self.custom.patch_namespaced_custom_object_status(
-                api.GROUP,
+                API_GROUP,
                 api.VERSION,
                 namespace,
                 api.PLURAL,
@@ -254,7 +254,7 @@ class Cluster:
         try:
             await _done(
                 await self.custom.delete_namespaced_custom_object(
-                    api.GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
+                    API_GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False
                 )
             )
         except ApiException as e:

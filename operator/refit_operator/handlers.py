@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import kopf
+from refit_worker.contract import API_GROUP
 
 from . import api, metrics
 from .cluster import FINALIZER
@@ -42,8 +43,8 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
     settings.posting.enabled = False  # our Events say what happened; kopf's repeat its logs
     # The namespaces to watch come from the command line and the CRD is installed by the chart:
     # without this kopf lists namespaces and CRDs cluster-wide, which least-privilege RBAC
@@ -51,7 +52,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
 
 
-@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=5.0)
+@kopf.daemon(API_GROUP, api.VERSION, api.PLURAL, cancellation_timeout=5.0)
 async def refit_daemon(
     name: str,
     namespace: str | None,
@@ -84,7 +85,7 @@ async def refit_daemon(
         wake.clear()
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.event(API_GROUP, api.VERSION, api.PLURAL)
 async def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Keep the engine's index of WeightRefits current (queueing, rollback targets and
     history collection read it instead of listing every refit on every tick). Async so that
@@ -92,7 +93,7 @@ async def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     _engine(memo).observe(dict(event["object"]), deleted=event["type"] == "DELETED")
 
 
-@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.delete(API_GROUP, api.VERSION, api.PLURAL)
 async def refit_deleted(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     assert namespace is not None
     d = await _engine(memo).tick(namespace, name, deleting=True)

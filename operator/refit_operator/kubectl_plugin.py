@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from refit_worker.contract import API_GROUP
 
 from . import api
 from .client import (
@@ -118,7 +119,7 @@ class Plugin:
             body["metadata"]["generateName"] = "plan-"
         try:
             doc: dict[str, Any] = self.refits.custom.create_namespaced_custom_object(
-                api.GROUP, api.VERSION, self.ns, api.PLURAL, body, dry_run="All"
+                API_GROUP, api.VERSION, self.ns, api.PLURAL, body, dry_run="All"
             )
         except ApiException as e:
             if e.status == 409:  # exists: validate as if new, under a throwaway name

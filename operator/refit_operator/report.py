@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from refit_worker.contract import API_GROUP
+
 from . import api, times
 from .podflow import STEPS, PodView
 
@@ -269,7 +271,7 @@ async def _fetch(
     async with api_client:
         doc: dict[str, Any] = await client.CustomObjectsApi(
             api_client
-        ).get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        ).get_namespaced_custom_object(API_GROUP, api.VERSION, namespace, api.PLURAL, name)
         selector = api.LabelSelector.model_validate(doc["spec"]["fleet"]["selector"])
         try:
             resp = await client.CoreV1Api(api_client).list_namespaced_pod(
