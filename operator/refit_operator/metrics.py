@@ -36,10 +36,16 @@ log = logging.getLogger(__name__)
 # The *_created series double every counter and histogram and no dashboard or alert uses them.
 disable_created_metrics()
 
+_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
+
+
+def _snake(value: str) -> str:
+    """'wakeWeights' -> 'wake_weights', 'RolledBack' -> 'rolled_back', 'Pass' -> 'pass'."""
+    return _CAMEL.sub(r"_\1", value.strip()).replace("-", "_").lower()
+
+
 # The per-pod sequence (podflow.STEPS, snake_case): their series exist from a fleet's first call.
-PIPELINE_STEPS: Final = tuple(
-    re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", s).lower() for s in podflow.STEPS
-)
+PIPELINE_STEPS: Final = tuple(_snake(s) for s in podflow.STEPS)
 # Also accepted: steps outside the per-pod sequence that the operator may time.
 STEPS: Final = frozenset({*PIPELINE_STEPS, "resume", "rollback"})
 STEP_RESULTS: Final = frozenset({"success", "failure", "timeout"})
@@ -66,13 +72,7 @@ API_VERBS: Final = frozenset({"get", "list", "watch", "create", "update", "patch
 # Step durations span a 50 ms prefix-cache reset to a multi-minute load of a large checkpoint.
 STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
-_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _ENUM_VALUE = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-def _snake(value: str) -> str:
-    """'wakeWeights' -> 'wake_weights', 'RolledBack' -> 'rolled_back', 'Pass' -> 'pass'."""
-    return _CAMEL.sub(r"_\1", value.strip()).replace("-", "_").lower()
 
 
 def _enum(what: str, value: str, allowed: frozenset[str] | tuple[str, ...]) -> str:
