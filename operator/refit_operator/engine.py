@@ -409,7 +409,10 @@ class Engine:
             metrics.refit_finished(namespace, fleet, RESULTS[phase], refit=view.name)
         # Only the refit that owns the fleet (the active one, or the finished one that is still
         # the fleet's target) publishes fleet state, so two refits never alternate the series.
-        if phase not in ACTIVE_PHASES and (phase not in RESULTS or d.dormant):
+        # The tick that ends a refit publishes too: it still owns the fleet, and its pods as
+        # they were left (a failed pod out of traffic) are what the alerts must see.
+        ending = phase != view.status.phase and phase in RESULTS
+        if phase not in ACTIVE_PHASES and (phase not in RESULTS or (d.dormant and not ending)):
             return
         target = view.spec.checkpoint.version
         if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:

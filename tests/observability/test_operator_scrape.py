@@ -145,6 +145,14 @@ def test_real_operator_metrics_feed_dashboards_and_alerts(
         if s.name == "refit_operator_api_retries_total" and s.labels.get("verb") == "patch"
     ]
     assert retries and retries[0] >= 1, f"the conflict on pod-1 was not counted: {retries}"
+    # The tick that halted wr-v2 published the fleet as it left it: pod-2 out of traffic.
+    out = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "refit_fleet_pods_out_of_traffic"
+    ]
+    assert out == [1.0], f"pod-2 (failed probe) is out of traffic: {out}"
 
     # 2. Every dashboard query returns (finite) data, except those waiting on the operator.
     range_ = f"{math.ceil(end - began) + 60}s"
