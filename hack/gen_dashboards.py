@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.builders.common import (
+    GraphThresholdsStyleConfig,
     ReduceDataOptions,
     StackingConfig,
     VizLegendOptions,
@@ -24,6 +25,7 @@ from grafana_foundation_sdk.models.common import (
     BigValueColorMode,
     BigValueTextMode,
     GraphDrawStyle,
+    GraphThresholdsStyleMode,
     LegendDisplayMode,
     LegendPlacement,
     StackingMode,
@@ -36,6 +38,8 @@ DATASOURCE: Final = dash.DataSourceRef(type_val="prometheus", uid="${datasource}
 SEL: Final = 'namespace=~"$namespace", fleet=~"$fleet"'
 OPERATOR_JOB: Final = 'job=~".*refit-operator.*"'
 UID: Final = "refit-reload-health"
+# The RefitOutOfTrafficSlow alert's bound on the p95 time out of traffic (monitoring/alerts.yaml).
+OUT_OF_TRAFFIC_ALERT_SECONDS: Final = 300
 
 
 def _query(
@@ -128,9 +132,69 @@ def _bars(title: str, description: str, unit: str, expr: str, legend: str) -> An
     )
 
 
+def _out_of_traffic_panels() -> tuple[Any, Any]:
+    """The headline figure: how long refits keep a pod out of traffic, per fleet, over the
+    dashboard's range (p50 and p95) and over time (as the RefitOutOfTrafficSlow alert sees it:
+    a 30-minute window, its 300 s bound drawn as a red line)."""
+    ranged = (
+        "histogram_quantile({q}, sum by (fleet, le) (increase("
+        f"refit_pod_out_of_traffic_seconds_bucket{{{{{SEL}}}}}[$__range])))"
+    )
+    sliding = (
+        "histogram_quantile({q}, sum by (fleet, le) (rate("
+        f"refit_pod_out_of_traffic_seconds_bucket{{{{{SEL}}}}}[30m])))"
+    )
+    # Red from the RefitOutOfTrafficSlow alert's bound on the p95.
+    alert_line = (
+        dashboard.ThresholdsConfig()
+        .mode(dash.ThresholdsMode.ABSOLUTE)
+        .steps(
+            [
+                dash.Threshold(value=None, color="green"),
+                dash.Threshold(value=OUT_OF_TRAFFIC_ALERT_SECONDS, color="red"),
+            ]
+        )
+    )
+    bars = (
+        bargauge.Panel()
+        .title("Time out of traffic p50 / p95")
+        .description(
+            "Seconds refit passes kept a pod out of traffic (weights-ready condition False to "
+            "True), per fleet, over the pods put back into traffic in the dashboard's time "
+            "range. The exact worst pod of a refit: `kubectl refit status NAME`."
+        )
+        .datasource(DATASOURCE)
+        .with_target(_query(ranged.format(q="0.5"), "p50 {{fleet}}", instant=True))
+        .with_target(_query(ranged.format(q="0.95"), "p95 {{fleet}}", "B", instant=True))
+        .unit("s")
+        .min(0)
+        .span(12)
+        .height(8)
+        .orientation(VizOrientation.HORIZONTAL)
+        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .thresholds(alert_line)
+    )
+    series = (
+        _series(
+            "Time out of traffic over time",
+            "p50 and p95 seconds out of traffic per fleet over the last 30 minutes of pods put "
+            "back into traffic, as the RefitOutOfTrafficSlow alert computes it (red line: its "
+            "300 s bound on the p95).",
+            "s",
+            _query(sliding.format(q="0.95"), "p95 {{fleet}}"),
+            _query(sliding.format(q="0.5"), "p50 {{fleet}}", "B"),
+        )
+        .min(0)
+        .thresholds(alert_line)
+        .thresholds_style(GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.LINE))
+    )
+    return bars, series
+
+
 def reload_health() -> dash.Dashboard:
     """Refit / Reload health: probes, steps, refit outcomes, fleet state, operator health."""
     step_q = "histogram_quantile({q}, sum by (step, le) (increase(refit_step_duration_seconds_bucket{{{sel}}}[$__range])))"  # noqa: E501
+    out_of_traffic_bars, out_of_traffic_series = _out_of_traffic_panels()
     builder = (
         dashboard.Dashboard("Refit / Reload health")
         .uid(UID)
@@ -229,6 +293,8 @@ def reload_health() -> dash.Dashboard:
                 ),
             ).min(0)
         )
+        .with_panel(out_of_traffic_bars)
+        .with_panel(out_of_traffic_series)
         .with_row(dashboard.Row("Probes"))
         .with_panel(
             _probe_panel(

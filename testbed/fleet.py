@@ -38,6 +38,7 @@ class Fleet:
         self.custom: Any = k8s.CustomObjectsApi(self.api)
         self.violations: list[str] = []
         self.max_out_of_traffic = 0  # most pods seen with weights-ready False at once
+        self._verified: dict[str, str] = {}  # pod -> last version seen Succeeded, probe passed
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
@@ -182,13 +183,23 @@ class Fleet:
             self._stop.wait(interval)
 
     def _check(self, pod: dict[str, Any]) -> None:
-        if not self.ready(pod):
-            return
+        """A Ready pod serves a version whose probe passed on it: its record is a pass that
+        Succeeded with a passed probe, or a pass that leaves it serving the version its last
+        such pass brought it to (staging, refused while staging, or restored)."""
         p = self.progress(pod)
         name = pod["metadata"]["name"]
         verdict = ((p or {}).get("probe") or {}).get("verdict")
-        if p is None or verdict != "Pass":
-            self.violations.append(f"{name} Ready without a passed probe: {p}")
+        if p is not None and p.get("outcome") == "Succeeded" and verdict == "Pass":
+            self._verified[name] = p["version"]
+        if not self.ready(pod):
+            return
+        if p is not None and p.get("outcome") == "Succeeded" and verdict == "Pass":
+            return
+        keeps = p is not None and (p.get("restored") or not p.get("left_traffic"))
+        served = (p or {}).get("serving")
+        if not keeps or not served or self._verified.get(name, served) != served:
+            seen = self._verified.get(name)
+            self.violations.append(f"{name} Ready without a passed probe (last seen {seen}): {p}")
 
     def close(self) -> None:
         self._stop.set()

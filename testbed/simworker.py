@@ -7,7 +7,8 @@ holds the two to the same shapes): ``/health``, ``/metrics``, ``/v1/models``,
 ``/v1/completions`` (a token-id prompt or a list of them, ``prompt_logprobs``), ``/pause``,
 ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
 ``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
-``refit_info``, ``refit_preflight``, ``refit_load`` and ``refit_probe_reference``.
+``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load`` and
+``refit_probe_reference``.
 
 The simulated model
     A pod starts at weight version ``"default"`` with dummy weights: every token scores
@@ -19,10 +20,18 @@ The simulated model
     probe against the reference of the checkpoint a pod last loaded passes exactly unless a
     drift or fault is injected. Preflight and load verify the directory with refit_worker's
     own checkpoint module and refuse like the real extension (HTTP 500 whose body carries
-    ``refit-rejected: <Code>: <detail>``). Sleep level 2 discards the weights: until the
-    next successful load, scores are garbage. Completions wait while the pod is paused or
-    asleep (vLLM 0.32 queues them too). Admin endpoints answer 401 without the admin token
-    when the fleet has one; ``/v1`` answers 401 without the api key when it has one.
+    ``refit-rejected: <Code>: <detail>``). ``refit_stage`` stages with the same module
+    (checkpoint.stage_checkpoint: the bytes held within the staging budget, every file's
+    identity recorded), so ``refit_load`` of the staged path refuses ``CheckpointChanged``
+    when a file changed since and loads from the held bytes (``source: "memory"``), from
+    disk over the budget (``"disk"``), or after a full check when the path is not staged
+    (``"unstaged"``). The budget is the subprocess's ``REFIT_STAGING_BUDGET_BYTES`` (inherited
+    from the process that starts the fleet), or per pod ``set_state(staging_budget="1Mi")``
+    (the variable's text; None: the environment again). A restart forgets what was staged.
+    Sleep level 2 discards the weights: until the next successful load, scores are garbage.
+    Completions wait while the pod is paused or asleep (vLLM 0.32 queues them too). Admin
+    endpoints answer 401 without the admin token when the fleet has one; ``/v1`` answers 401
+    without the api key when it has one.
 
 Fencing
     Each pod fences like refit_worker's admin guard, with the same
@@ -40,7 +49,8 @@ Steps and faults
     ``metrics``, ``models``, ``completions``, ``pause``, ``resume``, ``is_paused``,
     ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``,
     ``update_weight_version``, ``weight_info``) or the RPC method behind ``/collective_rpc``
-    (``refit_info``, ``refit_preflight``, ``refit_load``, ``refit_probe_reference``).
+    (``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load``,
+    ``refit_probe_reference``).
     One fault per (pod, step); ``times=N`` makes it fire N times and then vanish.
 
     ========================  ====================================================
@@ -64,9 +74,10 @@ Steps and faults
 
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
-    ``unsafe_reasons``; ``calls()`` lists the steps a pod served, in order (``call_log()``
-    with parameters, RPC bodies, fencing tokens and status codes; ``counts()`` per step);
-    ``state()`` shows a pod's state. The same methods on ``pods[0].fleet`` (the SimFleet) take
+    ``unsafe_reasons``, ``staging_budget``; ``calls()`` lists the steps a pod served, in
+    order (``call_log()`` with parameters, RPC bodies, fencing tokens and status codes;
+    ``counts()`` per step); ``state()`` shows a pod's state (``staged``: the path and mode
+    refit_stage holds, or None). The same methods on ``pods[0].fleet`` (the SimFleet) take
     ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
     RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
 
@@ -108,9 +119,13 @@ from typing import Any
 from aiohttp import web
 from refit_worker import contract, fence
 from refit_worker.checkpoint import (
+    STAGING_BUDGET_ENV,
     ExpectedParam,
+    StagedCheckpoint,
     load_manifest,
+    parse_staging_budget,
     resolve_under_root,
+    stage_checkpoint,
     verify_checkpoint,
     verify_params,
     write_manifest,
@@ -146,6 +161,7 @@ HTTP_STEPS = {
 RPC_STEPS = (
     contract.RPC_INFO,
     contract.RPC_PREFLIGHT,
+    contract.RPC_STAGE,
     contract.RPC_LOAD,
     contract.RPC_PROBE_REFERENCE,
 )
@@ -207,7 +223,12 @@ def _read_sim_weights(directory: Path) -> tuple[str, float]:
     """(seed, drift) from the metadata of the checkpoint's safetensors header."""
     with (directory / SIM_WEIGHTS_FILE).open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(header_len)).get("__metadata__") or {}
+        return _sim_weights(f.read(header_len))
+
+
+def _sim_weights(header: bytes) -> tuple[str, float]:
+    """(seed, drift) from a safetensors header (the JSON after the length)."""
+    meta = json.loads(header).get("__metadata__") or {}
     if "seed" not in meta:
         raise contract.RefitRejected("LoadFailed", f"{SIM_WEIGHTS_FILE} is not a sim checkpoint")
     return str(meta["seed"]), float(meta.get("drift", 0.0))
@@ -256,6 +277,8 @@ class PodState:
     waiting: int = 0
     capabilities: list[str] | None = None
     unsafe_reasons: list[str] = field(default_factory=list)
+    staging_budget: str | None = None  # REFIT_STAGING_BUDGET_BYTES's text; None: the env's
+    staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
     faults: dict[str, Fault] = field(default_factory=dict)
     fences: fence.FenceTracker = field(default_factory=fence.FenceTracker)
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -269,6 +292,7 @@ class PodState:
         self.seed, self.drift, self.weights_discarded = None, 0.0, False
         self.paused, self.running, self.waiting = False, 0, 0
         self.asleep = set()
+        self.staged = None  # so is what was staged
         self.fences.reset()  # the mark is process memory
         self.update_serving()
 
@@ -292,6 +316,11 @@ class PodState:
             "running": self.running,
             "waiting": self.waiting,
             "fence": self.fences.highest,
+            "staged": (
+                None
+                if self.staged is None
+                else {"path": self.staged.path, "mode": self.staged.mode}
+            ),
             "faults": {s: f.__dict__ for s, f in self.faults.items()},
         }
 
@@ -727,7 +756,7 @@ class SimServer:
             result = fn(pod, *args, **kwargs)
         except contract.RefitRejected as exc:
             return rpc_failure(request, str(exc))
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # a bad argument, a malformed staging budget
             return rpc_failure(request, str(exc))
         return web.json_response({"results": [result]})
 
@@ -760,6 +789,10 @@ class SimServer:
     def _preflight(self, pod: PodState, path: str) -> dict[str, Any]:
         directory, manifest = verify_checkpoint(path, pod.allowed_root)
         verify_params(manifest.tensors, SIM_PARAMS)
+        return self._checked(directory, manifest)
+
+    @staticmethod
+    def _checked(directory: Path, manifest: contract.Manifest) -> dict[str, Any]:
         return {  # the keys refit_worker.extension answers with
             "path": str(directory),
             "files": len(manifest.files),
@@ -771,12 +804,65 @@ class SimServer:
             "seconds": 0.0,
         }
 
+    async def on_refit_stage(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        def stage(pod: PodState, path: str) -> dict[str, Any]:
+            text = pod.staging_budget
+            budget = parse_staging_budget(
+                text if text is not None else os.environ.get(STAGING_BUDGET_ENV)
+            )
+            previous, pod.staged = pod.staged, None
+            staged = stage_checkpoint(path, pod.allowed_root, budget, previous=previous)
+            if not staged.reused:
+                try:
+                    verify_params(staged.manifest.tensors, SIM_PARAMS)
+                except contract.RefitRejected:
+                    staged.release()
+                    raise
+                staged.summary = self._checked(staged.directory, staged.manifest)
+            pod.staged = staged
+            return {
+                **staged.summary,
+                "staged": staged.mode,
+                "budgetBytes": staged.budget,
+                "note": staged.note(),
+            }
+
+        return await self._rpc(request, pod, body, stage)
+
     async def on_refit_load(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         def load(pod: PodState, path: str, version: str) -> dict[str, Any]:
-            if not isinstance(version, str) or not version:
-                raise contract.RefitRejected("LoadFailed", "version must be a non-empty string")
-            checked = self._preflight(pod, path)
-            pod.seed, pod.drift = _read_sim_weights(Path(checked["path"]))
+            # As the real extension: any load releases what was staged; only LoadFailed
+            # comes after the (simulated) model was touched.
+            staged, pod.staged = pod.staged, None
+            if staged is not None and staged.path != path:
+                staged.release()
+                staged = None
+            try:
+                if not isinstance(version, str) or not version:
+                    raise contract.RefitRejected("LoadFailed", "version must be a non-empty string")
+                if staged is None:
+                    checked = self._preflight(pod, path)
+                    pod.seed, pod.drift = _read_sim_weights(Path(checked["path"]))
+                    source = "unstaged"
+                else:
+                    staged.check_before_load(pod.allowed_root)
+                    checked = staged.summary
+                    if staged.in_memory:
+                        data = dict(staged.take_shards())[SIM_WEIGHTS_FILE]
+                        header_len = int.from_bytes(data[:8], "little")
+                        pod.seed, pod.drift = _sim_weights(data[8 : 8 + header_len])
+                        source = "memory"
+                    else:
+                        pod.seed, pod.drift = _read_sim_weights(staged.directory)
+                        source = "disk"
+                        try:
+                            staged.check_after_load()
+                        except contract.RefitRejected:
+                            pod.weights_discarded = True  # mixed bytes: garbage scores
+                            raise
+            finally:
+                if staged is not None:
+                    staged.release()
             pod.loaded_version, pod.loaded_path = version, path
             pod.weights_discarded = False
             # A dummy-started vLLM switches its load format on the first load from disk.
@@ -786,6 +872,7 @@ class SimServer:
                 "version": version,
                 "loadSeconds": 0.0,
                 "switchedLoadFormatFrom": switched if switched != "safetensors" else None,
+                "source": source,
             }
 
         return await self._rpc(request, pod, body, load)
@@ -838,7 +925,14 @@ class SimServer:
             for pod in pods:
                 await self.restart(pod)
         elif action == "state":
-            settable = {"running", "waiting", "weight_version", "capabilities", "unsafe_reasons"}
+            settable = {
+                "running",
+                "waiting",
+                "weight_version",
+                "capabilities",
+                "unsafe_reasons",
+                "staging_budget",
+            }
             bad = set(doc.get("set", {})) - settable
             if bad:
                 return web.json_response({"error": f"cannot set {sorted(bad)}"}, status=400)

@@ -215,6 +215,9 @@ class PodResult(_Model):
     completion_time: str = ""
     step_seconds: dict[str, float] = Field(default_factory=dict)
     probe: PodProbe | None = None
+    # Seconds from the pass taking the pod out of traffic to putting it back (readiness
+    # condition False -> True); None while it is out, or when the pass left it out.
+    out_of_traffic_seconds: float | None = None
 
 
 class Previous(_Model):
@@ -233,6 +236,15 @@ class ProbeSummary(_Model):
     nll_spread: float = 0.0
 
 
+class OutOfTrafficSummary(_Model):
+    """Time out of traffic over the pods this refit put back into traffic (traffic.py)."""
+
+    pods: int = 0  # pods measured: taken out of traffic and put back by this refit's passes
+    worst_seconds: float = 0.0
+    median_seconds: float = 0.0
+    worst_pod: str = ""
+
+
 class WeightRefitStatus(_Model):
     phase: Phase = "Pending"
     observed_generation: int = 0
@@ -248,6 +260,7 @@ class WeightRefitStatus(_Model):
     start_time: str = ""
     completion_time: str = ""
     probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
+    out_of_traffic: OutOfTrafficSummary = Field(default_factory=OutOfTrafficSummary)
     # Only the pods that need a person's attention, worst first, at most STATUS_PODS_LIMIT;
     # every pod's full record is its progress annotation (see reconcile._pod_results).
     pods: list[PodResult] = Field(default_factory=list)

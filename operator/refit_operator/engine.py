@@ -55,6 +55,7 @@ class _RefitState:
     # NLLs of the pods passed at a version, sorted, from this tick's pods: every probe of the
     # tick compares against the same list, built once (per probe it was quadratic in pods).
     peers: dict[str, list[float]] = field(default_factory=dict)
+    staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
 
     def peer_nlls(self, version: str) -> list[float]:
         if version not in self.peers:
@@ -92,7 +93,7 @@ class Engine:
             return
         st = self.refits.pop(gone.uid, None)
         if st is not None:
-            for task in st.tasks.values():
+            for task in (*st.tasks.values(), *st.staged_ahead.values()):
                 task.cancel()
         metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
 
@@ -169,6 +170,8 @@ class Engine:
             d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
         if d.start:
             await self._start(namespace, doc, view, st, d)
+        if d.stage_ahead:
+            await self._stage_ahead(view, st, d.stage_ahead)
         await self._write(namespace, doc, view, st, d)
         if d.status.phase != view.status.phase and d.status.phase in TERMINAL_PHASES:
             self._wake(namespace, fleet, view.uid)
@@ -368,6 +371,28 @@ class Engine:
                 continue
             task = asyncio.create_task(self._guarded(ctx, pods[start.pod], start, st))
             st.tasks[start.pod] = task
+
+    async def _stage_ahead(self, view: RefitView, st: _RefitState, names: list[str]) -> None:
+        """Ask the next batch's pods to stage the checkpoint while they serve. Without a
+        fencing token, like the admission's refit_info: staging changes nothing a pass relies
+        on (the load uses staged bytes only if no file changed since), and a token would fence
+        off a pass that took the pod meanwhile. Best effort: the pass stages anyway."""
+        if not st.secrets_loaded:
+            await self._load_secrets(view, st)
+        pods = {p.name: p for p in st.pods}
+        path = view.spec.checkpoint.path
+        timeout = float(view.spec.sequence.load_timeout_seconds)
+
+        async def stage(pod: PodView) -> None:
+            try:
+                note = (await self._client(view, st, pod).stage(path, timeout=timeout)).get("note")
+                log.info("%s: pod %s staged ahead of its turn: %s", view.name, pod.name, note)
+            except (WorkerError, LeadershipLost) as e:
+                log.info("%s: pod %s did not stage ahead: %s", view.name, pod.name, e)
+
+        for name in names:
+            if name in pods and name not in st.tasks and name not in st.staged_ahead:
+                st.staged_ahead[name] = asyncio.create_task(stage(pods[name]))
 
     async def _guarded(
         self, ctx: PassContext, pod: PodView, start: reconcile.PodStart, st: _RefitState

@@ -46,8 +46,9 @@ def _snake(value: str) -> str:
 
 # The per-pod sequence (podflow.STEPS, snake_case): their series exist from a fleet's first call.
 PIPELINE_STEPS: Final = tuple(_snake(s) for s in podflow.STEPS)
-# Also accepted: steps outside the per-pod sequence that the operator may time.
-STEPS: Final = frozenset({*PIPELINE_STEPS, "resume", "rollback"})
+# Also accepted: steps outside the per-pod sequence that the operator may time (restore: a
+# pass whose load was refused puts the pod back to serving its earlier weights).
+STEPS: Final = frozenset({*PIPELINE_STEPS, _snake(podflow.RESTORE), "resume", "rollback"})
 STEP_RESULTS: Final = frozenset({"success", "failure", "timeout"})
 VERDICTS: Final = ("pass", "fail", "inconclusive")
 REFIT_RESULTS: Final = frozenset(
@@ -71,6 +72,9 @@ API_VERBS: Final = frozenset({"get", "list", "watch", "create", "update", "patch
 
 # Step durations span a 50 ms prefix-cache reset to a multi-minute load of a large checkpoint.
 STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A pod's time out of traffic spans a sub-second swap from staged memory to a 30-minute pass
+# (retries, a slow load). 300 s is a bound: the RefitOutOfTrafficSlow alert's threshold.
+OUT_OF_TRAFFIC_BUCKETS: Final = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 
 _ENUM_VALUE = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -176,6 +180,14 @@ class Metrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.pod_out_of_traffic_seconds = Histogram(
+            "refit_pod_out_of_traffic_seconds",
+            "Seconds a refit pass kept a pod out of traffic (weights-ready condition False to "
+            "True), observed when the pass puts the pod back.",
+            ("namespace", "fleet"),
+            buckets=OUT_OF_TRAFFIC_BUCKETS,
+            registry=r,
+        )
         self.refits = Counter(
             "refit_refits",
             "Refits that reached a terminal phase, by result.",
@@ -258,6 +270,7 @@ class Metrics:
         for step in PIPELINE_STEPS:
             for result in STEP_RESULTS:
                 self.step_duration.labels(namespace, fleet, step, result)
+        self.pod_out_of_traffic_seconds.labels(namespace, fleet)
         for verdict in VERDICTS:
             self.probe_verdicts.labels(namespace, fleet, verdict)
         for outcome in REFIT_RESULTS:
@@ -358,6 +371,18 @@ class Metrics:
             self._ensure_fleet(namespace, fleet)
         self.step_duration.labels(*labels).observe(seconds)
 
+    def pod_out_of_traffic(self, namespace: str, fleet: str, seconds: float) -> None:
+        """A pass put a pod back into traffic after ``seconds`` out of it (from its readiness
+        condition going False to True: podflow.out_of_traffic_seconds). Call once per pass
+        that puts a pod back (Succeeded, or restored to its earlier weights); a pod left out
+        of traffic is not observed (refit_fleet_pods_out_of_traffic counts it)."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"time out of traffic must be >= 0 seconds, got {seconds}")
+        labels = (_name("namespace", namespace), _name("fleet", fleet))
+        with self._lock:
+            self._ensure_fleet(*labels)
+        self.pod_out_of_traffic_seconds.labels(*labels).observe(seconds)
+
     def refit_finished(
         self, namespace: str, fleet: str, result: str, refit: str | None = None
     ) -> None:
@@ -436,6 +461,7 @@ class Metrics:
                 for step in STEPS:
                     for result in STEP_RESULTS:
                         self._remove(self.step_duration, (namespace, fleet, step, result))
+                self._remove(self.pod_out_of_traffic_seconds, (namespace, fleet))
                 for verdict in VERDICTS:
                     self._remove(self.probe_verdicts, (namespace, fleet, verdict))
                 for outcome in REFIT_RESULTS:
@@ -498,6 +524,7 @@ class Metrics:
 METRICS: Final = Metrics()
 
 step_finished = METRICS.step_finished
+pod_out_of_traffic = METRICS.pod_out_of_traffic
 probe_result = METRICS.probe_result
 probe_thresholds = METRICS.probe_thresholds
 refit_finished = METRICS.refit_finished

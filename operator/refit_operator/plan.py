@@ -16,25 +16,42 @@ PodState = Literal[
 ]
 
 
-def next_pods(states: dict[str, PodState], strategy: Strategy) -> list[str]:
-    """Pods to start now. Canaries (the first ``canary`` pods by name) go first and must all
-    pass before any other pod starts. AllAtOnce then starts every pod; Rolling keeps at most
-    maxUnavailable pods in flight (pods that ended failed do not count: with a failureLimit
-    above 0 they would otherwise stall the rollout for good)."""
+def _eligible(states: dict[str, PodState], strategy: Strategy) -> tuple[list[str], int]:
+    """(pods that may start, in name order; pods in flight). Canaries (the first ``canary``
+    pods by name) go first and must all pass before any other pod is eligible."""
     names = sorted(states)
     canaries = names[: min(strategy.canary, len(names))]
     if any(states[n] != "passed" for n in canaries):
-        pool = [n for n in canaries if states[n] == "todo"]
-        in_flight = sum(states[n] == "active" for n in canaries)
         if any(states[n] in ("failed", "inconclusive") for n in canaries):
-            return []
-    else:
-        pool = [n for n in names if states[n] == "todo"]
-        in_flight = sum(s == "active" for s in states.values())
+            return [], 0
+        pool = [n for n in canaries if states[n] == "todo"]
+        return pool, sum(states[n] == "active" for n in canaries)
+    pool = [n for n in names if states[n] == "todo"]
+    return pool, sum(s == "active" for s in states.values())
+
+
+def next_pods(states: dict[str, PodState], strategy: Strategy) -> list[str]:
+    """Pods to start now. Canaries go first (see _eligible). AllAtOnce then starts every pod;
+    Rolling keeps at most maxUnavailable pods in flight (pods that ended failed do not count:
+    with a failureLimit above 0 they would otherwise stall the rollout for good)."""
+    pool, in_flight = _eligible(states, strategy)
     if strategy.type == "AllAtOnce":
         return pool
-    budget = max_unavailable_count(strategy.max_unavailable, len(names)) - in_flight
+    budget = max_unavailable_count(strategy.max_unavailable, len(states)) - in_flight
     return pool[: max(budget, 0)]
+
+
+def stage_ahead(
+    states: dict[str, PodState], strategy: Strategy, starting: Sequence[str]
+) -> list[str]:
+    """Rolling: the next batch, the pods that start when pods in flight finish. Their
+    checkpoint stages now, while they serve and the current batch is out of traffic, so that
+    their own time out of traffic holds only the swap."""
+    if strategy.type == "AllAtOnce":
+        return []
+    pool, _ = _eligible(states, strategy)
+    batch = max_unavailable_count(strategy.max_unavailable, len(states))
+    return [n for n in pool if n not in starting][:batch]
 
 
 @dataclass(frozen=True)

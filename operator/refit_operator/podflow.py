@@ -24,11 +24,14 @@ PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
 CLAIM_ANNOTATION = f"{API_GROUP}/claim"
 
 STEPS: tuple[str, ...] = (
+    # While the pod still serves: verify the checkpoint (manifest, digests, the model's
+    # tensors) and stage its bytes in the worker's memory, so the time out of traffic holds
+    # only the swap (docs/concepts.md, "Time out of traffic").
+    "stage",
     "drain",  # readiness condition False, then /pause and a bounded wait for in-flight requests
     "sleep",
     "wakeWeights",
-    "preflight",
-    "load",
+    "load",  # from the staged bytes, after a cheap check that no file changed since staging
     "wakeKV",
     "resetCache",
     "stampVersion",  # stamp (refit_load already does) and read back the weight version
@@ -36,8 +39,9 @@ STEPS: tuple[str, ...] = (
     "ready",  # readiness condition True
 )
 # Steps after which the progress is recorded on the pod (besides start, failures and the end):
-# past the load, a restart must not redo the preflight's full read of the checkpoint.
-CHECKPOINT_STEPS = frozenset({"load"})
+# the end of staging is the write that takes the pod out of traffic; a restart past it resumes
+# at the drain, and the load's read-back keeps it from loading twice.
+CHECKPOINT_STEPS = frozenset({"stage"})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
 _FINAL_CODES = frozenset(
     {
@@ -47,12 +51,19 @@ _FINAL_CODES = frozenset(
         "ManifestMismatch",
         "TensorMismatch",
         "ProbeReferenceInvalid",
+        "CheckpointChanged",
     }
 )
+# Refusals of the load that the worker raises before it touches the model (contract.py): the
+# pod still holds the weights it served, so it can go back to serving them.
+UNTOUCHED_LOAD_CODES = _FINAL_CODES - {"ProbeReferenceInvalid"}
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
 Outcome = Literal["", "Succeeded", "Failed", "Inconclusive"]
+# Not in STEPS: after a load refused before the model was touched, wake the KV cache and
+# unpause, so the pod serves the weights it had (``Progress.restored``).
+RESTORE = "restore"
 
 
 @dataclass(frozen=True)
@@ -77,10 +88,24 @@ class Progress:
     finished: float = 0.0
     step_seconds: dict[str, float] = field(default_factory=dict)
     probe: dict[str, Any] | None = None
+    # The version the pod served, with a passed probe, when the pass began ("" if none): such
+    # a pod keeps serving while the checkpoint stages, and goes back to serving it when the
+    # load is refused before the model was touched.
+    serving: str = ""
+    left_traffic: float = 0.0  # epoch seconds this pass took the pod out of traffic (0: never)
+    restored: bool = False  # the pass failed and the pod serves ``serving`` again
+    staging: str = ""  # how the worker staged the checkpoint (memory, or why not)
 
     @property
     def finished_pass(self) -> bool:
         return self.outcome != ""
+
+    @property
+    def in_traffic(self) -> bool:
+        """The pod serves its earlier weights: staging, refused while staging, or restored."""
+        if self.restored:
+            return True
+        return bool(self.serving) and self.step == STEPS[0] and not self.left_traffic
 
     def to_annotation(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -112,7 +137,10 @@ def start(
     created: str = "",
     rollback: bool = False,
     restarts: int = 0,
+    serving: str = "",
 ) -> Progress:
+    """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
+    checkpoint stages; any other pod leaves traffic in the pass's first write."""
     return Progress(
         refit=refit,
         uid=uid,
@@ -122,6 +150,8 @@ def start(
         rollback=rollback,
         started=now,
         restarts=restarts,
+        serving=serving,
+        left_traffic=0.0 if serving else now,
     )
 
 
@@ -185,6 +215,8 @@ def step_done(progress: Progress, step: str, seconds: float, now: float) -> Prog
         raise ValueError(f"step {step!r} is not the pending step {progress.step!r}")
     timings = {**progress.step_seconds, step: round(seconds, 4)}
     index = STEPS.index(step)
+    if step == STEPS[0] and not progress.left_traffic:  # staged: the next record drains
+        progress = replace(progress, left_traffic=now)
     if index + 1 == len(STEPS):
         return replace(
             progress,
@@ -226,7 +258,13 @@ def step_failed(
     """Record a failed try: retry with exponential backoff up to ``retries`` times, then end
     the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
     attempts = progress.attempts + 1
-    if final or reason in _FINAL_CODES or attempts > retries:
+    ends = final or reason in _FINAL_CODES or attempts > retries
+    if ends and step == "load" and reason in UNTOUCHED_LOAD_CODES and progress.serving:
+        # Refused before the model was touched: put the pod back to serving what it served.
+        return replace(
+            progress, step=RESTORE, attempts=0, reason=reason, message=message, not_before=0.0
+        )
+    if ends:
         return replace(
             progress,
             attempts=attempts,
@@ -243,6 +281,23 @@ def step_failed(
         message=message,
         not_before=now + backoff(attempts),
     )
+
+
+def restored(progress: Progress, now: float) -> Progress:
+    """The restore step worked: the pass ends Failed (with the load's refusal as its reason),
+    and the pod serves ``serving`` again."""
+    if progress.step != RESTORE:
+        raise ValueError(f"step {progress.step!r} is not {RESTORE!r}")
+    return replace(progress, outcome="Failed", restored=True, finished=now, not_before=0.0)
+
+
+def out_of_traffic_seconds(progress: Progress) -> float | None:
+    """Seconds from the pass taking the pod out of traffic to putting it back: None while it
+    is out (or when the pass ended with the pod still out, or never took it out)."""
+    back = progress.outcome == "Succeeded" or progress.restored
+    if not back or not progress.left_traffic or not progress.finished:
+        return None
+    return max(0.0, progress.finished - progress.left_traffic)
 
 
 def probe_judged(
@@ -283,16 +338,28 @@ class Readiness:
     message: str
 
 
-def readiness(progress: Progress) -> Readiness:
+def readiness(progress: Progress) -> Readiness | None:
     """Out of traffic while the pass runs and after it failed (with the reason: fail closed);
-    back in traffic only once it Succeeded, which requires a passed probe."""
+    back in traffic only once it Succeeded, which requires a passed probe, or once a refused
+    load left the weights it served untouched. None: leave the condition as it is (a pod
+    that serves while the checkpoint stages, or whose staging was refused)."""
     if progress.outcome == "Succeeded":
         return Readiness(True, "ProbePassed", f"weights {progress.version} probed")
+    if progress.restored:
+        return Readiness(
+            True,
+            "PreviousWeights",
+            f"serving {progress.serving} again: {progress.version} refused "
+            f"({progress.reason}: {progress.message})",
+        )
+    if progress.in_traffic:
+        return None
     if progress.finished_pass:
         reason = progress.reason or "RefitFailed"
         return Readiness(False, reason, f"{reason}: {progress.message}")
     what = "rollback" if progress.rollback else "refit"
-    return Readiness(False, "Refitting", f"{what} to {progress.version} in progress")
+    staged = f"; {progress.staging}" if progress.staging else ""  # memory, or why not
+    return Readiness(False, "Refitting", f"{what} to {progress.version} in progress{staged}")
 
 
 def load_needed(read_back_version: str | None, target: str) -> bool:
@@ -333,6 +400,17 @@ class PodView:
             and p.restarts == self.restarts
             and self.ready
         )
+
+    @property
+    def serving(self) -> str:
+        """The version the pod serves with a passed probe ("" if none): the one its last pass
+        brought it to, or the one a refused pass put it back to."""
+        p = self.progress
+        if p is None or not self.ready or p.restarts != self.restarts:
+            return ""
+        if p.outcome == "Succeeded":
+            return p.version
+        return p.serving if p.restored else ""
 
     @classmethod
     def from_pod(cls, doc: Mapping[str, Any]) -> PodView:

@@ -13,7 +13,7 @@ from typing import Final, Literal, Protocol
 
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
-from . import plan, times
+from . import plan, times, traffic
 from .api import (
     STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
@@ -88,6 +88,8 @@ class Observed:
 class Decision:
     status: WeightRefitStatus
     start: list[PodStart] = field(default_factory=list)
+    # Pods whose checkpoint to stage now, ahead of their turn (Rolling's next batch).
+    stage_ahead: list[str] = field(default_factory=list)
     need_preflight: bool = False
     events: list[Event] = field(default_factory=list)
     # Nothing to do right now (queued, finished, or watching a converged fleet).
@@ -259,6 +261,7 @@ def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
             "startTime": rfc3339(p.started) if p.started else "",
             "completionTime": rfc3339(p.finished) if p.finished else "",
             "stepSeconds": p.step_seconds,
+            "outOfTrafficSeconds": traffic.pod_seconds(p),
             "probe": p.probe,
         }
     )
@@ -461,6 +464,10 @@ def decide(obs: Observed) -> Decision:
     st.probe_summary = _summary(
         obs.pods, refit, st.pods, None if st.phase == "RollingBack" else old.probe_summary
     )
+    mine = [(p.name, p.progress) for p in obs.pods if p.progress and p.progress.uid == refit.uid]
+    st.out_of_traffic = traffic.summarize_out_of_traffic(
+        mine, None if st.phase == "RollingBack" else old.out_of_traffic
+    )
 
     # ---- deletion: finish what is in flight, start nothing new, then let go
     if refit.deleting:
@@ -574,6 +581,7 @@ def _progress(
     if not g.tripped:
         starts = plan.next_pods(states, spec.strategy)
         d.start = resumes + [_fresh(n, spec) for n in starts]
+        d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
         if plan.all_settled(states) and not obs.in_flight and not d.start:
             transition("Succeeded", "Succeeded", _succeeded_message(st, spec, moved_on))
             d.watching = True  # the next tick decides whether it is the fleet's target

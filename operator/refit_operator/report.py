@@ -8,6 +8,10 @@ which lists only the pods that need attention. `render(status, out, ...)` draws 
 dict (`.status` of a WeightRefit) directly, or from every pod's result (`pods=`);
 `render_refit(doc, out, pods=...)` from the WeightRefit and its fleet's Pod objects. Needs
 matplotlib (the `report` extra).
+
+The headline is the time out of traffic: the title gives the refit's worst and median, and
+the timeline shades each pod's window out of traffic (its readiness condition False) behind
+its steps, hatched where the pod is still out.
 """
 
 from __future__ import annotations
@@ -21,11 +25,17 @@ from typing import Any, Final
 
 from refit_worker.contract import API_GROUP
 
-from . import api, times
-from .podflow import STEPS, PodView
+from . import api, times, traffic
+from .podflow import STEPS, PodView, Progress
+from .views import seconds
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
+# Behind the steps of the timeline: a pod's window out of traffic; hatched while it is still out.
+OUT_OF_TRAFFIC_COLOR: Final = "#f2c4c4"
+STILL_OUT_EDGE: Final = "#d62728"
+# Pod name -> (epoch seconds the pod left traffic, epoch seconds it came back; None: still out).
+Windows = Mapping[str, tuple[float, float | None]]
 # Up to this many pods each gets a labelled row of its own; a larger fleet is drawn whole, in
 # a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
 LABELLED_ROWS: Final = 100
@@ -57,11 +67,14 @@ def render(
     thresholds: Mapping[str, Any] | None = None,
     title: str = "",
     pods: Sequence[api.PodResult] | None = None,
+    windows: Windows | None = None,
 ) -> Path:
     """Draw the refit `status` (a WeightRefit .status dict) as a PNG at `out`.
 
     thresholds: spec.probe.thresholds (camelCase dict); the API defaults when None.
     pods: every pod's result (reconcile.fleet_results); None draws the pods status.pods lists.
+    windows: each pod's window out of traffic (render_refit reads them from the pods'
+    records); None: from the results' outOfTrafficSeconds, ending at their completionTime.
     """
     import matplotlib
 
@@ -161,12 +174,14 @@ def render(
         title_fontsize=8,
     )
 
-    _timeline(fig.add_subplot(grid[1, :]), st, pods)
+    windows = result_windows(pods) if windows is None else windows
+    _timeline(fig.add_subplot(grid[1, :]), st, pods, windows)
 
     updated = f"{st.updated_pods}/{st.target_pods} updated"
     failed = f", {st.failed_pods} failed" if st.failed_pods else ""
     fig.suptitle(
-        f"{title or 'WeightRefit'} — {st.phase}, {updated}{failed} — fleet {st.fleet or '?'}",
+        f"{title or 'WeightRefit'} — {st.phase}, {updated}{failed} — fleet {st.fleet or '?'}\n"
+        + headline(st, windows),
         fontsize=13,
         x=0.01,
         ha="left",
@@ -179,10 +194,55 @@ def render(
     return out
 
 
-def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> None:
+def result_windows(pods: Sequence[api.PodResult]) -> dict[str, tuple[float, float | None]]:
+    """Windows out of traffic from the pods' results alone: the outOfTrafficSeconds before
+    each completionTime (second resolution). A pod still out has no figure: no window."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for p in pods:
+        end = times.epoch(p.completion_time)
+        if p.out_of_traffic_seconds is not None and end is not None:
+            out[p.name] = (end - p.out_of_traffic_seconds, end)
+    return out
+
+
+def record_windows(records: Mapping[str, Progress]) -> dict[str, tuple[float, float | None]]:
+    """Windows out of traffic from the pods' records of the refit's passes (name -> progress):
+    from left_traffic to finished when the pass put the pod back, open while it is out (the
+    pass in flight, or ended with the pod left out). A pod the pass never took out (staging
+    while it served) has no window."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for name, p in records.items():
+        if not p.left_traffic:
+            continue
+        back = traffic.pod_seconds(p)
+        out[name] = (p.left_traffic, p.left_traffic + back if back is not None else None)
+    return out
+
+
+def headline(st: api.WeightRefitStatus, windows: Windows) -> str:
+    """The title's second line: the refit's time out of traffic (status.outOfTraffic, or the
+    windows when they measure more pods) and how many pods are still out."""
+    drawn = traffic.summarize_seconds(
+        (name, back - left if back is not None else None) for name, (left, back) in windows.items()
+    )
+    oot = drawn if drawn.pods > st.out_of_traffic.pods else st.out_of_traffic
+    still = sum(back is None for _, back in windows.values())
+    out = f", {still} still out" if still else ""
+    if not oot.pods:
+        return f"time out of traffic: no pod put back yet{out}"
+    return (
+        f"time out of traffic: worst {seconds(oot.worst_seconds)} ({oot.worst_pod}), "
+        f"median {seconds(oot.median_seconds)} over {oot.pods} pod(s) put back{out}"
+    )
+
+
+def _timeline(
+    ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult], windows: Windows
+) -> None:
     """Steps of each pod laid end to end from its startTime; the rest until its completionTime
-    is waiting (retries with backoff, the strategy holding it back). One bar call per step for
-    the whole fleet, so 10,000 pods draw in seconds."""
+    is waiting (retries with backoff, the strategy holding it back). Behind them, shaded, the
+    pod's window out of traffic. One bar call per step for the whole fleet, so 10,000 pods
+    draw in seconds."""
     from matplotlib.patches import Patch
 
     starts = [t for t in (times.parse(p.start_time) for p in pods) if t is not None]
@@ -221,6 +281,7 @@ def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> 
     if waits:
         ax.hlines([w[0] for w in waits], [w[1] for w in waits], [w[2] for w in waits],
                   color="#888888", lw=1 if not huge else 0.3, ls=":")  # fmt: skip
+    shaded = _out_of_traffic(ax, pods, windows, origin, ends, huge, row_points)
     if not huge:
         for row, pod in enumerate(pods):
             label = pod.phase + (f": {pod.reason}" if pod.reason else "")
@@ -249,13 +310,60 @@ def _timeline(ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult]) -> 
     left, right = ax.get_xlim()
     ax.set_xlim(min(left, 0), right + (right - left) * 0.18)  # room for the phase labels
     ax.legend(
-        handles=[Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used],
+        handles=[Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used] + shaded,
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         fontsize=8,
         title="step",
         title_fontsize=8,
     )
+
+
+def _out_of_traffic(
+    ax: Any,
+    pods: list[api.PodResult],
+    windows: Windows,
+    origin: Any,
+    ends: list[float],
+    huge: bool,
+    row_points: float,
+) -> list[Any]:
+    """Shade each pod's window out of traffic behind its steps (an open window reaches the end
+    of the pod's timeline, hatched); the legend entries for what was drawn."""
+    from matplotlib.patches import Patch
+
+    if origin is None or not windows:
+        return []
+    zero = origin.timestamp()
+    closed: list[tuple[int, float, float]] = []
+    still: list[tuple[int, float, float]] = []
+    for row, pod in enumerate(pods):
+        if pod.name not in windows:
+            continue
+        left, back = windows[pod.name]
+        start = left - zero
+        if back is not None:
+            closed.append((row, start, max(back - left, 0.0)))
+        else:
+            still.append((row, start, max(ends[row] - start, 0.0)))
+    legend = []
+    for group, hatch, label in ((closed, None, "out of traffic"), (still, "//", "still out")):
+        if not group:
+            continue
+        rows, starts, widths = ([g[i] for g in group] for i in range(3))
+        if huge:
+            stops = [a + w for a, w in zip(starts, widths, strict=True)]
+            color = OUT_OF_TRAFFIC_COLOR if hatch is None else STILL_OUT_EDGE
+            ax.hlines(rows, starts, stops, colors=color, linewidth=row_points, zorder=0.5)
+        else:
+            ax.barh(rows, widths, left=starts, height=0.9, color=OUT_OF_TRAFFIC_COLOR,
+                    hatch=hatch, edgecolor=STILL_OUT_EDGE if hatch else OUT_OF_TRAFFIC_COLOR,
+                    lw=0, zorder=0.5)  # fmt: skip
+        legend.append(
+            Patch(facecolor=OUT_OF_TRAFFIC_COLOR, hatch=hatch, edgecolor=STILL_OUT_EDGE, lw=0,
+                  label=label)
+        )  # fmt: skip
+    return legend
 
 
 async def _fetch(
@@ -301,13 +409,18 @@ def render_refit(
     title = title or f"WeightRefit {meta.get('namespace', '?')}/{meta.get('name', '?')} → {version}"
     status = doc.get("status") or {}
     results = None
+    windows = None
     if pods is not None:
         from .reconcile import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
         views = [PodView.from_pod(p) for p in pods]
-        results = fleet_results(listed, views, str(meta.get("uid", "")))
-    return render(status, out, thresholds=thresholds, title=title, pods=results)
+        uid = str(meta.get("uid", ""))
+        results = fleet_results(listed, views, uid)
+        records = {v.name: v.progress for v in views if v.progress and v.progress.uid == uid}
+        # A pod's own record where it has one; the status entry of a pod that left the fleet.
+        windows = {**result_windows(results), **record_windows(records)}
+    return render(status, out, thresholds=thresholds, title=title, pods=results, windows=windows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refit_worker import contract
 from refit_worker.contract import ProbeReference
@@ -86,6 +86,7 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
+            serving=pod.serving,
         )  # fmt: skip
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
@@ -100,8 +101,8 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
             ctx.live[pod.name] = progress
             await _finish(ctx, handle, progress)
             return progress
-        # Out of traffic in the same write that claims the pod and records the new pass: a
-        # pod whose progress names a new pass is never Ready on the strength of an older probe.
+        # A pod that serves a probed version keeps serving while the checkpoint stages; any
+        # other pod leaves traffic in the same write that claims it and records the new pass.
         handle = await ctx.cluster.claim(
             ctx.namespace, pod, claim, progress, podflow.readiness(progress)
         )
@@ -124,7 +125,9 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
         if progress.finished_pass:
             await _finish(ctx, handle, progress)
         elif podflow.must_record(before, progress):
-            await handle.record(progress)
+            # Staged: this record takes the pod out of traffic, before the drain pauses it.
+            leaves = before.in_traffic and not progress.in_traffic
+            await handle.record(progress, podflow.readiness(progress) if leaves else None)
 
 
 async def _admission(
@@ -151,10 +154,17 @@ async def _run_step(
 ) -> Progress:
     retries = ctx.spec.sequence.retries
     began = time.monotonic()
+    note = ""
     try:
         if step == "probe":
             return await _probe(ctx, pod, worker, progress)
-        await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
+        if step == podflow.RESTORE:
+            await _restore(worker, ctx.spec.sequence, progress)
+            metrics.step_finished(
+                ctx.namespace, ctx.fleet, step, "success", time.monotonic() - began
+            )
+            return podflow.restored(progress, time.time())
+        note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
             raise ClaimLost(f"pod {pod.name}: {step}: {e.message}") from e
@@ -176,32 +186,36 @@ async def _run_step(
         )
     seconds = time.monotonic() - began
     metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
+    if note:
+        progress = replace(progress, staging=note)
     return podflow.step_done(progress, step, seconds, time.time())
 
 
 async def execute_step(
     worker: WorkerClient, seq: Sequence, progress: Progress, step: str, resumed: bool
-) -> None:
+) -> str:
     """Run one step of the pod sequence other than the probe (the pass's own I/O; the bench's
-    refit cycle runs the same code)."""
+    refit cycle runs the same code). Returns the stage step's note (how the worker staged
+    the checkpoint), "" for the other steps."""
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
     if not podflow.step_applies(step, seq.sleep_level):
-        return
-    if step == "drain":  # the pass began by setting the readiness condition False
+        return ""
+    if step == "stage":
+        staged = await worker.stage(progress.path, timeout=t_load)
+        return str(staged.get("note", ""))[:200]
+    if step == "drain":  # the record before it set the readiness condition False
         await worker.pause(seq.drain_mode, timeout=t_step)
         await _wait_drained(worker, float(seq.drain_timeout_seconds), t_step)
     elif step == "sleep":
         await worker.sleep(seq.sleep_level, timeout=t_step)
     elif step == "wakeWeights":
         await worker.wake_up(["weights"], timeout=t_step)
-    elif step == "preflight":
-        await worker.preflight(progress.path, timeout=t_load)
     elif step == "load":
         # Never reload blindly: a load that finished before a restart stamped the version.
         if podflow.must_read_back(progress, resumed):
             info = await worker.refit_info(timeout=t_step)
             if not podflow.load_needed(info.weight_version, progress.version):
-                return
+                return ""
         await worker.load(progress.path, progress.version, timeout=t_load)
     elif step == "wakeKV":
         await worker.wake_up(["kv_cache"], timeout=t_step)
@@ -220,6 +234,30 @@ async def execute_step(
         pass  # the pass's last record sets the condition True (runner._finish)
     else:
         raise ValueError(f"unknown step {step!r}")
+    return ""
+
+
+async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:
+    """After a load refused before the model was touched: the pod serves what it served."""
+    t_step = float(seq.step_timeout_seconds)
+    if seq.sleep_level >= 2:
+        raise StepFailed(
+            progress.reason,
+            f"{progress.message}; sleep level 2 discarded the weights {progress.serving} "
+            "the pod served, so it stays out of traffic",
+            final=True,
+        )
+    if seq.sleep_level == 1:
+        await worker.wake_up(["kv_cache"], timeout=t_step)
+    await worker.reset_prefix_cache(timeout=t_step)  # the sleep discarded the cached blocks
+    await worker.resume(timeout=t_step)
+    got = await worker.weight_version(timeout=t_step)
+    if got != progress.serving:
+        raise StepFailed(
+            progress.reason,
+            f"{progress.message}; the pod reports {got!r}, not {progress.serving!r}",
+            final=True,
+        )
 
 
 async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:
@@ -291,6 +329,9 @@ async def _finish(ctx: PassContext, pod: ClaimedPod, progress: Progress) -> None
     pass that Succeeded; otherwise the pod stays out of traffic and the condition says why)
     that also releases the claim, then the pod's one Event."""
     await pod.record(progress, podflow.readiness(progress), release=True)
+    seconds = podflow.out_of_traffic_seconds(progress)
+    if seconds is not None:  # back in traffic
+        metrics.pod_out_of_traffic(ctx.namespace, ctx.fleet, seconds)
     if progress.outcome == "Succeeded":
         what = "rolled back" if progress.rollback else "refitted"
         await _event(

@@ -10,8 +10,8 @@ from typing import Any
 
 from refit_worker.contract import READINESS_GATE
 
-from . import api, plan, reconcile, times
-from .podflow import PodView
+from . import api, plan, reconcile, times, traffic
+from .podflow import PodView, Progress
 
 
 def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
@@ -59,6 +59,23 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d"
 
 
+def seconds(x: float | None) -> str:
+    """A time out of traffic: 0.41s, 12.3s, 4m12s; "-" when there is none."""
+    if x is None:
+        return "-"
+    if x < 10:
+        return f"{x:.2f}s"
+    if x < 120:
+        return f"{x:.1f}s"
+    return duration(x)
+
+
+def _own_records(doc: Mapping[str, Any], views: Sequence[PodView]) -> dict[str, Progress]:
+    """Pod name -> progress, for the pods whose record is this refit's pass."""
+    uid = str((doc.get("metadata") or {}).get("uid", ""))
+    return {v.name: v.progress for v in views if v.progress is not None and v.progress.uid == uid}
+
+
 def pod_rows(
     doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = ()
 ) -> list[list[object]]:
@@ -69,19 +86,34 @@ def pod_rows(
     views = [PodView.from_pod(p) for p in fleet_pods]
     ready = {v.name: _gate(p) for v, p in zip(views, fleet_pods, strict=True)}
     uid = str((doc.get("metadata") or {}).get("uid", ""))
+    own = _own_records(doc, views)
     rows: list[list[object]] = []
     for r in reconcile.fleet_results(status.pods, views, uid):
         # As recorded: a number the record does not have prints as "-", not as a default 0.
         p = r.model_dump(by_alias=True, mode="json", exclude_unset=True, exclude_none=True)
         probe = p.get("probe") or {}
+        out = r.out_of_traffic_seconds
+        if out is None and r.name in own:  # a result made by an operator older than the field
+            out = traffic.pod_seconds(own[r.name])
         rows.append([
             r.name, r.phase, p.get("step") or "-", p.get("version") or "-",
             ready.get(r.name, "-"), p.get("attempts", 0), probe.get("verdict", "-"),
             _num(probe.get("nll")), _num(probe.get("referenceNll")),
             _num(probe.get("meanAbsLogprobDiff")), _num(probe.get("maxAbsLogprobDiff")),
-            p.get("reason") or "",
+            seconds(out), p.get("reason") or "",
         ])  # fmt: skip
     return rows
+
+
+def out_of_traffic(
+    doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = ()
+) -> api.OutOfTrafficSummary:
+    """The refit's time out of traffic: status.outOfTraffic, or, when the pods' records of
+    this refit measure more pods (an operator older than the field), the summary of those."""
+    status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
+    own = _own_records(doc, [PodView.from_pod(p) for p in fleet_pods])
+    live = traffic.summarize_out_of_traffic(own.items())
+    return live if live.pods > status.out_of_traffic.pods else status.out_of_traffic
 
 
 def _gate(pod: Mapping[str, Any]) -> str:
@@ -92,7 +124,7 @@ def _gate(pod: Mapping[str, Any]) -> str:
 
 
 POD_HEADERS = ("POD", "PHASE", "STEP", "VERSION", "READY", "ATTEMPTS", "PROBE", "NLL",
-               "REF-NLL", "MEAN|Δ|", "MAX|Δ|", "REASON")  # fmt: skip
+               "REF-NLL", "MEAN|Δ|", "MAX|Δ|", "OUT-OF-TRAFFIC", "REASON")  # fmt: skip
 
 
 def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -109,6 +141,12 @@ def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = (
         f"   Failed: {status.get('failedPods', 0)}"
         f"   Inconclusive: {status.get('inconclusivePods', 0)}",
     ]
+    oot = out_of_traffic(doc, fleet_pods)
+    if oot.pods:
+        lines.append(
+            f"Out of traffic: worst {seconds(oot.worst_seconds)} ({oot.worst_pod}), "
+            f"median {seconds(oot.median_seconds)} over {oot.pods} pod(s) put back"
+        )
     if reason and reason != phase:
         lines.append(f"Reason: {reason}")
     if message:

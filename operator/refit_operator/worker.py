@@ -220,6 +220,8 @@ class WorkerClient:
             # A refusing RPC raises through vLLM's app; uvicorn then closes the connection
             # right after the 500, and a pooled reuse of it races that close (a spurious
             # "connect" error on the next call). RPCs are rare: give each its own connection.
+            # (Marking the connection not to be pooled once the answer is a 500 comes too
+            # late: aiohttp has pooled it when the short body arrived with the headers.)
             headers["Connection"] = "close"
         where = f"{method} {path}"
         seconds = self._timeout if timeout is None else timeout
@@ -300,6 +302,9 @@ class WorkerClient:
 
     async def preflight(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._rpc_dict(contract.RPC_PREFLIGHT, [path], timeout)
+
+    async def stage(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._rpc_dict(contract.RPC_STAGE, [path], timeout)
 
     async def load(
         self, path: str, version: str, *, timeout: float | None = None

@@ -394,6 +394,7 @@ FULL_STATUS: Manifest = {
         "worstNllDiff": 0.0075,
         "nllSpread": 0.003,
     },
+    "outOfTraffic": {"pods": 1, "worstSeconds": 13.5, "medianSeconds": 13.5, "worstPod": "pod-0"},
     "pods": [
         {
             "name": "pod-0",
@@ -405,7 +406,8 @@ FULL_STATUS: Manifest = {
             "attempts": 1,
             "startTime": "2026-01-02T03:04:05Z",
             "completionTime": "2026-01-02T03:05:05Z",
-            "stepSeconds": {"drain": 0.5, "load": 12.25, "probe": 0.75},
+            "stepSeconds": {"stage": 4.0, "drain": 0.5, "load": 12.25, "probe": 0.75},
+            "outOfTrafficSeconds": 13.5,
             "probe": {
                 "verdict": "Pass",
                 "nll": 2.5,

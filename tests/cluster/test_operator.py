@@ -12,14 +12,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 # A fresh, uninterrupted pass: no read-back of the weight version before the load (nothing can
 # have loaded yet; a resumed or retried load reads back first, see test_operator_restart).
 SEQUENCE = [
-    "pause", "metrics", "sleep", "wake_up", "refit_preflight", "refit_load",
+    "refit_stage", "pause", "metrics", "sleep", "wake_up", "refit_load",
     "wake_up", "reset_prefix_cache", "resume", "update_weight_version", "weight_info",
 ]  # fmt: skip
 
 
 def refit_calls(calls: list[str]) -> list[str]:
-    """The pod's calls from the first pause on, without the probe's model listing/scoring."""
-    start = calls.index("pause")
+    """The pod's calls from the stage on, without the probe's model listing/scoring."""
+    start = calls.index("refit_stage")
     return [
         c
         for c in calls[start:]
@@ -101,7 +101,7 @@ def test_canary_failure_leaves_the_rest_untouched(harness, sim_fleet, tmp_path):
     cond = next(c for c in pod0["status"]["conditions"] if c["type"].endswith("weights-ready"))
     assert cond["reason"] == "LogprobDrift"
     for sim in sims[1:]:
-        assert "pause" not in sim.calls() and "refit_load" not in sim.calls()
+        assert "refit_stage" not in sim.calls() and "refit_load" not in sim.calls()
 
 
 def test_queue_runs_refits_of_a_fleet_one_at_a_time(harness, sim_fleet, tmp_path):

@@ -19,7 +19,7 @@ END = {"Succeeded", "Failed", "Halted", "RolledBack"}
 # (step, kind, value, code) -> (refit phase, pod phase, pod reason)
 FAULTS: list[tuple[str, str, Any, str | None, str, str]] = [
     ("refit_load", "error", 500, "LoadFailed", "Failed", "LoadFailed"),
-    ("refit_preflight", "error", 500, "ManifestMismatch", "Failed", "ManifestMismatch"),
+    ("refit_stage", "error", 500, "ManifestMismatch", "Failed", "ManifestMismatch"),
     ("sleep", "error", 500, None, "Failed", "WorkerHttpError"),
     ("wake_up", "hang", None, None, "Failed", "WakeWeightsTimeout"),
     ("pause", "crash", None, None, "Failed", "PodUnreachable"),
@@ -76,7 +76,7 @@ def test_transient_fault_is_retried(harness, sim_fleet, tmp_path):
 
 
 def _untouched(sims: list[Any]) -> bool:
-    return all(not ({"pause", "sleep", "refit_load"} & set(s.calls())) for s in sims)
+    return all(not ({"refit_stage", "pause", "sleep", "refit_load"} & set(s.calls())) for s in sims)
 
 
 def _expect_refused(fleet: Any, op: Any, reason: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 # The simulator endpoint behind each step (slowed down so the kill lands inside the step),
 # and the wake_up tag that tells the two wakes apart.
 ENDPOINT = {
-    "drain": "pause", "sleep": "sleep", "wakeWeights": "wake_up", "preflight": "refit_preflight",
+    "stage": "refit_stage", "drain": "pause", "sleep": "sleep", "wakeWeights": "wake_up",
     "load": "refit_load", "wakeKV": "wake_up", "resetCache": "reset_prefix_cache",
     "stampVersion": "update_weight_version", "probe": "completions",
 }  # fmt: skip

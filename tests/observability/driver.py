@@ -5,7 +5,9 @@ Three fleets in namespace `rl`, each ending in a state one alert is about:
                refit halts with that pod out of traffic          -> RefitProbeFailing,
                                                                      RefitPodsOutOfTraffic
   app=eval     refit step-7: one pod's load times out, the refit halts with that pod behind
-               and out of traffic                                -> RefitVersionSkew
+               and out of traffic; the pod that passed had been out of traffic for 8
+               minutes (its drain waited out long generations)   -> RefitVersionSkew,
+                                                                     RefitOutOfTrafficSlow
   app=canary   refit step-8 (1 s timeout) still active, its probe inconclusive
                                                                  -> RefitStuck,
                                                                      RefitProbeInconclusive
@@ -22,10 +24,10 @@ from refit_operator.metrics import Metrics
 NS = "rl"
 FLEETS = ("app=rollout", "app=eval", "app=canary")
 STEP_SECONDS = {
+    "stage": 0.2,
     "drain": 0.8,
     "sleep": 0.3,
     "wake_weights": 0.4,
-    "preflight": 0.2,
     "load": 7.5,
     "wake_kv": 0.5,
     "reset_cache": 0.06,
@@ -84,9 +86,11 @@ def stage_progress(m: Metrics, now: float) -> None:
         )
         if not drift:
             m.step_finished(NS, "app=rollout", "ready", "success", 0.05)
+            m.pod_out_of_traffic(NS, "app=rollout", 12.0 + i)  # back in traffic
     _walk(m, "app=eval", 0)
     m.probe_result(NS, "app=eval", "step-7", "eval-0", "Pass", 1.92, 1.92, 0.004, 0.03)
-    _walk(m, "app=eval", 1, until="preflight")
+    m.pod_out_of_traffic(NS, "app=eval", 480.0)
+    _walk(m, "app=eval", 1, until="wake_weights")
     m.step_finished(NS, "app=eval", "load", "timeout", 600.0)
     _walk(m, "app=canary", 0, until="stamp_version")
     m.step_finished(NS, "app=canary", "probe", "timeout", 60.0)

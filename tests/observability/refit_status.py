@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 STEP_SECONDS = {
+    "stage": 0.3,
     "drain": 1.2,
     "sleep": 0.4,
     "wakeWeights": 0.6,
-    "preflight": 0.3,
     "load": 11.8,
     "wakeKV": 0.7,
     "resetCache": 0.05,
@@ -86,6 +86,11 @@ def halted_rolling_refit() -> dict[str, Any]:
     ]
     pods[4]["stepSeconds"].pop("ready")
     pods[3]["stepSeconds"].pop("ready")
+    # The succeeded pods were out of traffic from the end of staging to the end of the pass.
+    for pod in pods[:3]:
+        out = sum(v for k, v in pod["stepSeconds"].items() if k != "stage")
+        pod["outOfTrafficSeconds"] = round(out, 3)
+    back = sorted((p["outOfTrafficSeconds"], p["name"]) for p in pods[:3])
     return {
         "phase": "Halted",
         "observedGeneration": 1,
@@ -105,6 +110,12 @@ def halted_rolling_refit() -> dict[str, Any]:
             "worstMaxAbsLogprobDiff": 1.84,
             "worstNllDiff": 0.3959,
             "nllSpread": 0.3959,
+        },
+        "outOfTraffic": {
+            "pods": 3,
+            "worstSeconds": back[-1][0],
+            "medianSeconds": back[1][0],
+            "worstPod": back[-1][1],
         },
         "pods": pods,
     }

@@ -16,6 +16,7 @@ REQUIRED_ALERTS = {
     "RefitStuck",
     "RefitVersionSkew",
     "RefitPodsOutOfTraffic",
+    "RefitOutOfTrafficSlow",
     "RefitOperatorDown",
     "RefitOperatorNotReconciling",
 }
@@ -39,18 +40,25 @@ def test_promtool_test_rules(promtool: Path, test_file: Path) -> None:
     assert "SUCCESS" in proc.stdout
 
 
+def _rule_tests_with(
+    promtool: Path, alerts: str, tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    """promtool's rule unit tests run against ``alerts`` (a changed copy of the rules)."""
+    assert alerts != artifacts.ALERTS.read_text()
+    (tmp_path / "alerts.yaml").write_text(alerts)
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for f in RULE_TEST_FILES:
+        (tests / f.name).write_text(f.read_text())
+    return _run([str(promtool), "test", "rules", "reload_health_test.yaml"], tests)
+
+
 def test_promtool_test_rules_catches_a_broken_rule(promtool: Path, tmp_path: Path) -> None:
     """The unit tests can fail: with RefitProbeFailing's threshold inverted they do."""
     broken = artifacts.ALERTS.read_text().replace(
         '(refit_probe_verdict{result="fail"}) == 1', '(refit_probe_verdict{result="fail"}) == 0'
     )
-    assert broken != artifacts.ALERTS.read_text()
-    (tmp_path / "alerts.yaml").write_text(broken)
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    for f in RULE_TEST_FILES:
-        (tests / f.name).write_text(f.read_text())
-    proc = _run([str(promtool), "test", "rules", "reload_health_test.yaml"], tests)
+    proc = _rule_tests_with(promtool, broken, tmp_path)
     assert proc.returncode != 0
     assert "RefitProbeFailing" in proc.stdout + proc.stderr
 
@@ -92,3 +100,15 @@ def test_rules_file_is_a_plain_rule_groups_document() -> None:
     doc = yaml.safe_load(artifacts.ALERTS.read_text())
     assert set(doc) == {"groups"}
     assert [g["name"] for g in doc["groups"]] == ["refit-reload-health", "refit-operator-health"]
+
+
+def test_promtool_catches_a_broken_out_of_traffic_threshold(promtool: Path, tmp_path: Path) -> None:
+    """The RefitOutOfTrafficSlow unit tests can fail: with its bound raised past the slow
+    fleet's p95 (585 s) the firing case does not fire."""
+    broken = artifacts.ALERTS.read_text().replace(
+        "(rate(refit_pod_out_of_traffic_seconds_bucket[30m]))) > 300",
+        "(rate(refit_pod_out_of_traffic_seconds_bucket[30m]))) > 600",
+    )
+    proc = _rule_tests_with(promtool, broken, tmp_path)
+    assert proc.returncode != 0
+    assert "RefitOutOfTrafficSlow" in proc.stdout + proc.stderr

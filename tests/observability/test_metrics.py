@@ -90,6 +90,8 @@ def test_enum_labels_are_normalised_and_checked() -> None:
         )
         == 1
     )
+    # Outside the per-pod sequence: a refused load puts the pod back on its weights (runner).
+    m.step_finished("rl", "app=a", "restore", "success", 0.2)
     with pytest.raises(ValueError, match="unknown step 'warmup'"):
         m.step_finished("rl", "app=a", "warmup", "success", 0.5)
     with pytest.raises(ValueError, match="unknown step result 'ok'"):

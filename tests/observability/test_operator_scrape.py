@@ -45,6 +45,9 @@ EXPECTED_ALERTS = {
 QUIET_HERE = {
     "RefitProbeInconclusive": "no probe times out",
     "RefitStuck": "no refit outlives its timeout",
+    # The simulated workers swap weights in milliseconds: every pod put back into traffic is
+    # observed in the lowest bucket of refit_pod_out_of_traffic_seconds, far below 300 s.
+    "RefitOutOfTrafficSlow": "pods are back in traffic within seconds",
     "RefitOperatorDown": "the operator is up",
     "RefitOperatorNotReconciling": "it reconciles every few seconds",
     "RefitReconcileErrors": "no reconcile fails",
@@ -153,6 +156,16 @@ def test_real_operator_metrics_feed_dashboards_and_alerts(
         if s.name == "refit_fleet_pods_out_of_traffic"
     ]
     assert out == [1.0], f"pod-2 (failed probe) is out of traffic: {out}"
+    # Every pass that put a pod back into traffic was timed: wr-v1's three pods at least.
+    back = {
+        s.name.rsplit("_", 1)[1]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name
+        in ("refit_pod_out_of_traffic_seconds_count", "refit_pod_out_of_traffic_seconds_sum")
+    }
+    assert back.get("count", 0) >= 3, f"pods put back into traffic were not observed: {back}"
+    assert back["sum"] / back["count"] < 60, f"the simulated pods swap in seconds: {back}"
 
     # 2. Every dashboard query returns (finite) data, except those waiting on the operator.
     range_ = f"{math.ceil(end - began) + 60}s"

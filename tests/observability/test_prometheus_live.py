@@ -83,6 +83,7 @@ def test_dashboards_and_alerts_evaluate_against_a_live_scrape(
             "RefitStuck": {"fleet": "app=canary", "refit": "step-8"},
             "RefitVersionSkew": {"fleet": "app=eval"},
             "RefitPodsOutOfTraffic": {"fleet": "app=rollout"},
+            "RefitOutOfTrafficSlow": {"fleet": "app=eval"},
             "RefitOperatorNotReconciling": {"job": prom.job},
             "RefitReconcileErrors": {"job": prom.job},
         }
@@ -96,6 +97,9 @@ def test_dashboards_and_alerts_evaluate_against_a_live_scrape(
         # Fleets that are fine do not show up in the fleet alerts.
         skew = prom.query(rules["RefitVersionSkew"].expr)
         assert {r["metric"]["fleet"] for r in skew} == {"app=eval"}
+        # app=rollout's pods came back in seconds: only app=eval's 8 minutes are slow.
+        slow = prom.query(rules["RefitOutOfTrafficSlow"].expr)
+        assert {r["metric"]["fleet"] for r in slow} == {"app=eval"}
     finally:
         server.shutdown()
         thread.join(5)

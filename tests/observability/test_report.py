@@ -140,3 +140,75 @@ def test_a_large_fleet_is_drawn_whole_at_a_fixed_size(tmp_path: Path) -> None:
     assert png.shape[0] < 6000  # not one 0.28 in row per pod
     assert _has_color(png, VERDICT_COLORS["Fail"], 1000)
     assert _has_color(png, VERDICT_COLORS["Pass"], 1000)
+
+
+def test_the_timeline_shades_each_pods_time_out_of_traffic(tmp_path: Path) -> None:
+    """render_refit reads each pod's window out of traffic from its record (left_traffic to
+    finished) and shades it behind the steps; without windows nothing is shaded."""
+    from refit_operator.report import OUT_OF_TRAFFIC_COLOR, render_refit
+    from refit_operator.times import epoch
+
+    status = halted_rolling_refit()
+    for p in status["pods"]:
+        p.pop("outOfTrafficSeconds", None)
+    status.update(phase="Succeeded", failedPods=0, inconclusivePods=0, pods=[], message="")
+    status.pop("outOfTraffic")
+    doc = {"metadata": {"name": "wr", "namespace": "ns", "uid": "u1"}, "status": status,
+           "spec": {"checkpoint": {"version": "v2"}}}  # fmt: skip
+    t0 = epoch(status["startTime"])
+    assert t0 is not None
+
+    def record(i: int, *, out: bool) -> dict:
+        rec = {**_passed(i), "started": t0 + 1, "finished": t0 + 40}
+        return {**rec, "left_traffic": t0 + 5} if out else rec
+
+    shaded = [_pod_doc(f"vllm-{i}", record(i, out=True)) for i in range(3)]
+    png = mpimg.imread(render_refit(doc, tmp_path / "shaded.png", shaded))
+    assert _has_color(png, OUT_OF_TRAFFIC_COLOR, 2000)
+    plain = [_pod_doc(f"vllm-{i}", record(i, out=False)) for i in range(3)]
+    png = mpimg.imread(render_refit(doc, tmp_path / "plain.png", plain))
+    assert not _has_color(png, OUT_OF_TRAFFIC_COLOR, 200)
+
+
+def test_windows_from_records_and_from_results() -> None:
+    from refit_operator import api
+    from refit_operator.podflow import Progress
+    from refit_operator.report import record_windows, result_windows
+
+    done = Progress(refit="wr", uid="u1", version="v2", path="/c", outcome="Succeeded",
+                    step="", left_traffic=105.0, finished=117.5)  # fmt: skip
+    in_flight = Progress(refit="wr", uid="u1", version="v2", path="/c", step="load",
+                         left_traffic=106.0)  # fmt: skip
+    left_out = Progress(refit="wr", uid="u1", version="v2", path="/c", outcome="Failed",
+                        step="probe", left_traffic=107.0, finished=130.0)  # fmt: skip
+    staging = Progress(refit="wr", uid="u1", version="v2", path="/c", serving="v1")
+    got = record_windows({"a": done, "b": in_flight, "c": left_out, "d": staging})
+    assert got == {"a": (105.0, 117.5), "b": (106.0, None), "c": (107.0, None)}
+
+    results = [
+        api.PodResult(name="a", completion_time="2026-11-29T08:00:20Z", out_of_traffic_seconds=12),
+        api.PodResult(name="b", completion_time="2026-11-29T08:00:20Z"),  # left out: no figure
+        api.PodResult(name="c", out_of_traffic_seconds=3.0),  # no completion time: no window
+    ]
+    end = 1795939220.0  # 2026-11-29T08:00:20Z
+    assert result_windows(results) == {"a": (end - 12, end)}
+
+
+def test_the_title_headlines_worst_and_median_time_out_of_traffic() -> None:
+    from refit_operator import api
+    from refit_operator.report import headline
+
+    st = api.WeightRefitStatus.model_validate(halted_rolling_refit())
+    assert headline(st, {}) == (
+        "time out of traffic: worst 19.7s (vllm-rollout-2), median 18.5s over 3 pod(s) put back"
+    )
+    # The windows drawn measure more pods than the status (an operator older than the field):
+    # they give the figures; pods still out are counted.
+    empty = api.WeightRefitStatus()
+    windows = {"a": (100.0, 400.0), "b": (100.0, 110.0), "c": (100.0, None)}
+    assert headline(empty, windows) == (
+        "time out of traffic: worst 5m0s (a), median 2m35s over 2 pod(s) put back, 1 still out"
+    )
+    assert headline(empty, {"c": (100.0, None)}) == (
+        "time out of traffic: no pod put back yet, 1 still out"
+    )

@@ -73,7 +73,9 @@ def test_every_status_field_is_declared_in_the_crd():
     declared = schema()["status"]["properties"]
     status = api.WeightRefitStatus(
         previous=api.Previous(),
-        pods=[api.PodResult(name="p", probe=api.PodProbe(verdict="Pass"))],
+        pods=[
+            api.PodResult(name="p", probe=api.PodProbe(verdict="Pass"), out_of_traffic_seconds=1.5)
+        ],
         conditions=[api.Condition(type="Ready", status="True", reason="R")],
     ).dump()
     for key in status:
@@ -83,6 +85,22 @@ def test_every_status_field_is_declared_in_the_crd():
     assert set(status["pods"][0]["probe"]) <= set(pod_fields["probe"]["properties"])
     assert set(status["probeSummary"]) <= set(declared["probeSummary"]["properties"])
     assert set(status["previous"]) <= set(declared["previous"]["properties"])
+    assert set(status["outOfTraffic"]) == set(declared["outOfTraffic"]["properties"])
+    assert status["pods"][0]["outOfTrafficSeconds"] == 1.5
+
+
+def test_out_of_traffic_is_camel_case_and_a_pod_still_out_has_no_figure():
+    st = api.WeightRefitStatus.model_validate(
+        {"outOfTraffic": {"pods": 2, "worstSeconds": 9.5, "medianSeconds": 7.0,
+                          "worstPod": "b"}, "pods": [{"name": "a"}]}
+    )  # fmt: skip
+    assert st.out_of_traffic == api.OutOfTrafficSummary(
+        pods=2, worst_seconds=9.5, median_seconds=7.0, worst_pod="b"
+    )
+    doc = st.dump()
+    assert doc["outOfTraffic"]["worstPod"] == "b"
+    assert "outOfTrafficSeconds" not in doc["pods"][0]  # None: left out, not written as null
+    assert api.WeightRefitStatus().dump()["outOfTraffic"]["pods"] == 0
 
 
 def test_phases_match_the_crd_enum():

@@ -26,15 +26,17 @@ from safetensors.numpy import save_file
 ExpectedParam = checkpoint.ExpectedParam
 
 
-def make_checkpoint(directory: Path) -> Path:
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def make_checkpoint(directory: Path, fill: float = 1.0) -> Path:
     directory.mkdir(parents=True)
     save_file(
-        {"a.weight": np.ones((4, 8), np.float32), "a.bias": np.zeros(4, np.float32)},
-        str(directory / "model-00001-of-00002.safetensors"),
+        {"a.weight": np.full((4, 8), fill, np.float32), "a.bias": np.zeros(4, np.float32)},
+        str(directory / SHARDS[0]),
     )
     save_file(
-        {"b.weight": np.arange(6, dtype=np.float16).reshape(2, 3)},
-        str(directory / "model-00002-of-00002.safetensors"),
+        {"b.weight": np.arange(6, dtype=np.float16).reshape(2, 3)}, str(directory / SHARDS[1])
     )
     checkpoint.write_manifest(directory)
     return directory

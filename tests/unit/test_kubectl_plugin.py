@@ -152,7 +152,56 @@ def test_describe_shows_pods_the_status_does_not_list_from_their_records():
     lines = text.splitlines()
     row = {line.split()[0]: line.split() for line in lines if line[:2] in ("a ", "b ", "c ")}
     assert row["a"] == ["a", "Succeeded", "ready", "v2", "yes", "1", "Pass", "2.5000", "2.5000",
-                        "0.0000", "0.0000"]  # fmt: skip
+                        "0.0000", "0.0000", "-"]  # fmt: skip
     assert row["b"][1] == "Failed" and row["b"][-1] == "NllDrift"
     assert row["c"][1:4] == ["Pending", "-", "-"]  # another refit's record: not this refit's
     assert "1 pod(s) shown Pending carry another refit's record now (older)" in text
+
+
+def test_describe_headlines_the_time_out_of_traffic_and_shows_it_per_pod():
+    """The summary line from status.outOfTraffic; per pod the seconds from its record (or
+    the status entry), "-" for a pod not put back into traffic."""
+    doc = refit_doc()
+    doc["metadata"]["namespace"] = "ns"
+    doc["status"] = {
+        "phase": "Halted", "updatedPods": 2, "targetPods": 3, "failedPods": 1,
+        "outOfTraffic": {"pods": 2, "worstSeconds": 131.5, "medianSeconds": 70.25,
+                         "worstPod": "b"},
+        "pods": [{"name": "c", "phase": "Failed", "step": "probe", "reason": "NllDrift"}],
+    }  # fmt: skip
+    passed = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "step": "",
+              "outcome": "Succeeded", "started": 100.0, "left_traffic": 100.0,
+              "finished": 109.0}  # fmt: skip
+    slow = {**passed, "left_traffic": 100.0, "finished": 231.5}
+    left_out = {**passed, "outcome": "Failed", "step": "probe", "reason": "NllDrift"}
+    pods = [pod("a", progress=passed, ready=True), pod("b", progress=slow, ready=True),
+            pod("c", progress=left_out)]  # fmt: skip
+    text = describe(doc, pods)
+    lines = text.splitlines()
+    assert lines[2] == "Out of traffic: worst 2m11s (b), median 70.2s over 2 pod(s) put back"
+    header = next(line for line in lines if line.startswith("POD "))
+    assert header.split()[-2:] == ["OUT-OF-TRAFFIC", "REASON"]
+    row = {line.split()[0]: line.split() for line in lines if line[:2] in ("a ", "b ", "c ")}
+    assert row["a"][-1] == "9.00s" and row["b"][-1] == "2m11s"
+    assert row["c"][-2:] == ["-", "NllDrift"]  # failed: still out of traffic, no figure
+
+
+def test_out_of_traffic_from_the_pods_records_when_the_status_has_none():
+    """An operator older than status.outOfTraffic: the summary comes from the pods' records
+    of this refit (another refit's record is not counted)."""
+    from refit_operator.views import out_of_traffic
+
+    doc = refit_doc()
+    doc["metadata"]["namespace"] = "ns"
+    doc["status"] = {"phase": "Succeeded", "updatedPods": 2, "targetPods": 2}
+    passed = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "step": "",
+              "outcome": "Succeeded", "left_traffic": 100.0, "finished": 100.4}  # fmt: skip
+    other = {**passed, "uid": "u0", "finished": 900.0}
+    pods = [pod("a", progress=passed, ready=True), pod("z", progress=other, ready=True)]
+    got = out_of_traffic(doc, pods)
+    assert (got.pods, got.worst_pod, got.worst_seconds) == (1, "a", 0.4)
+    assert "Out of traffic: worst 0.40s (a), median 0.40s over 1 pod(s) put back" in describe(
+        doc, pods
+    )
+    # Nothing measured yet: no line.
+    assert "Out of traffic" not in describe(doc, [pod("a"), pod("z", progress=other)])

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
-PURE = {"api", "plan", "podflow", "probe", "reconcile", "history", "times", "views", "index"}
+PURE = {"api", "plan", "podflow", "probe", "reconcile", "history", "times", "views", "index",
+        "traffic"}  # fmt: skip
 IO_MODULES = {"cluster", "worker", "engine", "runner", "leader", "handlers", "main", "client",
               "kubectl_plugin", "report", "metrics"}  # fmt: skip
 IO_LIBRARIES = {"kubernetes", "kubernetes_asyncio", "kopf", "aiohttp", "httpx", "requests",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from refit_operator import metrics
@@ -36,6 +37,7 @@ def drive(m: Metrics | None, ns: str, fleet: str, refit: str, pods: tuple[str, .
         timeout_seconds=3600,
     )
     api.step_finished(ns, fleet, "load", "success", 1.5)
+    api.pod_out_of_traffic(ns, fleet, 2.5)
 
 
 def test_forget_refit_empties_the_scrape_of_the_module_registry() -> None:
@@ -53,6 +55,7 @@ def test_forget_refit_empties_the_scrape_of_the_module_registry() -> None:
     # Per-fleet series carry no refit and stay: outcome counts survive garbage collection.
     fleet_series = {name for name, labels in series(registry) if labels.get("fleet") == fleet}
     assert "refit_step_duration_seconds_count" in fleet_series
+    assert "refit_pod_out_of_traffic_seconds_count" in fleet_series
     assert "refit_fleet_version_skew" in fleet_series
     metrics.forget_fleet(ns, fleet)
 
@@ -91,3 +94,41 @@ def test_forget_refit_leaves_other_refits_and_fleets_alone() -> None:
     # Forgetting twice, or a refit never seen, is a no-op.
     m.forget_refit("rl", "app=a", "step-2")
     m.forget_refit("rl", "app=zzz", "never")
+
+
+def test_forget_fleet_drops_the_time_out_of_traffic_histogram() -> None:
+    """The histogram exists at 0 from a fleet's first call (so rate() sees its first
+    observation), counts each pod put back into traffic, and goes with the fleet."""
+    m = Metrics(CollectorRegistry())
+    drive(m, "rl", "app=a", "step-1", ("p0",))
+    drive(m, "rl", "app=b", "step-1", ("q0",))
+    m.pod_out_of_traffic("rl", "app=a", 400.0)
+    fleet_a = {"namespace": "rl", "fleet": "app=a"}
+    count = "refit_pod_out_of_traffic_seconds_count"
+    assert m.registry.get_sample_value(count, fleet_a) == 2
+    assert (
+        m.registry.get_sample_value(
+            "refit_pod_out_of_traffic_seconds_bucket", {**fleet_a, "le": "300.0"}
+        )
+        == 1
+    )  # the 2.5 s pass; the 400 s one is above the alert's threshold
+
+    m.forget_fleet("rl", "app=a")
+
+    assert not [n for n, labels in series(m.registry) if labels.get("fleet") == "app=a"]
+    assert m.registry.get_sample_value(count, {"namespace": "rl", "fleet": "app=b"}) == 1
+    # A fleet seen again starts at 0.
+    m.fleet_state("rl", "app=a", "step-2", pods_by_phase={}, out_of_traffic=0, version_skew=0,
+                  target_version="v")  # fmt: skip
+    assert m.registry.get_sample_value(count, fleet_a) == 0
+
+
+def test_time_out_of_traffic_is_validated() -> None:
+    m = Metrics(CollectorRegistry())
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="out of traffic"):
+            m.pod_out_of_traffic("rl", "app=a", bad)
+    with pytest.raises(ValueError, match="fleet"):
+        m.pod_out_of_traffic("rl", "", 1.0)
+    # The bad calls recorded nothing, not even the fleet's zeroed series.
+    assert not [n for n, labels in series(m.registry) if labels.get("namespace") == "rl"]

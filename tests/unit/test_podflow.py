@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 from refit_operator import podflow
 from refit_operator.podflow import STEPS, Finished, Progress, RunStep, WaitUntil
@@ -9,7 +11,7 @@ def fresh() -> Progress:
 
 def test_steps_in_the_documented_order():
     assert STEPS == (
-        "drain", "sleep", "wakeWeights", "preflight", "load", "wakeKV", "resetCache",
+        "stage", "drain", "sleep", "wakeWeights", "load", "wakeKV", "resetCache",
         "stampVersion", "probe", "ready",
     )  # fmt: skip
 
@@ -31,18 +33,18 @@ def test_out_of_order_step_is_refused():
 
 def test_retries_back_off_then_fail_closed():
     p = fresh()
-    p = podflow.step_failed(p, "drain", "HttpError", "500", now=200.0, retries=2)
+    p = podflow.step_failed(p, "stage", "HttpError", "500", now=200.0, retries=2)
     assert p.outcome == "" and p.not_before == 201.0
     assert podflow.next_action(p, 200.5) == WaitUntil(201.0)
-    assert podflow.next_action(p, 201.0) == RunStep("drain")
-    p = podflow.step_failed(p, "drain", "HttpError", "500", now=201.0, retries=2)
+    assert podflow.next_action(p, 201.0) == RunStep("stage")
+    p = podflow.step_failed(p, "stage", "HttpError", "500", now=201.0, retries=2)
     assert p.not_before == 203.0
-    p = podflow.step_failed(p, "drain", "HttpError", "500", now=203.0, retries=2)
+    p = podflow.step_failed(p, "stage", "HttpError", "500", now=203.0, retries=2)
     assert p.outcome == "Failed" and p.reason == "HttpError" and p.attempts == 3
 
 
 def test_worker_rejection_is_final_at_once():
-    p = podflow.step_failed(fresh(), "drain", "ManifestMismatch", "sha", now=1.0, retries=5)
+    p = podflow.step_failed(fresh(), "stage", "ManifestMismatch", "sha", now=1.0, retries=5)
     assert p.outcome == "Failed"
 
 
@@ -56,7 +58,7 @@ def test_probe_verdicts():
 
 
 def test_annotation_round_trip_and_garbage():
-    p = podflow.step_done(fresh(), "drain", 0.1, 1.0)
+    p = podflow.step_done(fresh(), "stage", 0.1, 1.0)
     assert Progress.from_annotation(p.to_annotation()) == p
     assert Progress.from_annotation("{not json") is None
     assert Progress.from_annotation('{"unknown": 1}') is None
@@ -87,12 +89,13 @@ def test_progress_is_recorded_at_checkpoints_only():
         if podflow.must_record(p, after):
             recorded.append(step)
         p = after
-    # Start is recorded by the caller; then once the weights are loaded, and at the end.
-    assert recorded == ["load", "ready"]
+    # Start is recorded by the caller; then once staged (the pod leaves traffic), and at the end.
+    assert recorded == ["stage", "ready"]
 
 
 def test_failed_tries_and_verdicts_are_recorded():
-    p = podflow.step_done(fresh(), "drain", 0.1, 1.0)
+    p = podflow.step_done(fresh(), "stage", 0.1, 1.0)
+    p = podflow.step_done(p, "drain", 0.1, 1.0)
     retry = podflow.step_failed(p, "sleep", "SleepTimeout", "slow", now=2.0, retries=3)
     assert retry.outcome == "" and podflow.must_record(p, retry)
     failed = podflow.probe_judged(p, "Fail", "NllDrift", "drift", {}, 3.0)
@@ -139,3 +142,102 @@ def test_newer_than_breaks_timestamp_ties_by_name():
     assert p.newer_than("2026-01-01T00:00:00Z", "a")
     assert not p.newer_than("2026-01-01T00:00:00Z", "c")
     assert not p.newer_than("2026-01-02T00:00:00Z", "a")
+
+
+def serving_pass() -> Progress:
+    """A pass on a pod that serves v1 with a passed probe."""
+    return podflow.start("wr", "uid-1", "v2", "/ckpt/v2", now=100.0, serving="v1")
+
+
+def test_a_serving_pod_stays_in_traffic_while_staging_only():
+    p = serving_pass()
+    assert p.in_traffic and podflow.readiness(p) is None and p.left_traffic == 0.0
+    staged = podflow.step_done(p, "stage", 4.0, 104.0)
+    assert not staged.in_traffic and staged.left_traffic == 104.0
+    assert podflow.readiness(staged) == podflow.Readiness(
+        False, "Refitting", "refit to v2 in progress"
+    )
+    assert podflow.must_record(p, staged)  # the record that takes the pod out of traffic
+    # How the worker staged it goes into the pod's condition: over the budget, it says so.
+    note = "12.0 GB exceeds the staging budget 8.0 GiB: the load reads the files again"
+    disk = podflow.step_done(replace(p, staging=note), "stage", 4.0, 104.0)
+    assert podflow.readiness(disk).message == f"refit to v2 in progress; {note}"
+    # A retried stage keeps the pod in traffic; a refused one leaves it there, untouched.
+    retry = podflow.step_failed(p, "stage", "StageTimeout", "slow", now=101.0, retries=3)
+    assert retry.in_traffic and podflow.readiness(retry) is None
+    refused = podflow.step_failed(p, "stage", "ManifestMismatch", "sha", now=101.0, retries=3)
+    assert refused.outcome == "Failed" and podflow.readiness(refused) is None
+    assert podflow.out_of_traffic_seconds(refused) is None
+
+
+def test_a_pod_not_serving_leaves_traffic_in_the_first_write():
+    p = fresh()  # no probed version: never Ready on the strength of an older probe
+    assert not p.in_traffic and p.left_traffic == 100.0
+    assert podflow.readiness(p) == podflow.Readiness(False, "Refitting", "refit to v2 in progress")
+
+
+def _at_load(p: Progress) -> Progress:
+    for step in ("stage", "drain", "sleep", "wakeWeights"):
+        p = podflow.step_done(p, step, 1.0, 110.0)
+    return p
+
+
+def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
+    p = _at_load(serving_pass())
+    back = podflow.step_failed(p, "load", "CheckpointChanged", "shard rewritten", 111.0, retries=3)
+    assert (
+        back.step == podflow.RESTORE and back.outcome == "" and back.reason == "CheckpointChanged"
+    )
+    assert podflow.next_action(back, 111.0) == RunStep(podflow.RESTORE)
+    assert podflow.readiness(back).ready is False  # out of traffic until restored
+    done = podflow.restored(back, 112.0)
+    assert done.outcome == "Failed" and done.restored and done.in_traffic
+    ready = podflow.readiness(done)
+    assert ready is not None and ready.ready and ready.reason == "PreviousWeights"
+    assert "serving v1 again" in ready.message and "CheckpointChanged" in ready.message
+    assert podflow.out_of_traffic_seconds(done) == pytest.approx(2.0)
+    # A restore that fails ends the pass with the pod out of traffic (fail closed).
+    lost = podflow.step_failed(back, podflow.RESTORE, "CheckpointChanged", "x", 112.0, retries=3,
+                               final=True)  # fmt: skip
+    assert lost.outcome == "Failed" and not lost.restored and podflow.readiness(lost).ready is False
+
+
+def test_no_restore_after_the_model_was_touched_or_without_served_weights():
+    p = _at_load(serving_pass())
+    touched = podflow.step_failed(p, "load", "LoadFailed", "boom", 111.0, retries=0)
+    assert touched.outcome == "Failed" and not touched.restored
+    assert podflow.readiness(touched).ready is False
+    unserved = podflow.step_failed(_at_load(fresh()), "load", "CheckpointChanged", "x", 111.0,
+                                   retries=3)  # fmt: skip
+    assert unserved.outcome == "Failed" and unserved.step == "load"
+    with pytest.raises(ValueError):
+        podflow.restored(p, 1.0)
+
+
+def test_out_of_traffic_seconds_of_a_succeeded_pass():
+    p = serving_pass()
+    for step in STEPS:
+        p = podflow.step_done(p, step, 1.0, 100.0 + 10 * STEPS.index(step))
+    assert p.outcome == "Succeeded" and p.left_traffic == 100.0
+    assert podflow.out_of_traffic_seconds(p) == pytest.approx(90.0)
+    assert podflow.out_of_traffic_seconds(serving_pass()) is None
+
+
+def _pod(progress: Progress | None, *, ready: bool = True, restarts: int = 0) -> podflow.PodView:
+    return podflow.PodView("p", "10.0.0.1", True, True, False, ready, restarts, progress)
+
+
+def test_what_a_pod_serves():
+    done = podflow.start("wr", "u", "v1", "/v1", 0.0)
+    for step in STEPS:
+        done = podflow.step_done(done, step, 0.1, 1.0)
+    assert _pod(done).serving == "v1"
+    assert _pod(done, ready=False).serving == ""
+    assert _pod(done, restarts=1).serving == ""  # the container restarted: weights lost
+    assert _pod(None).serving == ""
+    back = podflow.restored(
+        podflow.step_failed(_at_load(serving_pass()), "load", "CheckpointChanged", "x", 1.0,
+                            retries=0),
+        2.0,
+    )  # fmt: skip
+    assert _pod(back).serving == "v1"

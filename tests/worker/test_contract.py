@@ -6,7 +6,9 @@ each call both must agree on: the path and RPC method, the HTTP status, the JSON
 body (keys and value types, recursively; list elements as the set of their shapes; token-id
 keys as one key), and the client's outcome (a result, or WorkerError kind/status/code). This covers
 every WorkerClient method, the contract rejections (CheckpointMissing, PathNotAllowed,
-ManifestMismatch), out-of-vocabulary tokens and the 401 of the admin guard and the api key.
+ManifestMismatch, at preflight and at refit_stage), out-of-vocabulary tokens and the 401 of the
+admin guard and the api key. refit_stage then refit_load must also agree on where the bytes
+were staged and loaded from (``staged``, ``source``: both "memory" under the default budget).
 Several prompts in one completions request (score_prompts) must also agree on the choices'
 indices in answer order, each choice's prompt_logprobs length and the summed usage; one bad
 prompt among them (out of vocabulary, empty) fails the whole request on both. Fencing
@@ -40,6 +42,8 @@ pytestmark = pytest.mark.vllm
 VERSION = "contract-1"
 # Free-form fields whose inner shape is nobody's contract.
 FREE_FORM = frozenset({"extra"})
+# Result fields whose values (not only types) both must agree on.
+ENUM_FIELDS = ("staged", "source", "switchedLoadFormatFrom")
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,11 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
                 seen.append(("error", exc.kind, exc.status, exc.code))
                 return
             seen.append(("ok", type(result).__name__))
+            if isinstance(result, dict):
+                # refit_stage's and refit_load's enumerations are contract values, not text.
+                enums = {k: result[k] for k in ENUM_FIELDS if k in result}
+                if enums:
+                    seen.append(("values", enums))
 
         calls: list[Callable[[], Awaitable[Any]]] = [
             admin.refit_info,
@@ -136,6 +145,9 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             admin.is_sleeping,
             admin.reset_prefix_cache,
             lambda: admin.preflight(str(target.good)),
+            lambda: admin.stage(str(target.mismatch)),
+            lambda: admin.stage(str(target.good)),
+            lambda: admin.stage(str(target.good)),  # again, unchanged: reused
             lambda: admin.load(str(target.good), VERSION),
             admin.refit_info,
             lambda: admin.probe_reference(str(target.good)),
@@ -213,8 +225,19 @@ def test_simulator_answers_with_the_real_shapes(
     for i, (r, s) in enumerate(itertools.zip_longest(observed_real, observed_sim)):
         context = [o for o in observed_real[:i] if o[0] != "http"][-3:]
         assert s == r, f"observation {i} (after {context}):\n real {r}\n sim  {s}"
+    values = [o[1] for o in observed_real if o[0] == "values"]
+    assert values == [
+        {"staged": "memory"},
+        {"staged": "memory"},
+        {"source": "memory", "switchedLoadFormatFrom": "dummy"},
+    ]
     rejected = [o[3] for o in observed_real if o[:2] == ("error", "rejected")]
-    assert rejected == ["CheckpointMissing", "PathNotAllowed", "ManifestMismatch"]
+    assert rejected == [
+        "ManifestMismatch",
+        "CheckpointMissing",
+        "PathNotAllowed",
+        "ManifestMismatch",
+    ]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
     assert len(unauthorized) == 3
     batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]

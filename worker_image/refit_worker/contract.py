@@ -21,6 +21,9 @@ READINESS_GATE = f"{API_GROUP}/weights-ready"
 # --- RPC methods of refit_worker.extension.RefitWorkerExtension (via /collective_rpc) ---
 RPC_INFO = "refit_info"
 RPC_PREFLIGHT = "refit_preflight"
+# Preflight, then hold the verified bytes in the worker's memory (within its staging budget)
+# for refit_load; runs while the pod still serves.
+RPC_STAGE = "refit_stage"
 RPC_LOAD = "refit_load"
 RPC_PROBE_REFERENCE = "refit_probe_reference"
 
@@ -278,6 +281,7 @@ REJECTION_CODES = (
     "ManifestMismatch",  # files on disk differ from the manifest (size, digest, extra/missing)
     "TensorMismatch",  # a parameter the model loads is absent, or shape/dtype incompatible
     "ProbeReferenceInvalid",  # refit-probe.json missing or malformed
+    "CheckpointChanged",  # a file changed (identity, size, mtime) between refit_stage and load
     "LoadFailed",  # vLLM's reload raised after preflight passed
 )
 

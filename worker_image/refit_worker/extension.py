@@ -9,6 +9,19 @@ Preflight checks everything before anything touches the model, because vLLM's la
 reload moves every layer to the meta device first: a reload that fails half way leaves a
 model that answers /health and crashes on the next request (notes/vllm-refit-facts.md).
 
+Staging: the operator calls refit_stage while the pod still serves, then drains it and calls
+refit_load. refit_stage does everything preflight does and, within the staging budget
+(REFIT_STAGING_BUDGET_BYTES, checkpoint.parse_staging_budget), keeps the verified bytes in
+this process's memory; refit_load of the staged path then only re-checks the files'
+identities (stat, no byte read) and loads exactly the bytes whose digests matched. Over the
+budget it loads from disk, with the identities checked before and after the load. One
+checkpoint is staged at a time; any refit_load releases it.
+
+Refusal codes and the model: every RefitRejected code except LoadFailed is raised before
+reload_weights is called, so the model still holds its old weights and the operator puts
+the pod back into traffic on them. LoadFailed is the only code that may come after the
+model was touched (a reload that raised, or files that changed during a load from disk).
+
 Weight version: vLLM 0.32/0.33 keeps the served weight version in the engine core
 (EngineCore._weight_version, set by POST /update_weight_version, read by GET /weight_info),
 which a worker cannot reach (with several workers they are separate processes). So
@@ -21,6 +34,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refit_worker import checkpoint, guard
@@ -29,6 +44,7 @@ from refit_worker.contract import (
     CAP_VERIFIED_RELOAD,
     PROBE_FILE,
     ContractError,
+    Manifest,
     ProbeReference,
     RefitInfo,
     RefitRejected,
@@ -63,6 +79,20 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
         torch.bool: "BOOL",
     }
     return names.get(dtype, str(dtype))
+
+
+def _held_tensors(staged: checkpoint.StagedCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """The staged shards' tensors, shard by shard in manifest order, as vLLM's safetensors
+    iterator yields them from disk. Each shard's held bytes are dropped once its tensors are
+    made (safetensors copies them), so the load needs at most one shard more than the budget."""
+    from safetensors.torch import load
+
+    for _name, data in staged.take_shards():
+        tensors = load(data)
+        del data
+        while tensors:
+            name = next(iter(tensors))
+            yield name, tensors.pop(name)
 
 
 def _key(name: str, shard: Any) -> str:
@@ -216,6 +246,7 @@ class RefitWorkerExtension:
     vllm_config: Any
     model_runner: Any
     _refit_version: str
+    _refit_staged: checkpoint.StagedCheckpoint | None
 
     # --- helpers (underscored so they never collide with vLLM's worker attributes) ---
     def _refit_allowed_root(self) -> str:
@@ -227,6 +258,13 @@ class RefitWorkerExtension:
     def _refit_check(self, path: str) -> dict[str, Any]:
         started = time.perf_counter()
         directory, manifest = checkpoint.verify_checkpoint(path, self._refit_allowed_root())
+        return self._refit_check_model(directory, manifest, started)
+
+    def _refit_check_model(
+        self, directory: Path, manifest: Manifest, started: float
+    ) -> dict[str, Any]:
+        """The model's side of preflight (every tensor it loads, shapes and dtypes) and the
+        preflight result."""
         model = self._refit_model()
         cfg = self.vllm_config
         quantized = cfg.model_config.quantization is not None
@@ -246,6 +284,59 @@ class RefitWorkerExtension:
             "tensorParallelSize": tp,
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def _refit_take_staged(self, path: str) -> checkpoint.StagedCheckpoint | None:
+        """The checkpoint staged for `path`, handed over (the worker holds none after this
+        call); None when `path` is not the one staged."""
+        staged = getattr(self, "_refit_staged", None)
+        self._refit_staged = None
+        if staged is None or staged.path != path:
+            if staged is not None:
+                staged.release()  # a load of another checkpoint: memory back
+            return None
+        return staged
+
+    def _refit_switch_load_format(self) -> str | None:
+        """A --load-format dummy start cannot read a directory until the format changes;
+        returns the format switched from (None: no switch)."""
+        load_format = str(getattr(self.vllm_config.load_config.load_format, "value", ""))
+        load_format = load_format or str(self.vllm_config.load_config.load_format)
+        if load_format in _DISK_FORMATS:
+            return None
+        self.update_config({"load_config": {"load_format": "safetensors"}})  # type: ignore[attr-defined]
+        return load_format
+
+    def _refit_load_staged(self, staged: checkpoint.StagedCheckpoint) -> tuple[str, float]:
+        """Load a staged checkpoint (its identities already re-checked); returns (source,
+        seconds of the reload)."""
+        directory = str(staged.directory)
+        # A model that reloads weights from other sources too (secondary_weights) needs
+        # vLLM's own loader: such a load reads from disk like one over the budget.
+        from_memory = staged.in_memory and not getattr(
+            self._refit_model(), "secondary_weights", None
+        )
+        started = time.perf_counter()
+        if from_memory:
+            # vLLM points model_config at weights_path itself; from an iterator it does
+            # not, so refit_info's model would name the previous checkpoint.
+            model_config = self.vllm_config.model_config
+            model_config.model = directory
+            if hasattr(model_config, "model_weights"):
+                model_config.model_weights = ""
+            model_config.revision = None
+            self._refit_reload(weights_iterator=_held_tensors(staged))
+            return "memory", time.perf_counter() - started
+        staged.release()
+        self._refit_reload(weights_path=directory)
+        seconds = time.perf_counter() - started
+        staged.check_after_load()  # LoadFailed: the model was touched
+        return "disk", seconds
+
+    def _refit_reload(self, **source: Any) -> None:
+        try:
+            self.reload_weights(is_checkpoint_format=True, **source)  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise RefitRejected("LoadFailed", f"{type(exc).__name__}: {exc}") from exc
 
     # --- RPC methods (contract.RPC_*) ---
     def refit_info(self) -> dict[str, Any]:
@@ -280,28 +371,61 @@ class RefitWorkerExtension:
     def refit_preflight(self, path: str) -> dict[str, Any]:
         return self._refit_check(path)
 
-    def refit_load(self, path: str, version: str) -> dict[str, Any]:
-        if not isinstance(version, str) or not version:
-            raise RefitRejected("LoadFailed", "version must be a non-empty string")
-        result = self._refit_check(path)
-        load_format = str(getattr(self.vllm_config.load_config.load_format, "value", ""))
-        load_format = load_format or str(self.vllm_config.load_config.load_format)
-        switched = None
-        if load_format not in _DISK_FORMATS:
-            # A --load-format dummy start cannot read a directory until the format changes.
-            self.update_config({"load_config": {"load_format": "safetensors"}})  # type: ignore[attr-defined]
-            switched = load_format
+    def refit_stage(self, path: str) -> dict[str, Any]:
+        """Preflight, then stage the checkpoint for refit_load (see the module docstring).
+        Staging the staged path again, unchanged, returns at the cost of a few stats."""
         started = time.perf_counter()
+        budget = checkpoint.staging_budget()  # ValueError on a malformed value
+        previous = getattr(self, "_refit_staged", None)
+        self._refit_staged = None
+        staged = checkpoint.stage_checkpoint(
+            path, self._refit_allowed_root(), budget, previous=previous
+        )
+        if not staged.reused:
+            try:
+                staged.summary = self._refit_check_model(staged.directory, staged.manifest, started)
+            except BaseException:
+                staged.release()
+                raise
+        self._refit_staged = staged
+        return {
+            **staged.summary,
+            "seconds": round(time.perf_counter() - started, 4),
+            "staged": staged.mode,
+            "budgetBytes": staged.budget,
+            "note": staged.note(),
+        }
+
+    def refit_load(self, path: str, version: str) -> dict[str, Any]:
+        # Invariant: nothing below raises a code other than LoadFailed once reload_weights
+        # has been called (module docstring); every other refusal comes first.
+        staged = self._refit_take_staged(path)
         try:
-            self.reload_weights(weights_path=result["path"], is_checkpoint_format=True)  # type: ignore[attr-defined]
-        except Exception as exc:
-            raise RefitRejected("LoadFailed", f"{type(exc).__name__}: {exc}") from exc
+            if not isinstance(version, str) or not version:
+                raise RefitRejected("LoadFailed", "version must be a non-empty string")
+            started = time.perf_counter()
+            if staged is not None:
+                staged.check_before_load(self._refit_allowed_root())  # CheckpointChanged
+                result = {**staged.summary, "seconds": round(time.perf_counter() - started, 4)}
+            else:
+                result = self._refit_check(path)
+            switched = self._refit_switch_load_format()
+            if staged is not None:
+                source, load_seconds = self._refit_load_staged(staged)
+            else:
+                source, started = "unstaged", time.perf_counter()
+                self._refit_reload(weights_path=result["path"])
+                load_seconds = time.perf_counter() - started
+        finally:
+            if staged is not None:
+                staged.release()
         self._refit_version = version
         return {
             **result,
             "version": version,
-            "loadSeconds": round(time.perf_counter() - started, 4),
+            "loadSeconds": round(load_seconds, 4),
             "switchedLoadFormatFrom": switched,
+            "source": source,
         }
 
     def refit_probe_reference(self, path: str) -> dict[str, Any]:

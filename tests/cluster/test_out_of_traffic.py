@@ -1,0 +1,133 @@
+"""Out of traffic only for the swap: a pod that serves a probed version keeps serving while its
+checkpoint stages, Rolling's next batch stages while the current one is out of traffic, and a
+checkpoint that changes after staging is refused at the load with the pod put back to serving
+the weights it had (real API server, real operator process, simulated workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testbed.fleet import Fleet, make_checkpoints, start_fleet
+from testbed.simworker import SIM_WEIGHTS_FILE
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+END = {"Succeeded", "Failed", "Halted", "RolledBack"}
+
+
+def _serving_v1(
+    harness: tuple[Fleet, Any], sim_fleet: Any, tmp_path: Path, n: int
+) -> tuple[Fleet, Any, list[Any], dict[str, Path]]:
+    """n pods serving v1 (a first refit Succeeded), and checkpoints v1 and v2."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, n)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    op.start()
+    fleet.apply_refit("wr-v1", "v1", ckpt["v1"], sims[0].port)
+    assert fleet.wait_phase("wr-v1", END, 60, op)["status"]["phase"] == "Succeeded"
+    return fleet, op, sims, ckpt
+
+
+def _condition(fleet: Fleet, name: str) -> dict[str, Any]:
+    pod = fleet.pod(name)
+    return next(c for c in pod["status"]["conditions"] if c["type"].endswith("weights-ready"))
+
+
+def _answered(sim: Any, step: str) -> int:
+    return sum(c["step"] == step and c["status"] == 200 for c in sim.call_log())
+
+
+def test_pods_serve_while_staging_and_the_next_batch_stages_ahead(harness, sim_fleet, tmp_path):
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 3)
+    for sim in sims:
+        sim.set_fault("refit_stage", "delay", 1.5, times=1)
+        sim.set_fault("refit_load", "delay", 1.5)
+    fleet.apply_refit(
+        "wr-v2", "v2", ckpt["v2"], sims[0].port, strategy={"type": "Rolling", "maxUnavailable": 1}
+    )
+    # pod-0 stages (slowed) while it still serves v1.
+    fleet.wait_serving(sims[0], "refit_stage")
+    assert fleet.ready(fleet.pod("pod-0")) is True
+    assert "pause" not in [c["step"] for c in sims[0].call_log()[-3:]]
+    # pod-0 out of traffic for its load: pod-1, next in line, has staged meanwhile, in traffic.
+    fleet.wait_serving(sims[0], "refit_load", after="refit_stage")
+    assert fleet.ready(fleet.pod("pod-0")) is False
+    fleet.wait_for(lambda: _answered(sims[1], "refit_stage") >= 1, 10, "pod-1 staged ahead")
+    assert fleet.ready(fleet.pod("pod-1")) is True
+    assert "pause" not in [c["step"] for c in sims[1].call_log()][-3:]
+    st = fleet.wait_phase("wr-v2", END, 90, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    for i, sim in enumerate(sims):
+        record = fleet.progress(fleet.pod(f"pod-{i}"))
+        assert record is not None and record["outcome"] == "Succeeded"
+        assert sim.state()["weight_version"] == "v2"
+        # The drained window holds the load (1.5 s) and the rest, not the 1.5 s of staging.
+        out = record["finished"] - record["left_traffic"]
+        assert record["left_traffic"] >= record["started"] + record["step_seconds"]["stage"]
+        assert 1.5 <= out < record["finished"] - record["started"], record
+    # pod-1 and pod-2 staged ahead of their turn (the slowed call: v1's pass, the stage ahead,
+    # their own pass's stage), so their own pass's stage was quick.
+    assert [_answered(s, "refit_stage") for s in sims] == [2, 3, 3]
+    for i in (1, 2):
+        record = fleet.progress(fleet.pod(f"pod-{i}"))
+        assert record["step_seconds"]["stage"] < 1.0, record
+
+
+def test_checkpoint_changed_after_staging_is_refused_and_the_pod_serves_v1_again(
+    harness, sim_fleet, tmp_path
+):
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
+    sims[1].set_fault("pause", "delay", 2.0)
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port)
+    fleet.wait_serving(sims[1], "pause")  # staged, draining: rewrite a shard in place
+    shard = ckpt["v2"] / SIM_WEIGHTS_FILE
+    shard.write_bytes(shard.read_bytes())  # same bytes, new identity (mtime, ctime)
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] == "Halted", st
+    bad = next(p for p in st["pods"] if p["name"] == "pod-1")
+    assert (bad["phase"], bad["reason"]) == ("Failed", "CheckpointChanged"), bad
+    # Refused before the model was touched: the pod serves v1 again, and says why.
+    assert sims[1].state()["weight_version"] == "v1"
+    cond = _condition(fleet, "pod-1")
+    assert cond["status"] == "True" and cond["reason"] == "PreviousWeights", cond
+    assert "CheckpointChanged" in cond["message"]
+    record = fleet.progress(fleet.pod("pod-1"))
+    assert record["restored"] and record["serving"] == "v1"
+    calls = [c["step"] for c in sims[1].call_log()]
+    after = calls[len(calls) - calls[::-1].index("refit_load") :]
+    restore = ["wake_up", "reset_prefix_cache", "resume", "weight_info"]
+    assert [c for c in after if c in restore] == restore, calls
+
+
+def test_sleep_level_2_cannot_restore_and_fails_closed(harness, sim_fleet, tmp_path):
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
+    sims[1].set_fault("pause", "delay", 2.0)
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port, sequence={"sleepLevel": 2})
+    fleet.wait_serving(sims[1], "pause")
+    shard = ckpt["v2"] / SIM_WEIGHTS_FILE
+    shard.write_bytes(shard.read_bytes())
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    bad = next(p for p in st["pods"] if p["name"] == "pod-1")
+    assert bad["reason"] == "CheckpointChanged" and "sleep level 2" in bad["message"], bad
+    cond = _condition(fleet, "pod-1")
+    assert cond["status"] == "False" and cond["reason"] == "CheckpointChanged", cond
+
+
+def test_a_partial_checkpoint_is_refused_while_the_pod_still_serves(harness, sim_fleet, tmp_path):
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
+    (ckpt["v2"] / "model-00002-of-00002.safetensors").write_bytes(b"partial")  # still copying
+    before = [len(sim.call_log()) for sim in sims]
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port)
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] in ("Failed", "Halted"), st
+    for i, sim in enumerate(sims):
+        # Refused by the fleet preflight or by the stage: either way never out of traffic.
+        assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+        assert sim.state()["weight_version"] == "v1"
+        v2_calls = [c["step"] for c in sim.call_log()[before[i] :]]
+        assert "pause" not in v2_calls and "refit_load" not in v2_calls, v2_calls
+    st_pods = {p["name"]: p for p in st["pods"]}
+    assert st_pods and all(p["reason"] == "ManifestMismatch" for p in st_pods.values()), st
