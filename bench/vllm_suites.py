@@ -533,6 +533,9 @@ def _bandwidth_reps(
         cores = worker_cores(server)
         first_completion(server)
         loop.run_until_complete(w.load(ckpt, "warmup"))  # format switch, first-load costs
+        # A server scores its first probe batch slowly (graph capture for the new shapes),
+        # once in its life: the reps measure the probe every later refit pays.
+        loop.run_until_complete(w.score_prompts(prompts))
         for i in range(reps):
             evict(files)
             s["raw_cold"].append(raw_read(files))

@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 ACTIVE_INTERVAL = 1.0  # seconds between ticks while pods are moving
 IDLE_INTERVAL = 5.0  # while queued or watching a converged fleet for late pods
 DORMANT_INTERVAL = 60.0  # finished and no longer the fleet's target
+# A tick lists the fleet and decides over every pod: at 10,000 pods that is most of a second of
+# the event loop the passes share. Every pass that ends wakes the refit, so without a pause the
+# ticks of a large refit run back to back; after a tick that took t seconds, wakes wait at
+# least t * TICK_PAUSE (they coalesce meanwhile). Small fleets tick in milliseconds: no delay.
+TICK_PAUSE = 1.0
 
 
 def memo(engine: Engine, connection: kopf.ConnectionInfo) -> kopf.Memo:
@@ -63,8 +68,10 @@ async def refit_daemon(
 ) -> None:
     assert namespace is not None  # WeightRefit is namespaced
     eng = _engine(memo)
+    loop = asyncio.get_running_loop()
     while not stopped:
         interval = IDLE_INTERVAL
+        began = loop.time()
         try:
             d = await eng.tick(namespace, name)
             if d is None:
@@ -77,9 +84,11 @@ async def refit_daemon(
         except Exception as e:
             metrics.reconcile_error("api")
             log.exception("reconcile of %s/%s failed: %s", namespace, name, e)
+        pause = min((loop.time() - began) * TICK_PAUSE, interval)
+        await asyncio.sleep(pause)
         wake = eng.state(uid).wake
         try:
-            await asyncio.wait_for(wake.wait(), timeout=interval)
+            await asyncio.wait_for(wake.wait(), timeout=interval - pause)
         except TimeoutError:
             pass
         wake.clear()
