@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from refit_worker import checkpoint, contract, reference
 
@@ -84,7 +85,7 @@ def ensure_tiny_moe() -> TinyMoe:
     return TinyMoe(final)
 
 
-def config(vocab_size: int, bos: int, eos: int) -> object:
+def config(vocab_size: int, bos: int, eos: int) -> Any:
     from transformers import MixtralConfig
 
     # vLLM's CPU kernels set the sizes: MoE needs hidden and intermediate dimensions divisible
@@ -115,12 +116,12 @@ def _build(root: Path, llama: TinyModel) -> None:
     shutil.copytree(llama.base_dir, base)
     tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
     cfg = config(len(tok), tok.bos_token_id, tok.eos_token_id)
-    cfg.save_pretrained(str(base))  # type: ignore[attr-defined]
+    cfg.save_pretrained(str(base))
     shutil.copy(llama.probe_texts_file, root / "probe-texts.txt")
     ckpts = root / "checkpoints"
     for name, seed in SEEDS.items():
         torch.manual_seed(seed)
-        model = MixtralForCausalLM(cfg)  # type: ignore[arg-type]
+        model = MixtralForCausalLM(cfg)
         directory = ckpts / name
         model.save_pretrained(str(directory), safe_serialization=True)
         _finish(directory, base, root, version=name)

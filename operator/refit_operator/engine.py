@@ -267,7 +267,10 @@ class Engine:
         st.admitted = {
             name: identity[name]
             for name, info in infos.items()
-            if reconcile.admission_problem(info, spec.allow_unsafe_backends) is None
+            if reconcile.admission_problem(
+                info, spec.allow_unsafe_backends, spec.sequence.sleep_level
+            )
+            is None
         }
         return PreflightResult(infos=infos, problem=problem)
 

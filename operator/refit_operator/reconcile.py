@@ -104,8 +104,11 @@ class Decision:
         return self.status.phase in TERMINAL_PHASES and not self.watching
 
 
-def admission_problem(info: RefitInfo | str, allow_unsafe: bool) -> tuple[str, str] | None:
-    """Why a pod must not be refitted, judged from its refit_info; None when it may."""
+def admission_problem(
+    info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
+) -> tuple[str, str] | None:
+    """Why a pod must not be refitted, judged from its refit_info and the spec's
+    ``sequence.sleepLevel``; None when it may."""
     if isinstance(info, str):
         return "PodUnreachable", info
     if allow_unsafe:
@@ -115,11 +118,21 @@ def admission_problem(info: RefitInfo | str, allow_unsafe: bool) -> tuple[str, s
         return "UnsafeBackend", f"image lacks reload-safe capabilities: {', '.join(missing)}"
     if info.unsafe_reasons:
         return "UnsafeConfiguration", "; ".join(info.unsafe_reasons)
+    if info.kv_cache_scales and sleep_level == 2:
+        # Level 2 discards the scale parameters with the weights and the wake does not
+        # restore them; a reload whose checkpoint lacks them leaves zeros (vLLM #57163).
+        return "UnsafeSleepLevel", (
+            f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
+            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1"
+        )
     return None
 
 
 def preflight_problem(
-    pods: Sequence[PodView], result: PreflightResult, allow_unsafe: bool
+    pods: Sequence[PodView],
+    result: PreflightResult,
+    allow_unsafe: bool,
+    sleep_level: int,
 ) -> tuple[str, str] | None:
     if not pods:
         return "NoPodsSelected", "the fleet selector matches no pods"
@@ -134,7 +147,7 @@ def preflight_problem(
         if not pod.running or not pod.ip:
             return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
         info = result.infos.get(pod.name, "no refit_info answer")
-        problem = admission_problem(info, allow_unsafe)
+        problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
             return problem[0], f"pod {pod.name}: {problem[1]}"
     return None
@@ -487,7 +500,9 @@ def decide(obs: Observed) -> Decision:
         if obs.preflight is None:
             d.need_preflight = True
             return d
-        problem = preflight_problem(obs.pods, obs.preflight, spec.allow_unsafe_backends)
+        problem = preflight_problem(
+            obs.pods, obs.preflight, spec.allow_unsafe_backends, spec.sequence.sleep_level
+        )
         st.target_pods = len(obs.pods)
         if problem is not None:
             transition("Failed", problem[0], problem[1], "Warning")

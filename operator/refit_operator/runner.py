@@ -141,7 +141,7 @@ async def _admission(
         info = await worker.refit_info(timeout=float(ctx.spec.sequence.step_timeout_seconds))
     except WorkerError:
         return None  # transient or not: the first step meets it again, with retries
-    return admission_problem(info, ctx.spec.allow_unsafe_backends)
+    return admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
 
 
 async def _run_step(

@@ -23,6 +23,7 @@ from refit_worker.contract import (
     CAP_FLASHINFER_SINKS_IN_PLACE,
     CAP_MLA_DECODE_SCALES,
     CAP_MLA_WEIGHTS_IN_PLACE,
+    CAP_MOE_RELAYOUT_ON_RELOAD,
     CAP_TRTLLM_DECODE_DEVICE_SCALES,
 )
 
@@ -155,6 +156,7 @@ def test_installed_vllm_capabilities(fi: Any) -> None:
         CAP_MLA_DECODE_SCALES: State.BACKPORTED,
         CAP_FLASHINFER_SINKS_IN_PLACE: State.NATIVE,
         CAP_MLA_WEIGHTS_IN_PLACE: State.NATIVE,
+        CAP_MOE_RELAYOUT_ON_RELOAD: State.BACKPORTED,  # vLLM #42821 on CPU
     }
     assert backports.capabilities() == list(states)
 

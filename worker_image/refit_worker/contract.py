@@ -26,6 +26,12 @@ RPC_PREFLIGHT = "refit_preflight"
 RPC_STAGE = "refit_stage"
 RPC_LOAD = "refit_load"
 RPC_PROBE_REFERENCE = "refit_probe_reference"
+# Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
+# checked against the promised transfer manifest's digest; refit_received(digest, version).
+RPC_RECEIVED = "refit_received"
+# The vLLM weight transfer backend refit_worker.transfer registers: a server enables it with
+# --weight-transfer-config '{"backend": "refit-gloo"}'.
+TRANSFER_BACKEND = "refit-gloo"
 
 # --- Fencing: one driver per pod (refit_worker.fence, refit_worker.guard) ---
 # Every call a refit pass makes to a pod outside /v1 carries this header: a non-negative
@@ -44,6 +50,7 @@ MANIFEST_FORMAT_VERSION = 2  # what writers write
 # bounds how fast a pod reads a checkpoint); 1: SHA-256, still read.
 MANIFEST_DIGESTS: dict[int, str] = {1: "sha256", 2: "blake3"}
 PROBE_FORMAT_VERSION = 1
+TRANSFER_MANIFEST_FORMAT_VERSION = 1  # the promise of a broadcast refit (TransferManifest)
 
 # --- Capabilities refit_info reports (each is a reload-safety property of the image) ---
 CAP_FLASHINFER_BMM_SCALES = "flashinfer-bmm-scales-per-forward"
@@ -52,6 +59,9 @@ CAP_TRTLLM_DECODE_DEVICE_SCALES = "trtllm-decode-device-scales-under-capture"
 CAP_MLA_DECODE_SCALES = "mla-decode-scales-per-forward"
 CAP_FLASHINFER_SINKS_IN_PLACE = "flashinfer-sinks-in-place"
 CAP_MLA_WEIGHTS_IN_PLACE = "mla-w-uv-w-uk-t-in-place"
+# Unquantized MoE experts laid out for their kernel again by every reload (vLLM #42821 on
+# CPU). Not required of every image: a pod whose MoE layers lack it reports an unsafe reason.
+CAP_MOE_RELAYOUT_ON_RELOAD = "moe-relayout-on-reload"
 CAP_VERIFIED_RELOAD = "verified-reload"
 CAP_ADMIN_GUARD = "admin-guard"
 # What an image must report before the operator refits it (unless the spec allows it).
@@ -163,6 +173,78 @@ class Manifest:
 
 
 # ---------------------------------------------------------------------------------------
+# Transfer manifest: what a trainer promises to broadcast (docs/formats.md, docs/broadcast.md)
+# ---------------------------------------------------------------------------------------
+# Digests are BLAKE3-256, written as 64 lowercase hex digits (refit_worker.transfer_digest
+# computes them; any BLAKE3 implementation gives the same):
+#   tensor digest   = BLAKE3(name 0x00 dtype 0x00 dims 0x00 data)
+#       name: UTF-8; dtype: the safetensors dtype name (F32, BF16, ...); dims: the shape as
+#       decimal integers joined by "," ("" for a scalar); data: the elements in row-major
+#       order, little-endian, exactly numel x element size bytes.
+#   manifest digest = BLAKE3(d_1 d_2 ... d_n), the tensors' 32-byte digests in the order of
+#       their names sorted by UTF-8 bytes.
+# Two levels, so that tensors can arrive (and be hashed) in any order, a mismatch names the
+# tensor, and one digest still identifies the whole set of weights.
+def _hex64(value: Any) -> bool:
+    hexdigits = "0123456789abcdef"
+    return isinstance(value, str) and len(value) == 64 and all(c in hexdigits for c in value)
+
+
+@dataclass(frozen=True)
+class TransferTensor:
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    digest: str  # the tensor digest (above)
+
+
+@dataclass(frozen=True)
+class TransferManifest:
+    tensors: dict[str, TransferTensor]
+    digest: str  # the manifest digest (above)
+    formatVersion: int = TRANSFER_MANIFEST_FORMAT_VERSION
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "formatVersion": self.formatVersion,
+            "blake3": self.digest,
+            "tensors": {
+                name: {"dtype": t.dtype, "shape": list(t.shape), "blake3": t.digest}
+                for name, t in sorted(self.tensors.items())
+            },
+        }
+
+    @classmethod
+    def from_json_dict(cls, doc: Any) -> TransferManifest:
+        """Parse and check the format; whether ``blake3`` is the digest of the tensors'
+        digests needs BLAKE3 (refit_worker.transfer_digest.parse_manifest checks it too)."""
+        where = "transfer manifest"
+        if not isinstance(doc, dict):
+            raise ContractError(f"{where}: not a JSON object")
+        _check_version(doc, TRANSFER_MANIFEST_FORMAT_VERSION, where)
+        digest = _require(doc, "blake3", str, where)
+        if not _hex64(digest):
+            raise ContractError(f"{where}: blake3 must be 64 lowercase hex digits")
+        raw = _require(doc, "tensors", dict, where)
+        if not raw:
+            raise ContractError(f"{where}: tensors is empty")
+        tensors = {}
+        for name, t in raw.items():
+            w = f"{where}: tensors[{name!r}]"
+            if not name or "\0" in name or not isinstance(t, dict):
+                raise ContractError(f"{w}: needs a non-empty name without NUL and an object")
+            dtype = _require(t, "dtype", str, w)
+            shape = _require(t, "shape", list, w)
+            if not dtype or "\0" in dtype:
+                raise ContractError(f"{w}: dtype must be a safetensors dtype name")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise ContractError(f"{w}: shape must be a list of non-negative integers")
+            if not _hex64(t.get("blake3")):
+                raise ContractError(f"{w}: blake3 must be 64 lowercase hex digits")
+            tensors[name] = TransferTensor(dtype, tuple(shape), t["blake3"])
+        return cls(tensors=tensors, digest=digest)
+
+
+# ---------------------------------------------------------------------------------------
 # refit-probe.json: what the trainer's own model computes on fixed token ids
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -246,6 +328,12 @@ class RefitInfo:
     weight_version: str
     model: str
     allowed_root: str
+    # Where the quantized KV cache's scales come from when they are checkpoint parameters
+    # (the quantization method, e.g. "compressed-tensors"); "" when the KV cache is not
+    # quantized or uses vLLM's default scales. Sleep level 2 discards such parameters and
+    # a wake does not restore them (vLLM #57163): the operator refuses level 2 for them.
+    # Absent from older workers' answers: read as "".
+    kv_cache_scales: str = ""
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,6 +353,9 @@ class RefitInfo:
             weight_version=_require(doc, "weight_version", str, where),
             model=_require(doc, "model", str, where),
             allowed_root=_require(doc, "allowed_root", str, where),
+            kv_cache_scales=_require(doc, "kv_cache_scales", str, where)
+            if "kv_cache_scales" in doc
+            else "",
         )
 
 
@@ -283,6 +374,14 @@ REJECTION_CODES = (
     "ProbeReferenceInvalid",  # refit-probe.json missing or malformed
     "CheckpointChanged",  # a file changed (identity, size, mtime) between refit_stage and load
     "LoadFailed",  # vLLM's reload raised after preflight passed
+    # Broadcast refits (docs/broadcast.md); both are refused before the model is touched:
+    # what arrived differs from the promised transfer manifest (a tensor's dtype, shape or
+    # digest; a promised tensor not sent, one sent but not promised, or sent twice), or
+    # refit_received was asked about a digest other than the one loaded.
+    "TransferMismatch",
+    # no refit-gloo engine, or not initialized, or the transport broke (a timeout, a peer
+    # gone, a malformed stream) before every tensor arrived.
+    "TransferFailed",
 )
 
 

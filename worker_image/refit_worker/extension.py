@@ -150,6 +150,34 @@ def _packed_shard_sizes(module: Any, shards: list[Any]) -> list[int] | None:
     return None
 
 
+def _is_moe(module: Any) -> bool:
+    """vLLM's RoutedExperts: experts fused per layer, loaded by its own expert mapping."""
+    return hasattr(module, "get_expert_mapping") and hasattr(module, "w13_weight")
+
+
+def _expert_expectations(layer: Any, exact_shapes: bool) -> dict[str, checkpoint.ExpectedParam]:
+    """The per-expert checkpoint tensors of an MoE layer. The layer holds each projection of
+    every expert in one tensor (``w13_*``: gate and up, ``w2_*``: down), laid out for its
+    kernel; the checkpoint holds one tensor per expert and projection, named by the layer's
+    own mapping (``experts.<e>.<w1|w2|w3>.``). Full shapes come from the MoE config."""
+    cfg = layer.moe_config
+    hidden, inter = cfg.hidden_dim_unpadded or cfg.hidden_dim, cfg.intermediate_size
+    full = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    params = [(a, p) for a, p in layer.named_parameters(recurse=False) if a.startswith("w")]
+    expected: dict[str, checkpoint.ExpectedParam] = {}
+    for _, weight_name, _, shard in layer.get_expert_mapping():
+        fused = "w2_" if shard == "w2" else "w13_"
+        for attr, param in params:
+            if not attr.startswith(fused):
+                continue
+            suffix = attr.removeprefix(fused)  # weight, bias, weight_scale, ...
+            shape = {"weight": full[shard], "bias": full[shard][:1]}.get(suffix)
+            name = f"{layer.layer_name}.{weight_name.removeprefix('experts.')}{suffix}"
+            dtype = _torch_dtype_name(param.dtype)
+            expected[name] = checkpoint.ExpectedParam(shape if exact_shapes else None, dtype)
+    return expected
+
+
 def expected_checkpoint_tensors(
     model: Any, *, exact_shapes: bool
 ) -> dict[str, checkpoint.ExpectedParam]:
@@ -165,11 +193,16 @@ def expected_checkpoint_tensors(
     for new, sid in stacked.values():
         shards_of.setdefault(new.lstrip("."), []).append(sid)
     expected: dict[str, checkpoint.ExpectedParam] = {}
+    for module in model.modules():
+        if _is_moe(module):
+            expected.update(_expert_expectations(module, exact_shapes))
     for pname, param in model.named_parameters():
         pname = pname.replace(".base_layer.", ".")
         module_name, _, attr = pname.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
         module = getattr(module, "base_layer", module)
+        if _is_moe(module) and attr.startswith(("w13_", "w2_")):
+            continue  # expected per expert, above
         leaf = module_name.rpartition(".")[2]
         dtype = _torch_dtype_name(param.dtype)
         shards = shards_of.get(leaf)
@@ -214,7 +247,9 @@ def verify_model_tensors(
     mapped: dict[str, checkpoint.ManifestTensor] = {}
     back: dict[str, str] = {}
     for name, tensor in tensors.items():
-        key = _map_checkpoint_name(model, stacked, name)
+        # An expert's tensor is expected under its checkpoint name: the packed mapping
+        # (gate_proj -> gate_up_proj) is for dense layers; vLLM's loaders skip experts there.
+        key = name if name in expected else _map_checkpoint_name(model, stacked, name)
         if key is None:  # the model's mapper drops it
             continue
         if key in mapped:
@@ -343,6 +378,7 @@ class RefitWorkerExtension:
         import vllm
 
         from refit_worker import backports
+        from refit_worker.backports import unsafe
 
         cfg = self.vllm_config
         caps = [*backports.capabilities(), CAP_VERIFIED_RELOAD]
@@ -361,10 +397,11 @@ class RefitWorkerExtension:
             kv_cache_dtype=str(cfg.cache_config.cache_dtype),
             cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
             capabilities=tuple(dict.fromkeys(caps)),
-            unsafe_reasons=tuple(backports.unsafe_reasons(cfg)),
+            unsafe_reasons=tuple(backports.unsafe_reasons(cfg, model=self._refit_model())),
             weight_version=getattr(self, "_refit_version", DEFAULT_VERSION),
             model=str(cfg.model_config.model),
             allowed_root=self._refit_allowed_root(),
+            kv_cache_scales=unsafe.kv_cache_scales(cfg, self._refit_model()),
         )
         return info.to_json_dict()
 
@@ -441,3 +478,25 @@ class RefitWorkerExtension:
         except (ValueError, ContractError) as exc:
             raise RefitRejected("ProbeReferenceInvalid", str(exc)) from None
         return reference.to_json_dict()
+
+    # --- Broadcast refits (docs/broadcast.md) ---
+    def refit_received(self, digest: str = "", version: str = "") -> dict[str, Any]:
+        """The last broadcast this worker's refit-gloo engine received: the manifest of what
+        arrived, its digest, timings, and whether it was loaded. Raises the round's refusal
+        again (TransferMismatch, TransferFailed, ManifestInvalid, TensorMismatch, LoadFailed)
+        and TransferMismatch when the loaded digest is not `digest` (when given). `version`,
+        once the check passes, becomes this worker's weight version (refit_info), as
+        refit_load records its own."""
+        from refit_worker import transfer
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, transfer.GlooWeightTransferEngine):
+            raise RefitRejected(
+                "TransferFailed",
+                "this server runs no refit-gloo weight transfer engine "
+                """(--weight-transfer-config '{"backend": "refit-gloo"}')""",
+            )
+        result = engine.received(digest)
+        if version:
+            self._refit_version = version
+        return {**result, "version": getattr(self, "_refit_version", DEFAULT_VERSION)}

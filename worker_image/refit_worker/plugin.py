@@ -26,3 +26,28 @@ def register() -> None:
         backports.apply_all()
     except Exception:  # the loader would only log it; say what it means for refits
         logger.exception("refit: applying reload-safety backports failed")
+    try:
+        register_transfer_engines()
+    except Exception:  # a server that enables refit-gloo then fails at start, naming it
+        logger.exception("refit: registering the refit-gloo weight transfer engine failed")
+
+
+def register_transfer_engines() -> None:
+    """Register refit-gloo (docs/broadcast.md) in vLLM's worker and trainer weight transfer
+    factories. By module path: refit_worker.transfer is imported only where an engine is
+    made. Idempotent. A trainer that uses vLLM's WeightTransferTrainerFactory calls it."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from refit_worker.contract import TRANSFER_BACKEND
+
+    for factory, cls in (
+        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    ):
+        try:
+            factory.register_engine(TRANSFER_BACKEND, "refit_worker.transfer", cls)
+        except ValueError:
+            pass  # registered already (plugins run more than once per process)

@@ -8,7 +8,9 @@ One module per fix:
   cached fused-output scale;
 - mla_scales: seed 000, FlashInfer MLA / sparse MLA / Tokenspeed MLA scale caches;
 - flashinfer_sinks, mla_weights: seed 001, checked by behaviour (native in 0.32/0.33);
-- unsafe: the configurations seed 000 leaves uncovered under full CUDA graphs.
+- moe_reload: vLLM #42821 on CPU, unquantized MoE experts prepacked again by every reload;
+- unsafe: the configurations seed 000 leaves uncovered under full CUDA graphs, and the
+  models whose reload the backports cannot make complete (drafters, padded MoE, sinks).
 
 A capability's state is native, backported, not-applicable (its code path cannot run
 here, e.g. flashinfer is not installed) or missing; only "missing" withholds it.
@@ -28,6 +30,7 @@ from refit_worker.contract import (
     CAP_FLASHINFER_SINKS_IN_PLACE,
     CAP_MLA_DECODE_SCALES,
     CAP_MLA_WEIGHTS_IN_PLACE,
+    CAP_MOE_RELAYOUT_ON_RELOAD,
     CAP_TRTLLM_DECODE_DEVICE_SCALES,
 )
 
@@ -37,6 +40,7 @@ from . import (
     flashinfer_sinks,
     mla_scales,
     mla_weights,
+    moe_reload,
     unsafe,
 )
 from ._hooks import when_imported
@@ -51,6 +55,7 @@ CAPABILITIES = (
     CAP_MLA_DECODE_SCALES,
     CAP_FLASHINFER_SINKS_IN_PLACE,
     CAP_MLA_WEIGHTS_IN_PLACE,
+    CAP_MOE_RELAYOUT_ON_RELOAD,
 )
 
 
@@ -84,6 +89,13 @@ def _on_mla_attention(_: ModuleType) -> None:
     mla_weights.apply(patch_if_unknown=False)
 
 
+def _on_cpu_experts(_: ModuleType) -> None:
+    # Not on vLLM's MoE method module: that one is imported while vLLM's fused_moe package
+    # initialises, and the CPU experts' module (imported by vLLM only when it builds a MoE
+    # layer on CPU, before the first load) cannot be imported from inside it.
+    moe_reload.apply()
+
+
 def apply_all() -> None:
     """Apply every backport the installed vLLM needs, each as soon as its vLLM module is
     imported (at once for modules already imported). Idempotent; never raises for one
@@ -93,6 +105,7 @@ def apply_all() -> None:
     for target in mla_scales.TARGETS:
         when_imported(target.module, _on_mla_backend)
     when_imported(mla_weights.MODULE, _on_mla_attention)
+    when_imported(moe_reload.CPU_EXPERTS_MODULE, _on_cpu_experts)
 
 
 def _guarded(fix: Callable[[], dict[str, Outcome]], names: tuple[str, ...]) -> dict[str, Any]:
@@ -114,6 +127,7 @@ def status() -> dict[str, Outcome]:
     outcomes.update(_guarded(mla_scales.apply, (CAP_MLA_DECODE_SCALES,)))
     outcomes.update(_guarded(flashinfer_sinks.apply, (CAP_FLASHINFER_SINKS_IN_PLACE,)))
     outcomes.update(_guarded(mla_weights.apply, (CAP_MLA_WEIGHTS_IN_PLACE,)))
+    outcomes.update(_guarded(moe_reload.apply, (CAP_MOE_RELAYOUT_ON_RELOAD,)))
     return {name: outcomes[name] for name in CAPABILITIES}
 
 
@@ -128,13 +142,22 @@ def unsafe_reasons(
     *,
     attention_backends: tuple[str, ...] | None = None,
     device_capability: int | None = None,
+    model: Any = None,
 ) -> list[str]:
-    """Why this configuration is not reload-safe under full CUDA graphs; empty if safe.
-    Reads the backends in use from the model's attention layers when not given."""
-    return unsafe.reasons_for(
+    """Why this configuration is not reload-safe: under full CUDA graphs, and (given the
+    loaded ``model``) in the model itself; empty if safe. Reads the backends in use from
+    the model's attention layers when not given."""
+    reasons = unsafe.reasons_for(
         unsafe.config_from_vllm(
             vllm_config,
             attention_backends=attention_backends,
             device_capability=device_capability,
         )
     )
+    if model is not None:
+        relayout = _guarded(moe_reload.apply, (CAP_MOE_RELAYOUT_ON_RELOAD,))
+        in_effect = relayout[CAP_MOE_RELAYOUT_ON_RELOAD].state.in_effect
+        reasons += unsafe.model_reasons(
+            unsafe.facts_from_model(vllm_config, model, moe_relayout=in_effect)
+        )
+    return reasons

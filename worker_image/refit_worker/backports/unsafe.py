@@ -1,15 +1,27 @@
-"""Configurations the backports cannot make reload-safe under full CUDA graphs.
+"""Configurations the backports cannot make reload-safe.
 
-Seed 000 lists the decode paths whose kernels take the scales as host scalars, so a graph
-captured before a reload replays with the old ones: non-trtllm FlashInfer decode, DCP
-decode, XQA (SM90/SM12x), the MLA trtllm decode kernels, and NVFP4 fused output. Eager
-and piecewise execution are correct on all of them. ``reasons_for`` is a pure function of
-plain values; ``config_from_vllm`` reads them from a live ``VllmConfig``.
+Under full CUDA graphs (``reasons_for``): seed 000 lists the decode paths whose kernels take
+the scales as host scalars, so a graph captured before a reload replays with the old ones:
+non-trtllm FlashInfer decode, DCP decode, XQA (SM90/SM12x), the MLA trtllm decode kernels,
+and NVFP4 fused output. Eager and piecewise execution are correct on all of them.
+
+In the model itself (``model_reasons``), from vLLM's reload trackers (RFCs #48312, #48310):
+a speculative drafter with weights of its own, which the sequence never reloads (#52487);
+MoE layers whose reload does not lay the weights out for the kernel again (#42821) or whose
+padding the reload leaves uninitialized (#50523); attention sinks a model's loader writes
+with a bare copy, which a layerwise reload never sees (#57795).
+
+``reasons_for`` and ``model_reasons`` are pure functions of plain values;
+``config_from_vllm`` and ``facts_from_model`` read them from a live ``VllmConfig`` / model.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 WORKAROUND = "use cudagraph_mode=PIECEWISE or --enforce-eager to refit this pod"
@@ -147,3 +159,128 @@ def _device_capability() -> int | None:
         return None
     capability = current_platform.get_device_capability()
     return None if capability is None else int(capability.to_int())
+
+
+# ---------------------------------------------------------------------------------------
+# Hazards in the model itself (not graph-related)
+# ---------------------------------------------------------------------------------------
+# Speculative methods without weights of their own: nothing for a refit to miss.
+WEIGHTLESS_DRAFTS = frozenset({"ngram", "ngram_gpu", "suffix"})
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    draft_method: str = ""  # speculative method of a drafter with weights; "" for none
+    moe_layers: int = 0  # MoE layers (vLLM RoutedExperts)
+    moe_relayout: bool = True  # their reload lays the weights out again (#42821 fixed)
+    padded_moe_layers: tuple[str, ...] = ()  # weights padded beyond the checkpoint shape
+    zero_filled_rematerialization: bool = False  # vLLM's reload zero-fills (#50523 fixed)
+    bare_copy_sinks: tuple[str, ...] = ()  # file:line of sink writes outside weight_loader
+
+
+def model_reasons(facts: ModelFacts) -> list[str]:
+    """Why a reload of this model cannot be trusted to be complete; empty when it can."""
+    reasons = []
+    if facts.draft_method:
+        reasons.append(
+            f"speculative decoding ({facts.draft_method}) has a drafter with its own weights: "
+            "the refit reloads only the target model, so the drafter keeps stale weights, "
+            "or discarded ones after sleepLevel 2 (vLLM #52487); serve without it to refit"
+        )
+    if facts.moe_layers and not facts.moe_relayout:
+        reasons.append(
+            f"{facts.moe_layers} MoE layers whose reload does not lay the weights out for "
+            "the kernel again: a reload serves corrupt experts (vLLM #42821)"
+        )
+    if facts.padded_moe_layers and not facts.zero_filled_rematerialization:
+        reasons.append(
+            f"MoE weights padded beyond the checkpoint ({', '.join(facts.padded_moe_layers[:3])}"
+            f"{', ...' if len(facts.padded_moe_layers) > 3 else ''}): vLLM's layerwise reload "
+            "leaves the padding uninitialized (vLLM #50523)"
+        )
+    if facts.bare_copy_sinks:
+        reasons.append(
+            "attention sinks loaded with a bare copy outside weight_loader "
+            f"({', '.join(facts.bare_copy_sinks)}): a reload keeps the old sinks (vLLM #57795)"
+        )
+    return reasons
+
+
+def facts_from_model(vllm_config: Any, model: Any, *, moe_relayout: bool = True) -> ModelFacts:
+    """Plain values from a live model (the worker process). ``moe_relayout``: whether the
+    MoE re-layout capability is in effect (refit_worker.backports decides)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(spec, "method", "") or "") if spec is not None else ""
+    moe = [(n, m) for n, m in model.named_modules() if _is_moe_layer(m)]
+    padded = tuple(n for n, m in moe if _padded(m.moe_config))
+    sinks = [n for n, _ in model.named_parameters() if "sink" in n.rpartition(".")[2]]
+    return ModelFacts(
+        draft_method="" if method in WEIGHTLESS_DRAFTS else method,
+        moe_layers=len(moe),
+        moe_relayout=moe_relayout,
+        padded_moe_layers=padded,
+        zero_filled_rematerialization=bool(padded) and _rematerialization_zero_fills(),
+        bare_copy_sinks=bare_copy_sink_sites(type(model)) if sinks else (),
+    )
+
+
+def _is_moe_layer(module: Any) -> bool:
+    return hasattr(module, "moe_config") and hasattr(module, "w13_weight")
+
+
+def _padded(moe_config: Any) -> bool:
+    """Kernel padding beyond the checkpoint's sizes (rounded up at creation)."""
+    hidden = getattr(moe_config, "hidden_dim_unpadded", None)
+    inter = getattr(moe_config, "intermediate_size_per_partition_unpadded", None)
+    return (hidden is not None and moe_config.hidden_dim != hidden) or (
+        inter is not None and moe_config.intermediate_size_per_partition != inter
+    )
+
+
+def _rematerialization_zero_fills() -> bool:
+    """vLLM #50523's fix: reload rematerializes tensors zero-filled, not uninitialized."""
+    from vllm.model_executor.model_loader.reload import meta
+
+    try:
+        source = inspect.getsource(meta.materialize_meta_tensor)
+    except (OSError, TypeError, AttributeError):
+        return False  # cannot tell: treat the padding as uninitialized
+    return "zero" in source
+
+
+def bare_copy_sink_sites(model_cls: type) -> tuple[str, ...]:
+    """``file:line`` of every branch on a sink name that writes with ``.copy_(`` in the
+    module defining ``model_cls`` (and its bases): vLLM #57795's audit. A write through the
+    parameter's weight_loader is what a layerwise reload sees; a bare copy lands on the
+    meta placeholder and is lost."""
+    sites: list[tuple[str, int]] = []
+    for module_name in dict.fromkeys(c.__module__ for c in model_cls.__mro__):
+        path = Path(getattr(sys.modules.get(module_name), "__file__", "") or "")
+        if module_name.startswith("torch.") or path.suffix != ".py" or not path.is_file():
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.If) or "sink" not in (
+                ast.get_source_segment(source, node.test) or ""
+            ):
+                continue
+            for call in (c for stmt in node.body for c in ast.walk(stmt)):
+                if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "copy_":
+                    sites.append((path.name, call.lineno))
+    return tuple(f"{name}:{line}" for name, line in sorted(set(sites)))
+
+
+def kv_cache_scales(vllm_config: Any, model: Any) -> str:
+    """The quantization method whose checkpoint parameters hold the quantized KV cache's
+    scales (refit_info.kv_cache_scales); "" when the KV cache is not quantized or uses
+    vLLM's default scales. Those parameters live with the weights: sleep level 2 discards
+    them and waking does not restore them (vLLM #57163)."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    if not quantized_kv(str(vllm_config.cache_config.cache_dtype)):
+        return ""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, BaseKVCacheMethod) and hasattr(module, "k_scale"):
+            return str(vllm_config.model_config.quantization or type(method).__name__)
+    return ""

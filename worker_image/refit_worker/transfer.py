@@ -1,0 +1,367 @@
+"""The ``refit-gloo`` weight transfer engine: broadcast refits through vLLM's own RL API.
+
+vLLM's RL router (VLLM_SERVER_DEV_MODE=1) drives pluggable weight transfer engines:
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``. Its built-in engines need CUDA (nccl, sparse_nccl, nccl_m2n: NCCL;
+ipc: CUDA IPC handles), Ray with NIXL (sharded_rdt) or an external service (modelexpress), so
+none of them runs on a CPU worker. This engine moves the weights with torch.distributed's gloo
+backend (refit_worker.broadcast) and adds what the built-ins lack: the update carries the
+trainer's promise (a contract.TransferManifest) and nothing reaches the model unless what
+arrived is exactly that.
+
+A round, on each receiving worker:
+
+- ``init_transfer_engine``: join the trainer's gloo group at rank ``rank_offset`` + this
+  worker's rank across data parallelism (vLLM's NCCL engine numbers its workers the same way).
+- ``start_weight_update``: a new round; the model is not touched.
+- ``update_weights({"manifest": ...})``: parse the promise and check it against the model
+  (every parameter the model loads, shapes and dtypes: the file path's TensorMismatch check);
+  receive the whole round, hashing each tensor as it arrives and holding only those that match
+  the promise; then, if the round is exactly the promise, load it with vLLM's layerwise reload.
+  Any refusal drains the wire first (the other receivers and the trainer go on), then raises
+  contract.RefitRejected, which vLLM's worker answers by ending the update: the model was
+  never touched and keeps its weights.
+- ``finish_weight_update``: nothing left to do (the load ran in update_weights, where a
+  failure ends the update cleanly; vLLM leaves an update open when finish raises).
+
+The round's record is read back with the worker extension's RPC ``refit_received`` (HTTP
+answers of the router carry no refusal code). One ``/update_weights`` per update: a second
+one in the same update is drained and refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from refit_worker import broadcast
+from refit_worker.contract import (
+    TRANSFER_BACKEND,
+    ContractError,
+    ManifestTensor,
+    RefitRejected,
+    TransferManifest,
+)
+from refit_worker.transfer_digest import parse_manifest
+
+log = logging.getLogger("refit_worker.transfer")
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """``/init_weight_transfer_engine`` body's ``init_info`` (broadcast.Sender.init_info)."""
+
+    master_address: str  # the trainer's rendezvous (its TCPStore)
+    master_port: int
+    rank_offset: int  # rank of this pod's first worker; the trainer is rank 0
+    world_size: int  # the trainer + every receiving worker of every pod
+    timeout_seconds: float = broadcast.DEFAULT_TIMEOUT_SECONDS  # per gloo operation
+    local_address: str | None = None  # this worker's address for gloo; default: the route's
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """``/update_weights`` body's ``update_info``: the promise for this round."""
+
+    manifest: Any = None  # contract.TransferManifest as JSON; checked in receive_weights
+
+
+@dataclass
+class Round:
+    number: int
+    state: str = "started"  # started -> loaded | refused
+    code: str = ""
+    detail: str = ""
+    promised: str = ""  # the promise's digest ("" when there was no valid promise)
+    received: TransferManifest | None = None
+    bytes: int = 0
+    receive_seconds: float = 0.0
+    load_seconds: float = 0.0
+    finished: bool = False
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.number,
+            "state": self.state,
+            "digest": self.received.digest if self.received else "",
+            "promisedDigest": self.promised,
+            "tensors": len(self.received.tensors) if self.received else 0,
+            "bytes": self.bytes,
+            "receiveSeconds": round(self.receive_seconds, 4),
+            "loadSeconds": round(self.load_seconds, 4),
+            "finished": self.finished,
+            "manifest": self.received.to_json_dict() if self.received else None,
+        }
+
+
+def _worker_rank(parallel_config: Any) -> int:
+    """This worker's rank among every inference worker (as vLLM's NCCL engine counts)."""
+    per_dp = parallel_config.world_size  # TP * PP
+    return int(parallel_config.data_parallel_index * per_dp + parallel_config.rank)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: broadcast.Group | None = None
+        self.round: Round | None = None
+        self._rounds = 0
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()  # a new trainer (or a retry) replaces the old group
+        rank = init_info.rank_offset + _worker_rank(self.parallel_config)
+        where = f"rank {rank} of {init_info.world_size} at {init_info.master_address}:"
+        where += str(init_info.master_port)
+        if not 0 < rank < init_info.world_size:  # rank 0 is the trainer
+            raise RefitRejected("TransferFailed", f"{where}: not a receiver's rank")
+        try:
+            self.group = broadcast.Group(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                init_info.timeout_seconds,
+                local_address=init_info.local_address,
+            )
+        except (RuntimeError, OSError, ValueError) as exc:  # torch's store and gloo errors
+            raise RefitRejected("TransferFailed", f"joining {where} failed: {exc}") from exc
+        log.info("refit-gloo: joined as %s", where)
+
+    def start_weight_update(self) -> None:
+        self._rounds += 1
+        self.round = Round(self._rounds)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Not the base class's: it parses strictly (a malformed promise must still drain the
+        # wire) and synchronizes an accelerator, which a CPU worker does not have.
+        manifest = update_info.get("manifest") if isinstance(update_info, dict) else None
+        self.receive_weights(GlooUpdateInfo(manifest=manifest))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        current = self.round
+        if current is None:  # vLLM's worker refuses update_weights before start already
+            raise RuntimeError("start_weight_update must come first")
+        if self.group is None:
+            self._refuse(current, "TransferFailed", "not initialized: init_weight_transfer_engine")
+        problem: tuple[str, str] | None
+        if current.state != "started":  # the update's one round was received already
+            current = self.round = Round(current.number)
+            promise, problem = None, ("TransferFailed", "a second update_weights in one update")
+        else:
+            promise, problem = self._check_promise(current, update_info.manifest)
+        verifier = broadcast.Verifier(promise)
+        held: deque[tuple[str, torch.Tensor]] = deque()
+        started = time.perf_counter()
+        try:
+            assert self.group is not None
+            for name, tensor in broadcast.receive(self.group):
+                if verifier.check(name, tensor):  # hashed and compared as it arrives
+                    held.append((name, tensor))
+        except broadcast.TransportError as exc:
+            self.shutdown()  # a broken collective cannot be resumed: init again
+            current.received, current.bytes = verifier.manifest(), verifier.bytes
+            detail = f"{exc} (after {len(verifier.received)} tensors)"
+            self._refuse(current, "TransferFailed", detail)
+        current.receive_seconds = time.perf_counter() - started
+        current.received, current.bytes = verifier.manifest(), verifier.bytes
+        if problem is None and (mismatch := verifier.refusal()) is not None:
+            problem = ("TransferMismatch", mismatch)
+        if problem is not None:
+            held.clear()
+            self._refuse(current, *problem)
+        self._load(current, held)
+
+    def _check_promise(
+        self, current: Round, doc: Any
+    ) -> tuple[TransferManifest | None, tuple[str, str] | None]:
+        """Parse the promise and check that it fits the model: (promise, refusal)."""
+        try:
+            promise = parse_manifest(doc)
+        except ContractError as exc:
+            return None, ("ManifestInvalid", str(exc))
+        current.promised = promise.digest
+        from refit_worker.extension import verify_model_tensors
+
+        cfg = self.vllm_config
+        tensors = {
+            n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in promise.tensors.items()
+        }
+        try:
+            verify_model_tensors(
+                self.model,
+                tensors,
+                exact_shapes=cfg.model_config.quantization is None,
+                tied=bool(getattr(cfg.model_config.hf_config, "tie_word_embeddings", False)),
+                partial=cfg.parallel_config.pipeline_parallel_size > 1,
+            )
+        except RefitRejected as exc:
+            return None, (exc.code, exc.detail)
+        return promise, None
+
+    def _load(self, current: Round, held: deque[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layerwise reload from the verified tensors (as its NCCL engine loads, but
+        only after the whole round matched the promise)."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        def drain() -> Iterator[tuple[str, torch.Tensor]]:
+            while held:  # each tensor is released once the model took it
+                yield held.popleft()
+
+        model: Any = self.model
+        started = time.perf_counter()
+        try:
+            with disable_mtp_completeness_check():
+                initialize_layerwise_reload(model)
+                try:
+                    model.load_weights(drain())
+                finally:  # restores the layers that got nothing
+                    finalize_layerwise_reload(model, self.model_config)
+        except Exception as exc:
+            self._refuse(current, "LoadFailed", f"{type(exc).__name__}: {exc}")
+        current.load_seconds = time.perf_counter() - started
+        current.state = "loaded"
+        log.info(
+            "refit-gloo: round %d loaded %s (%d tensors, %d bytes; received in %.3f s, "
+            "loaded in %.3f s)",
+            current.number,
+            current.promised,
+            len(current.received.tensors) if current.received else 0,
+            current.bytes,
+            current.receive_seconds,
+            current.load_seconds,
+        )
+
+    def _refuse(self, current: Round, code: str, detail: str) -> None:
+        current.state, current.code, current.detail = "refused", code, detail
+        log.warning("refit-gloo: round %d refused: %s: %s", current.number, code, detail)
+        raise RefitRejected(code, detail)
+
+    def finish_weight_update(self) -> None:
+        if self.round is not None:
+            self.round.finished = True
+
+    def received(self, digest: str = "") -> dict[str, Any]:
+        """The last round's record (refit_received); its refusal raised again, and
+        TransferMismatch when it loaded weights other than `digest` (when given)."""
+        current = self.round
+        if current is None:
+            raise RefitRejected("TransferFailed", "no broadcast received since the engine started")
+        if current.state == "refused":
+            raise RefitRejected(current.code, current.detail)
+        if current.state != "loaded":
+            raise RefitRejected("TransferFailed", f"round {current.number} received nothing yet")
+        assert current.received is not None
+        if digest and digest != current.received.digest:
+            raise RefitRejected(
+                "TransferMismatch",
+                f"round {current.number} loaded {current.received.digest}, not {digest}",
+            )
+        return current.to_json_dict()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer side, for vLLM's WeightTransferTrainerFactory (one server per client)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = TRANSFER_BACKEND
+
+    world_size: int  # the trainer + the server's workers
+    master_address: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port
+    timeout_seconds: float = broadcast.DEFAULT_TIMEOUT_SECONDS
+    bucket_bytes: int = broadcast.DEFAULT_BUCKET_BYTES
+    extra: dict[str, Any] = field(default_factory=dict)  # more init info for the workers
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """vLLM's trainer-side flow over refit-gloo: ``trainer_init`` opens the rendezvous and
+    initializes the server through ``client``; each ``send_weights`` builds the promise from
+    the source, then start, update (concurrently with the broadcast), finish. The source is
+    materialized once per round (the promise needs every tensor's bytes before they are
+    sent). Multi-rank trainers: only rank 0 takes part."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, sender: broadcast.Sender | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sender = sender
+        self.last_manifest: TransferManifest | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: GlooTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError("refit-gloo needs a WeightSource")
+        if not init_info.is_sender:
+            return cls(sender=None, client=client, source=source, is_sender=False)
+        sender = broadcast.Sender(
+            init_info.world_size,
+            host=init_info.master_address,
+            port=init_info.master_port,
+            timeout_seconds=init_info.timeout_seconds,
+            bucket_bytes=init_info.bucket_bytes,
+        )
+        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides wait for each other
+            joined = pool.submit(
+                client.init_weight_transfer_engine, sender.init_info(1, **init_info.extra)
+            )
+            sender.connect()
+            joined.result()
+        return cls(sender=sender, client=client, source=source)
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        tensors = {name: t.detach().to("cpu") for name, t in self.source}
+        if not self.is_sender:
+            return
+        assert self.sender is not None
+        manifest = broadcast.build_manifest(tensors)
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            update = pool.submit(self.client.update_weights, {"manifest": manifest.to_json_dict()})
+            self.sender.send(tensors)
+            update.result()  # the server's refusal, if any
+        self.client.finish_weight_update()
+        self.last_manifest = manifest
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
