@@ -327,16 +327,14 @@ async def _probe(
 async def _finish(ctx: PassContext, pod: ClaimedPod, progress: Progress) -> None:
     """The pass's last record: progress and readiness condition in one write (True only for a
     pass that Succeeded; otherwise the pod stays out of traffic and the condition says why)
-    that also releases the claim, then the pod's one Event."""
+    that also releases the claim; then, for a pass that did not succeed, the pod's Event.
+    A pod that succeeded gets none: its condition and record say so, and the refit's own
+    Succeeded Event counts them (10,000 such Events would bury the ones that need a look)."""
     await pod.record(progress, podflow.readiness(progress), release=True)
     seconds = podflow.out_of_traffic_seconds(progress)
     if seconds is not None:  # back in traffic
         metrics.pod_out_of_traffic(ctx.namespace, ctx.fleet, seconds)
     if progress.outcome == "Succeeded":
-        what = "rolled back" if progress.rollback else "refitted"
-        await _event(
-            ctx, "PodRefitSucceeded", f"pod {pod.name}: {what} to {progress.version}, probe passed"
-        )
         return
     msg = f"{progress.reason}: {progress.message}"
     await _event(ctx, f"PodRefit{progress.outcome}", f"pod {pod.name}: {msg}", "Warning")
