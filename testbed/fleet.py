@@ -38,7 +38,6 @@ class Fleet:
         self.custom: Any = k8s.CustomObjectsApi(self.api)
         self.violations: list[str] = []
         self.max_out_of_traffic = 0  # most pods seen with weights-ready False at once
-        self._verified: dict[str, str] = {}  # pod -> last version seen Succeeded, probe passed
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
@@ -183,23 +182,9 @@ class Fleet:
             self._stop.wait(interval)
 
     def _check(self, pod: dict[str, Any]) -> None:
-        """A Ready pod serves a version whose probe passed on it: its record is a pass that
-        Succeeded with a passed probe, or a pass that leaves it serving the version its last
-        such pass brought it to (staging, refused while staging, or restored)."""
-        p = self.progress(pod)
-        name = pod["metadata"]["name"]
-        verdict = ((p or {}).get("probe") or {}).get("verdict")
-        if p is not None and p.get("outcome") == "Succeeded" and verdict == "Pass":
-            self._verified[name] = p["version"]
-        if not self.ready(pod):
-            return
-        if p is not None and p.get("outcome") == "Succeeded" and verdict == "Pass":
-            return
-        keeps = p is not None and (p.get("restored") or not p.get("left_traffic"))
-        served = (p or {}).get("serving")
-        if not keeps or not served or self._verified.get(name, served) != served:
-            seen = self._verified.get(name)
-            self.violations.append(f"{name} Ready without a passed probe (last seen {seen}): {p}")
+        problem = ready_violation(pod)
+        if problem is not None:
+            self.violations.append(problem)
 
     def close(self) -> None:
         self._stop.set()
@@ -207,6 +192,29 @@ class Fleet:
         for pod in self.pods():
             self._check(pod)
         self.api.close()
+
+
+def ready_violation(pod: dict[str, Any]) -> str | None:
+    """Why a Ready pod may be serving weights no probe passed on (None: it is not). Ready is
+    right when the pod's record is a pass that Succeeded with a passed probe; or a pass that
+    keeps it serving (staging, refused while staging) under the condition that pass left
+    untouched, the one the passed probe of the version it serves wrote; or a pass that
+    restored it to that version."""
+    if not Fleet.ready(pod):
+        return None
+    p = Fleet.progress(pod) or {}
+    verdict = (p.get("probe") or {}).get("verdict")
+    if p.get("outcome") == "Succeeded" and verdict == "Pass":
+        return None
+    cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
+    served = p.get("serving")
+    staging = bool(served) and not p.get("left_traffic") and not p.get("restored")
+    written = (cond.get("reason"), cond.get("message"))
+    if staging and written == ("ProbePassed", f"weights {served} probed"):
+        return None
+    if p.get("restored") and cond.get("reason") == "PreviousWeights":
+        return None
+    return f"{pod['metadata']['name']} Ready without a passed probe: {cond} {p}"
 
 
 def fenced_calls(sim: SimPod) -> list[dict[str, Any]]:

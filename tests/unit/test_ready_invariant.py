@@ -1,0 +1,73 @@
+"""The test bed's invariant (testbed.fleet.ready_violation): a Ready pod serves weights a probe
+passed on. It must hold for every way a pod is legitimately Ready and fail for the others."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from refit_operator.podflow import PROGRESS_ANNOTATION
+from refit_worker.contract import READINESS_GATE
+
+from testbed.fleet import ready_violation
+
+
+def pod(ready: bool, reason: str, message: str, **record: Any) -> dict[str, Any]:
+    annotations = {PROGRESS_ANNOTATION: json.dumps(record)} if record else {}
+    cond = {"type": READINESS_GATE, "status": "True" if ready else "False", "reason": reason,
+            "message": message}  # fmt: skip
+    return {"metadata": {"name": "p", "annotations": annotations}, "status": {"conditions": [cond]}}
+
+
+PROBED_V1 = ("ProbePassed", "weights v1 probed")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pod(True, *PROBED_V1, outcome="Succeeded", version="v1", probe={"verdict": "Pass"}),
+        # v2 staging while the pod serves v1 under the condition v1's probe wrote
+        pod(True, *PROBED_V1, outcome="", version="v2", serving="v1", left_traffic=0),
+        # v2 refused while staging: still serving v1, condition untouched
+        pod(True, *PROBED_V1, outcome="Failed", version="v2", serving="v1", left_traffic=0),
+        pod(
+            True,
+            "PreviousWeights",
+            "serving v1 again: ...",
+            outcome="Failed",
+            serving="v1",
+            left_traffic=5.0,
+            restored=True,
+        ),
+        pod(False, "Refitting", "", outcome="", serving="v1", left_traffic=5.0),
+    ],
+)
+def test_legitimately_ready_or_out(case: dict[str, Any]) -> None:
+    assert ready_violation(case) is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pod(True, "ProbePassed", "weights v1 probed"),  # no record at all
+        pod(True, *PROBED_V1, outcome="Succeeded", version="v1", probe={"verdict": "Fail"}),
+        # staging, but the condition is another version's probe
+        pod(True, "ProbePassed", "weights v0 probed", outcome="", serving="v1", left_traffic=0),
+        # the pass took the pod out of traffic: Ready now is wrong
+        pod(True, *PROBED_V1, outcome="", version="v2", serving="v1", left_traffic=5.0),
+        # nothing served with a probe when the pass began
+        pod(True, *PROBED_V1, outcome="", version="v2", serving="", left_traffic=0),
+        pod(
+            True,
+            "PreviousWeights",
+            "x",
+            outcome="Failed",
+            serving="v1",
+            restored=False,
+            left_traffic=5.0,
+        ),
+    ],
+)
+def test_ready_without_a_passed_probe(case: dict[str, Any]) -> None:
+    assert ready_violation(case) is not None
