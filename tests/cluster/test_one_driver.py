@@ -151,7 +151,12 @@ def test_pod_held_by_another_refit_waits(harness, sim_fleet, tmp_path):
 
 # The simulator endpoint of a step (slowed so the freeze lands inside it), and the call made
 # just before it, to tell the probe's completions from the preflight's.
-FREEZE_AT = {"load": "refit_load", "resetCache": "reset_prefix_cache", "probe": "completions"}
+FREEZE_AT = {
+    "stage": "refit_stage",  # claimed, the pod still serving
+    "load": "refit_load",
+    "resetCache": "reset_prefix_cache",
+    "probe": "completions",
+}
 AFTER = {"probe": "weight_info"}
 
 
