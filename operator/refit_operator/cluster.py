@@ -12,6 +12,8 @@ import json
 import logging
 import secrets
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,14 +52,33 @@ async def _done(resp: Any) -> None:
 
 
 async def connect(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig (KUBECONFIG or path)."""
+    """In-cluster config when running in a pod, else the kubeconfig (KUBECONFIG or path).
+
+    The environment's proxy for the API server is resolved here, once. kubernetes_asyncio's
+    session trusts the environment, which makes aiohttp look up proxies and ~/.netrc in a
+    thread for every request: at 10,000 pods that thread traffic cost the operator's one
+    event loop more CPU than the requests themselves (bench/results/HISTORY.md).
+    """
+    cfg = client.Configuration()
     try:
-        config.load_incluster_config()
-        return client.ApiClient()
+        config.load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
-        cfg = client.Configuration()
         await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        return client.ApiClient(configuration=cfg)
+    if cfg.proxy is None:
+        cfg.proxy = _env_proxy(cfg.host or "")
+    api_client = client.ApiClient(configuration=cfg)
+    # The session's only per-request use of the environment is what _env_proxy did once.
+    api_client.rest_client.pool_manager._trust_env = False
+    return api_client
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy HTTPS_PROXY/HTTP_PROXY (minus NO_PROXY) name for url, as curl reads them."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if urllib.request.proxy_bypass(host):
+        return None
+    proxies = urllib.request.getproxies_environment()
+    return proxies.get(urllib.parse.urlsplit(url).scheme or "https")
 
 
 class AccessDenied(PermissionError):
