@@ -98,6 +98,10 @@ def render(crd: dict[str, Any]) -> str:
             lines += [f"### `{path}`", ""]
             if node.get("description"):
                 lines += [_cell(node["description"]), ""]
+            if path == top and node.get("x-kubernetes-validations"):
+                # A nested object's own rules are in its row of the table above it; the top
+                # level's have no row: list them here.
+                lines += ["Validation: " + _cell("; ".join(_rules(node))), ""]
             required = set(node.get("required") or [])
             lines += [
                 "| Field | Type | Default | Description | Validation |",

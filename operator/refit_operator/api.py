@@ -109,6 +109,31 @@ class Checkpoint(_Model):
     format: Literal["safetensors"] = "safetensors"
 
 
+class ManifestConfigMapRef(_Model):
+    name: str
+    key: str = "transfer-manifest.json"
+
+
+class TransferManifestRef(_Model):
+    config_map_ref: ManifestConfigMapRef
+    digest: str
+
+
+class Rendezvous(_Model):
+    host: str
+    port: int
+
+
+class Broadcast(_Model):
+    """Weights the trainer sends (docs/broadcast.md) instead of a checkpoint directory."""
+
+    version: str
+    engine: Literal["refit-gloo"] = "refit-gloo"
+    rendezvous: Rendezvous
+    manifest: TransferManifestRef
+    timeout_seconds: int = 600
+
+
 class Sequence(_Model):
     drain_mode: Literal["wait", "abort", "keep"] = "wait"
     sleep_level: Literal[0, 1, 2] = 1
@@ -155,7 +180,9 @@ class ProbeSpec(_Model):
 
 class WeightRefitSpec(_Model):
     fleet: Fleet
-    checkpoint: Checkpoint
+    # Exactly one weight source (the CRD's CEL rule says so; a model built in a test may not).
+    checkpoint: Checkpoint | None = None
+    broadcast: Broadcast | None = None
     sequence: Sequence = Field(default_factory=Sequence)
     strategy: Strategy = Field(default_factory=Strategy)
     probe: ProbeSpec = Field(default_factory=ProbeSpec)
@@ -165,6 +192,19 @@ class WeightRefitSpec(_Model):
     # Seconds after the refit finished (status.completionTime) until the operator deletes it;
     # None: kept until the fleet's history limit drops it (history.py). Like a Job's.
     ttl_seconds_after_finished: int | None = None
+
+    @property
+    def version(self) -> str:
+        """The version this refit brings the pods to, whatever its source."""
+        if self.broadcast is not None:
+            return self.broadcast.version
+        assert self.checkpoint is not None, "a WeightRefit names a checkpoint or a broadcast"
+        return self.checkpoint.version
+
+    @property
+    def path(self) -> str:
+        """The checkpoint directory; "" for a broadcast (nothing to read, stage or reload)."""
+        return self.checkpoint.path if self.checkpoint is not None else ""
 
 
 _PERCENT = re.compile(r"^(\d{1,3})%$")
@@ -245,6 +285,18 @@ class OutOfTrafficSummary(_Model):
     worst_pod: str = ""
 
 
+RoundState = Literal["Joining", "Ready", "Sending", "Done"]
+
+
+class BroadcastRound(_Model):
+    """The current batch of a broadcast refit, as the trainer reads it (docs/broadcast.md)."""
+
+    round: int = 0
+    world_size: int = 0
+    receivers: int = 0
+    state: RoundState = "Joining"
+
+
 class WeightRefitStatus(_Model):
     phase: Phase = "Pending"
     observed_generation: int = 0
@@ -265,3 +317,4 @@ class WeightRefitStatus(_Model):
     # every pod's full record is its progress annotation (see reconcile._pod_results).
     pods: list[PodResult] = Field(default_factory=list)
     pods_omitted: int = 0  # pods needing attention left out of ``pods`` by the limit
+    broadcast: BroadcastRound | None = None  # spec.broadcast only

@@ -18,6 +18,7 @@ the reference needs torch and transformers, imported only when asked for.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,10 +32,15 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
-from refit_worker.contract import API_GROUP
+from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
 from . import api
+from .rounds import SENDING_ANNOTATION
 from .views import reason_of
+
+log = logging.getLogger(__name__)
+ROUND_POLL_SECONDS = 0.2  # how often a broadcasting trainer reads the refit's status
+DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
 API_VERSION = f"{API_GROUP}/{api.VERSION}"
 FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
@@ -183,6 +189,8 @@ def build_refit(
     failure_limit: int | None = None,
     sequence: Mapping[str, Any] | None = None,
     labels: Mapping[str, str] | None = None,
+    broadcast: Mapping[str, Any] | None = None,
+    probe_reference_config_map: str | None = None,
 ) -> dict[str, Any]:
     """The WeightRefit document. Only what the caller set goes into the spec: the API server
     fills in the defaults, so the stored object says which choices were made on purpose.
@@ -193,10 +201,11 @@ def build_refit(
         fleet["port"] = port
     if admin_token_secret is not None:
         fleet["adminTokenSecretRef"] = {"name": admin_token_secret}
-    spec: dict[str, Any] = {
-        "fleet": fleet,
-        "checkpoint": {"path": checkpoint_path, "version": version},
-    }
+    spec: dict[str, Any] = {"fleet": fleet}
+    if broadcast is not None:  # spec.broadcast instead of a checkpoint (docs/broadcast.md)
+        spec["broadcast"] = {"version": version, **broadcast}
+    else:
+        spec["checkpoint"] = {"path": checkpoint_path, "version": version}
     strat = {
         k: v
         for k, v in (("type", strategy), ("maxUnavailable", max_unavailable), ("canary", canary))
@@ -209,6 +218,11 @@ def build_refit(
         probe["thresholds"] = dict(thresholds)
     if failure_limit is not None:
         probe["failureLimit"] = failure_limit
+    if probe_reference_config_map is not None:
+        probe["reference"] = {
+            "source": "ConfigMap",
+            "configMapRef": {"name": probe_reference_config_map},
+        }
     if probe:
         spec["probe"] = probe
     if sequence:
@@ -355,6 +369,139 @@ class RefitClient:
                 ) from e
         return name
 
+    # ------------------------------------------------------------------- broadcast
+    def broadcast(
+        self,
+        tensors: Mapping[str, Any],
+        version: str,
+        *,
+        fleet_selector: Mapping[str, str] | str | api.LabelSelector,
+        rendezvous: tuple[str, int],
+        reference: ProbeReference | Mapping[str, Any] | Path,
+        timeout: float,
+        namespace: str | None = None,
+        name: str | None = None,
+        transfer_timeout_seconds: int | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+        on_send: Callable[[int, Any], None] | None = None,
+        **spec: Any,
+    ) -> dict[str, Any]:
+        """Refit the fleet to ``tensors`` (name -> torch tensor, the model's checkpoint names)
+        sent from this process, and wait for the verdict: the final status on Succeeded,
+        RefitFailed or RefitTimeout otherwise, as ``wait``.
+
+        Writes a ConfigMap ``<name>-weights`` with the transfer manifest (every tensor's
+        name, dtype, shape and digest) and the probe ``reference`` (a ProbeReference, its
+        JSON document, or a refit-probe.json file), creates the WeightRefit (spec.broadcast
+        with the manifest's digest; the ConfigMap is then owned by it), and sends the
+        tensors once per round: each time the operator reports ReceiversReady for a round
+        not sent yet, it opens the ``rendezvous`` (host, port: where the pods reach this
+        process) for that round's world size,
+        announces the round on the WeightRefit and sends. AllAtOnce is one round; Rolling
+        and canary refits one per batch. ``on_send(round, stats)`` sees each send. Other
+        keywords set spec fields as for ``submit``.
+        """
+        from refit_worker import broadcast as wire  # torch: the trainer's environment only
+
+        ns = namespace or self.namespace
+        name = name or default_name(version)
+        manifest = wire.build_manifest(tensors)
+        doc = _reference_doc(reference)
+        source: dict[str, Any] = {
+            "rendezvous": {"host": rendezvous[0], "port": rendezvous[1]},
+            "manifest": {"configMapRef": {"name": f"{name}-weights"}, "digest": manifest.digest},
+        }
+        if transfer_timeout_seconds is not None:
+            source["timeoutSeconds"] = transfer_timeout_seconds
+        body = build_refit(
+            name, "", version, fleet_selector=fleet_selector, broadcast=source,
+            probe_reference_config_map=f"{name}-weights", **spec,
+        )  # fmt: skip
+        core: Any = k8s.CoreV1Api(self.api_client)
+        config_map = {
+            "metadata": {"name": f"{name}-weights"},
+            "data": {
+                "transfer-manifest.json": json.dumps(manifest.to_json_dict()),
+                "refit-probe.json": json.dumps(doc),
+            },
+        }
+        try:  # before the WeightRefit: the operator's preflight reads it
+            core.create_namespaced_config_map(ns, config_map)
+        except ApiException as e:
+            raise RefitError(f"creating ConfigMap {ns}/{name}-weights: {_api_message(e)}") from e
+        try:
+            created = self.custom.create_namespaced_custom_object(
+                API_GROUP, api.VERSION, ns, api.PLURAL, body
+            )
+        except ApiException as e:
+            core.delete_namespaced_config_map(f"{name}-weights", ns)
+            raise RefitError(f"creating WeightRefit {ns}/{name}: {_api_message(e)}") from e
+        # Owned by the refit: the history policy's deletion of the refit takes it along.
+        owner = {"apiVersion": API_VERSION, "kind": api.KIND, "name": name,
+                 "uid": created["metadata"]["uid"]}  # fmt: skip
+        core.patch_namespaced_config_map(
+            f"{name}-weights", ns, {"metadata": {"ownerReferences": [owner]}}
+        )
+        return self._send_rounds(
+            name, ns, tensors, rendezvous, timeout,
+            transfer_timeout_seconds or DEFAULT_TRANSFER_TIMEOUT_SECONDS, on_update, on_send,
+        )  # fmt: skip
+
+    def _send_rounds(
+        self,
+        name: str,
+        ns: str,
+        tensors: Mapping[str, Any],
+        rendezvous: tuple[str, int],
+        timeout: float,
+        transfer_timeout: int,
+        on_update: Callable[[dict[str, Any]], None] | None,
+        on_send: Callable[[int, Any], None] | None,
+    ) -> dict[str, Any]:
+        from refit_worker import broadcast as wire
+
+        deadline = time.monotonic() + timeout
+        history = History()
+        sent = 0
+        last: dict[str, Any] | None = None
+        while True:
+            status = self.get(name, namespace=ns).get("status") or {}
+            if status != last and on_update is not None:
+                on_update(status)
+            last = status
+            history.observe(status)
+            if _final(status):
+                return self._verdict(name, ns, status, history)
+            ready = _round_ready(status)
+            if ready is not None and ready[0] > sent:
+                number, world = ready
+                try:
+                    with wire.Sender(world, host=rendezvous[0], port=rendezvous[1],
+                                     timeout_seconds=transfer_timeout) as sender:  # fmt: skip
+                        self._announce(name, ns, number)
+                        stats = sender.send(tensors)
+                    if on_send is not None:
+                        on_send(number, stats)
+                except (wire.TransportError, RuntimeError, OSError) as e:
+                    # The pods' receive fails too: the operator ends their passes, and the
+                    # refit's verdict says what happened to the fleet.
+                    log.warning("round %d of %s: the send failed: %s", number, name, e)
+                sent = number
+                continue
+            if time.monotonic() > deadline:
+                raise RefitTimeout(name, timeout, status)
+            time.sleep(ROUND_POLL_SECONDS)
+
+    def _announce(self, name: str, ns: str, number: int) -> None:
+        """Tell the operator this process listens for round ``number`` (rounds.py)."""
+        patch = {"metadata": {"annotations": {SENDING_ANNOTATION: str(number)}}}
+        try:
+            self.custom.patch_namespaced_custom_object(
+                API_GROUP, api.VERSION, ns, api.PLURAL, name, patch
+            )
+        except ApiException as e:
+            raise RefitError(f"announcing round {number} on {ns}/{name}: {_api_message(e)}") from e
+
     # ------------------------------------------------------------------------ read
     def get(self, name: str, *, namespace: str | None = None) -> dict[str, Any]:
         ns = namespace or self.namespace
@@ -476,6 +623,29 @@ class RefitClient:
             return
         finally:
             w.stop()
+
+
+def _round_ready(status: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(round, world size) while the operator reports a round's receivers ready."""
+    ready = any(
+        c.get("type") == "ReceiversReady" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    b = status.get("broadcast") or {}
+    if not ready or b.get("state") not in ("Ready", "Sending") or int(b.get("worldSize", 0)) < 2:
+        return None
+    return int(b["round"]), int(b["worldSize"])
+
+
+def _reference_doc(reference: ProbeReference | Mapping[str, Any] | Path) -> dict[str, Any]:
+    """The probe reference as refit-probe.json's document, checked."""
+    try:
+        if isinstance(reference, ProbeReference):
+            return reference.to_json_dict()
+        doc = json.loads(reference.read_text()) if isinstance(reference, Path) else reference
+        return ProbeReference.from_json_dict(doc).to_json_dict()
+    except (ContractError, OSError, ValueError) as e:
+        raise RefitError(f"probe reference unusable: {e}") from e
 
 
 def _final(status: Mapping[str, Any]) -> bool:

@@ -16,16 +16,17 @@ from typing import Any
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_worker.contract import ContractError, ProbeReference, RefitInfo
+from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
 from . import history, metrics, plan, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
 from .index import RefitIndex
 from .leader import LeadershipLost, Lease
-from .podflow import PodView, Progress
+from .podflow import STEPS, PodView, Progress
 from .reconcile import Decision, Observed, PreflightResult, RefitView
-from .runner import PassContext, run_pass
+from .rounds import SENDING_ANNOTATION, Rounds
+from .runner import BroadcastSource, PassContext, run_pass
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,23 @@ class _RefitState:
     # tick compares against the same list, built once (per probe it was quadratic in pods).
     peers: dict[str, list[float]] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
+    broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
 
     def peer_nlls(self, version: str) -> list[float]:
         if version not in self.peers:
             self.peers[version] = sorted(reconcile.peer_nlls(self.pods, version))
         return self.peers[version]
+
+
+def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
+    """Whether this pass of a broadcast refit has its receive ahead (a rollback loads a
+    checkpoint; a resumed pass may be past its receive)."""
+    if start.rollback:
+        return False
+    p = pod.progress
+    if not start.resume or p is None:
+        return True
+    return p.source == "broadcast" and p.step in STEPS[: STEPS.index("receive") + 1]
 
 
 class Engine:
@@ -89,6 +102,7 @@ class Engine:
         """Fold a watched (or just read) WeightRefit into the index; forget a deleted one and
         everything kept for it, so nothing grows with the number of refits ever seen."""
         gone = self.index.observe(doc, deleted)
+        self._trainer_sending(doc)
         if gone is None:
             return
         st = self.refits.pop(gone.uid, None)
@@ -96,6 +110,15 @@ class Engine:
             for task in (*st.tasks.values(), *st.staged_ahead.values()):
                 task.cancel()
         metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
+
+    def _trainer_sending(self, doc: dict[str, Any]) -> None:
+        """The trainer's announcement of the round it sends (rounds.py) releases that round's
+        pods at once, from the watch event, without waiting for a tick."""
+        meta = doc.get("metadata") or {}
+        st = self.refits.get(meta.get("uid", ""))
+        announced = (meta.get("annotations") or {}).get(SENDING_ANNOTATION, "")
+        if st is not None and st.broadcast is not None and announced.isdigit():
+            st.broadcast.rounds.trainer_sending(int(announced))
 
     async def sync(self, namespaces: list[str] | None) -> None:
         """Fill the index before the first tick (None: every namespace), so the first refit
@@ -164,6 +187,7 @@ class Engine:
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
             now=time.time(), previous=previous, vanished=vanished, refits=refits,
+            broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
         )  # fmt: skip
         d = reconcile.decide(obs)
         if d.need_preflight:
@@ -263,6 +287,8 @@ class Engine:
         problem = None
         if reachable and all(not isinstance(i, str) for i in infos.values()):
             problem = await self._check_reference(view, st, reachable[0])
+        if problem is None and spec.broadcast is not None:
+            problem = await self._load_broadcast(view, st)
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         st.admitted = {
             name: identity[name]
@@ -281,7 +307,7 @@ class Engine:
         reference the model cannot score fails the refit before any pod is touched."""
         client = self._client(view, st, pod)
         try:
-            reference = await self._reference(view, st, view.spec.checkpoint.path, client)
+            reference = await self._reference(view, st, view.spec.path, client)
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return "ReferenceInvalid", f"probe reference unusable: {e}"
         try:
@@ -311,7 +337,7 @@ class Engine:
             return st.references[path]
         src = view.spec.probe.reference
         # A rollback probes the previous checkpoint against its own reference file.
-        if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.checkpoint.path:
+        if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.path:
             cm = src.config_map_ref
             text = await self.cluster.read_key("ConfigMap", view.namespace, cm.name, cm.key)
             if text is None:
@@ -323,6 +349,32 @@ class Engine:
             )
         st.references[path] = reference
         return reference
+
+    async def _load_broadcast(self, view: RefitView, st: _RefitState) -> tuple[str, str] | None:
+        """Read the trainer's transfer manifest from its ConfigMap and check it against the
+        spec's digest, before any pod is touched; a problem or None."""
+        b = view.spec.broadcast
+        assert b is not None
+        ref = b.manifest.config_map_ref
+        try:
+            text = await self.cluster.read_key("ConfigMap", view.namespace, ref.name, ref.key)
+        except AccessDenied as e:
+            return "ManifestForbidden", str(e)
+        if text is None:
+            return "ManifestMissing", f"ConfigMap {ref.name} has no key {ref.key!r}"
+        try:
+            manifest = TransferManifest.from_json_dict(json.loads(text))
+        except (ValueError, ContractError) as e:
+            return "ManifestInvalid", f"ConfigMap {ref.name} key {ref.key!r}: {e}"
+        if manifest.digest != b.manifest.digest:
+            return "ManifestMismatch", (
+                f"ConfigMap {ref.name} holds the manifest {manifest.digest}, not "
+                f"spec.broadcast.manifest.digest {b.manifest.digest}"
+            )
+        shown = view.status.broadcast.round if view.status.broadcast is not None else 0
+        rounds = Rounds(shown, st.wake.set)
+        st.broadcast = BroadcastSource(b, manifest.to_json_dict(), rounds)
+        return None
 
     async def _load_secrets(self, view: RefitView, st: _RefitState) -> tuple[str, str] | None:
         """Read the admin token and the /v1 API key the spec names; a problem or None."""
@@ -355,6 +407,11 @@ class Engine:
     ) -> None:
         if not st.secrets_loaded:  # after a restart the preflight that read them is not rerun
             await self._load_secrets(view, st)
+        if view.spec.broadcast is not None and st.broadcast is None:
+            problem = await self._load_broadcast(view, st)  # after a restart, as the secrets
+            if problem is not None:
+                log.error("%s: cannot start broadcast passes: %s: %s", view.name, *problem)
+                return
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
             return await self._reference(view, st, path, client)
@@ -366,9 +423,14 @@ class Engine:
             client=lambda pod, fence: self._client(view, st, pod, fence),
             next_fence=self.next_fence, reference=reference,
             peer_nlls=st.peer_nlls,
-            admitted=st.admitted, live=st.live,
+            admitted=st.admitted, live=st.live, broadcast=st.broadcast,
         )  # fmt: skip
         pods = {p.name: p for p in st.pods}
+        if st.broadcast is not None:  # the passes started together receive one send
+            st.broadcast.rounds.open(
+                s.pod for s in d.start
+                if s.pod in pods and s.pod not in st.tasks and _receives(pods[s.pod], s)
+            )  # fmt: skip
         for start in d.start:
             if start.pod in st.tasks or start.pod not in pods:
                 continue
@@ -383,7 +445,7 @@ class Engine:
         if not st.secrets_loaded:
             await self._load_secrets(view, st)
         pods = {p.name: p for p in st.pods}
-        path = view.spec.checkpoint.path
+        path = view.spec.path
         timeout = float(view.spec.sequence.load_timeout_seconds)
 
         async def stage(pod: PodView) -> None:
@@ -442,7 +504,7 @@ class Engine:
         ending = phase != view.status.phase and phase in RESULTS
         if phase not in ACTIVE_PHASES and (phase not in RESULTS or (d.dormant and not ending)):
             return
-        target = view.spec.checkpoint.version
+        target = view.spec.version
         if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:
             target = d.status.previous.version or target
         by_phase = reconcile.pod_phases(d.status.pods, st.pods, view.uid)

@@ -15,6 +15,9 @@ The policy (docs/concepts.md, "History and garbage collection"):
   target of the next refit (status.previous) and the refit that keeps converging pods that
   join the fleet later. A history_limit of 0 therefore keeps exactly the target (or nothing
   when the fleet has never had a Succeeded refit).
+- When the target is a broadcast (nothing to load its version from again), the fleet's newest
+  refit that loaded a checkpoint the fleet served (Succeeded, or Superseded because its pods
+  moved on) is kept as well: it is the rollback target.
 
 The engine feeds `to_delete` from its in-memory index; it costs O(n log n) in the refits that
 exist now, which the policy itself keeps bounded.
@@ -47,6 +50,8 @@ class Finished:
     completed: float | None  # status.completionTime as Unix seconds; None if unknown
     ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
     fleet: str  # fleet key: refits with equal keys are one fleet
+    checkpoint: bool = True  # loaded a checkpoint (False: a broadcast, spec.broadcast)
+    moved_on: bool = False  # Superseded because its pods moved on (the fleet served it)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any], fleet: str) -> Finished:
@@ -62,6 +67,7 @@ class Finished:
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,
+            checkpoint="broadcast" not in spec,
         )
 
 
@@ -94,6 +100,13 @@ def target(fleet: Sequence[Finished]) -> Finished | None:
     return max(done, key=_order) if done else None
 
 
+def rollback_target(fleet: Sequence[Finished]) -> Finished | None:
+    """The fleet's newest refit that loaded a checkpoint the fleet served (Succeeded, or
+    Superseded by a newer refit, such as a broadcast, that took every pod over): kept too."""
+    served = [r for r in fleet if r.checkpoint and (r.phase == "Succeeded" or r.moved_on)]
+    return max(served, key=_order) if served else None
+
+
 def to_delete(refits: Sequence[Finished], policy: Policy, now: float) -> list[str]:
     """Names of the refits to delete now, oldest first (by creationTimestamp, then name).
 
@@ -104,13 +117,13 @@ def to_delete(refits: Sequence[Finished], policy: Policy, now: float) -> list[st
         fleets[r.fleet].append(r)
     doomed: list[Finished] = []
     for members in fleets.values():
-        keep = target(members)
+        keep = {r.name for r in (target(members), rollback_target(members)) if r is not None}
         finished = sorted(
             (r for r in members if r.phase in TERMINAL_PHASES), key=_order, reverse=True
         )
-        others = [r for r in finished if r is not keep]
-        # The target takes one of the limit's places; with a limit of 0 it is still kept.
-        room = policy.history_limit - (1 if keep is not None else 0)
+        others = [r for r in finished if r.name not in keep]
+        # The kept ones take places of the limit; with a limit of 0 they are still kept.
+        room = policy.history_limit - len(keep)
         for i, r in enumerate(others):
             over_limit = i >= room
             if over_limit or _expired(r, now):

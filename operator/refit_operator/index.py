@@ -12,6 +12,7 @@ from typing import Any
 from . import history, plan, times
 from .api import TERMINAL_PHASES, Previous, WeightRefitSpec
 from .podflow import PodView
+from .reconcile import MOVED_ON
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,14 @@ class Known:
     spec: WeightRefitSpec
     completed: float | None
     deleting: bool = False  # deletion requested: collected already, its finalizer runs
+    # Superseded because every pod moved on to a newer refit that Succeeded: the fleet served
+    # this one's version, probed (unlike a refit LatestWins superseded before it ran).
+    moved_on: bool = False
+
+    @property
+    def served(self) -> bool:
+        """The fleet served this refit's version: a candidate rollback target."""
+        return self.phase == "Succeeded" or self.moved_on
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> Known | None:
@@ -36,6 +45,7 @@ class Known:
             meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
             status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
             bool(meta.get("deletionTimestamp")),
+            status.get("phase") == "Superseded" and _ready_reason(status) == MOVED_ON,
         )  # fmt: skip
 
     def ref(self, phase: str | None = None) -> plan.RefitRef:
@@ -43,6 +53,12 @@ class Known:
             self.name, self.created, phase or self.phase, self.spec.queue_policy,
             self.spec.fleet.selector,
         )  # fmt: skip
+
+
+def _ready_reason(status: dict[str, Any]) -> str:
+    conditions: list[dict[str, Any]] = status.get("conditions") or []
+    ready = next((c for c in conditions if c.get("type") == "Ready"), {})
+    return str(ready.get("reason", ""))
 
 
 class RefitIndex:
@@ -78,12 +94,20 @@ class RefitIndex:
                 continue
             ref = k.ref(phase if k.uid == uid else None)
             refs.append(ref)
-            if ref.phase == "Succeeded" and k.uid != uid and ref.created <= created:
+            # A broadcast leaves nothing to load its version from again: the rollback target
+            # is the last checkpoint the fleet served.
+            if (
+                (ref.phase == "Succeeded" or (k.uid != uid and k.moved_on))
+                and k.uid != uid
+                and ref.created <= created
+                and k.spec.checkpoint is not None
+            ):
                 succeeded.append(k)
         previous = None
         if succeeded:
             last = max(succeeded, key=lambda k: (k.created, k.name))
             c = last.spec.checkpoint
+            assert c is not None
             previous = Previous(version=c.version, path=c.path, refit=last.name)
         return refs, previous
 
@@ -103,7 +127,8 @@ class RefitIndex:
         mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
-                             k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical())
+                             k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
+                             k.spec.checkpoint is not None, k.moved_on)
             for k in mine.values()
         ]  # fmt: skip
         out = []

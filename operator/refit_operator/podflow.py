@@ -32,6 +32,10 @@ STEPS: tuple[str, ...] = (
     "sleep",
     "wakeWeights",
     "load",  # from the staged bytes, after a cheap check that no file changed since staging
+    # A broadcast's load (instead of stage and load): wait until the batch's pods are ready
+    # and the trainer announces its send, join its transfer with the rank the operator
+    # assigned, receive, check against the manifest, load, finish (docs/broadcast.md).
+    "receive",
     "wakeKV",
     "resetCache",
     "stampVersion",  # stamp (refit_load already does) and read back the weight version
@@ -56,7 +60,16 @@ _FINAL_CODES = frozenset(
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
 # pod still holds the weights it served, so it can go back to serving them.
-UNTOUCHED_LOAD_CODES = _FINAL_CODES - {"ProbeReferenceInvalid"}
+UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {"ProbeReferenceInvalid"}) | {
+    # A broadcast refused before its load (refit_worker.transfer), or never sent.
+    "TransferMismatch",
+    "TransferFailed",
+    "TrainerTimeout",
+}
+# The steps that change the weights: a refusal of theirs before the model was touched lets
+# the pod go back to what it served.
+LOAD_STEPS = frozenset({"load", "receive"})
+Source = Literal["checkpoint", "broadcast"]
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
@@ -75,6 +88,7 @@ class Progress:
     version: str  # the version this pass brings the pod to
     path: str
     rollback: bool = False
+    source: Source = "checkpoint"  # where the weights come from: ``path``, or the trainer
     created: str = ""  # the WeightRefit's creationTimestamp: which of two refits is newer
     restarts: int = 0  # the pod's container restarts when the pass began: a restart since
     # then means the container lost the weights this pass loaded
@@ -138,6 +152,7 @@ def start(
     rollback: bool = False,
     restarts: int = 0,
     serving: str = "",
+    source: Source = "checkpoint",
 ) -> Progress:
     """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
     checkpoint stages; any other pod leaves traffic in the pass's first write."""
@@ -148,6 +163,7 @@ def start(
         path=path,
         created=created,
         rollback=rollback,
+        source=source,
         started=now,
         restarts=restarts,
         serving=serving,
@@ -259,7 +275,7 @@ def step_failed(
     the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
     attempts = progress.attempts + 1
     ends = final or reason in _FINAL_CODES or attempts > retries
-    if ends and step == "load" and reason in UNTOUCHED_LOAD_CODES and progress.serving:
+    if ends and step in LOAD_STEPS and reason in UNTOUCHED_LOAD_CODES and progress.serving:
         # Refused before the model was touched: put the pod back to serving what it served.
         return replace(
             progress, step=RESTORE, attempts=0, reason=reason, message=message, not_before=0.0
@@ -368,9 +384,14 @@ def load_needed(read_back_version: str | None, target: str) -> bool:
     return read_back_version != target
 
 
-def step_applies(step: str, sleep_level: int) -> bool:
-    """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes)."""
-    return not (sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"))
+def step_applies(step: str, sleep_level: int, source: Source = "checkpoint") -> bool:
+    """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes) for
+    this weight source (a broadcast has nothing to stage or read: it receives instead)."""
+    if sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"):
+        return False
+    if source == "broadcast":
+        return step not in ("stage", "load")
+    return step != "receive"
 
 
 @dataclass(frozen=True)

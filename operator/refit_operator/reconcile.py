@@ -17,6 +17,7 @@ from . import plan, times, traffic
 from .api import (
     STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
+    BroadcastRound,
     Condition,
     PodProbe,
     PodResult,
@@ -82,6 +83,8 @@ class Observed:
     vanished: frozenset[str] = frozenset()  # pods deleted while their pass was in flight
     # uid -> name of every WeightRefit of the namespace: a claim whose refit is gone is stale.
     refits: Mapping[str, str] = field(default_factory=dict)
+    # A broadcast refit's current round as the engine's rounds see it (None: no round yet).
+    broadcast: BroadcastRound | None = None
 
 
 @dataclass
@@ -425,6 +428,60 @@ def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
 
 
 def decide(obs: Observed) -> Decision:
+    d = _decide(obs)
+    if obs.refit.spec.broadcast is not None:
+        _receivers(d.status, obs)
+    return d
+
+
+RECEIVERS_READY = "ReceiversReady"
+# The reason of a refit Superseded because every pod moved on to a newer refit that Succeeded
+# (the fleet served its version; index.py keeps it as a rollback candidate).
+MOVED_ON = "PodsMovedOn"
+
+
+def _receivers(st: WeightRefitStatus, obs: Observed) -> None:
+    """status.broadcast and the ReceiversReady condition the trainer waits for: True while a
+    round's pods wait for the trainer's send (docs/broadcast.md, "A broadcast refit")."""
+    b = obs.refit.spec.broadcast
+    assert b is not None
+    if obs.broadcast is not None:
+        st.broadcast = obs.broadcast
+    elif st.broadcast is not None and st.broadcast.state in ("Ready", "Sending"):
+        # The operator restarted: no pod waits in that round any more (a resumed pass joins
+        # a new one), so the trainer must not send it.
+        st.broadcast = st.broadcast.model_copy(update={"state": "Done"})
+    r = st.broadcast
+    where = f"{b.rendezvous.host}:{b.rendezvous.port}"
+    if st.phase in TERMINAL_PHASES:
+        ready, reason, message = False, "RefitFinished", f"the refit is {st.phase}"
+    elif r is None:
+        ready, reason, message = False, "NoRound", "no pods on their way to a transfer yet"
+    elif r.state in ("Ready", "Sending"):
+        ready, reason = True, RECEIVERS_READY
+        message = (
+            f"round {r.round}: {r.receivers} pods at ranks 1-{r.world_size - 1} wait for the "
+            f"trainer (rank 0 of world size {r.world_size}) at {where}"
+        )
+    elif r.state == "Done":
+        ready, reason = False, "RoundDone"
+        message = f"round {r.round} received; no pods waiting for a send"
+    else:
+        ready, reason = False, "Joining"
+        message = f"round {r.round}: {r.receivers} pods on their way to the transfer"
+    status: Literal["True", "False"] = "True" if ready else "False"
+    old = next((c for c in obs.refit.status.conditions if c.type == RECEIVERS_READY), None)
+    changed = old is None or old.status != status
+    condition = Condition(
+        type=RECEIVERS_READY, status=status, reason=reason, message=message,
+        last_transition_time=rfc3339(obs.now) if changed or old is None
+        else old.last_transition_time,
+        observed_generation=obs.refit.generation,
+    )  # fmt: skip
+    st.conditions = [c for c in st.conditions if c.type != RECEIVERS_READY] + [condition]
+
+
+def _decide(obs: Observed) -> Decision:
     refit, spec = obs.refit, obs.refit.spec
     old = obs.refit.status
     st = old.model_copy(deep=True)
@@ -466,8 +523,7 @@ def decide(obs: Observed) -> Decision:
     st.queue_position = 0
 
     states_for = {
-        pod.name: pod_state(pod, refit, spec.checkpoint.version, False, obs.refits)
-        for pod in obs.pods
+        pod.name: pod_state(pod, refit, spec.version, False, obs.refits) for pod in obs.pods
     }
     if st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
         d.idle = True  # a finished refit's record stays as it was written
@@ -511,7 +567,7 @@ def decide(obs: Observed) -> Decision:
         transition(
             "Progressing",
             "Progressing",
-            f"refitting {len(obs.pods)} pods to {spec.checkpoint.version}",
+            f"refitting {len(obs.pods)} pods to {spec.version}",
         )
 
     if st.phase in ("Progressing", "Succeeded"):
@@ -555,7 +611,7 @@ def _progress(
     ):
         # Only a newer refit that Succeeded takes over: pods it failed on, or rolled back,
         # leave this one the fleet's last good version (and rollback target).
-        transition("Superseded", "PodsMovedOn", f"every pod of this refit moved on to {newest}")
+        transition("Superseded", MOVED_ON, f"every pod of this refit moved on to {newest}")
         d.idle = True
         return
     resumes = [
@@ -580,7 +636,10 @@ def _progress(
         if not targets and not resumes:
             d.idle = True  # newer Succeeded refits select every pod: they converge them
             return
-        d.start = resumes + [_fresh(n, spec) for n in targets if states[n] == "todo"]
+        # A broadcast left nothing to load its version from: a pod that joins later waits
+        # (out of traffic) for the next refit.
+        fresh = [] if spec.broadcast is not None else targets
+        d.start = resumes + [_fresh(n, spec) for n in fresh if states[n] == "todo"]
         d.idle = not d.start and not obs.in_flight
         d.watching = True
         return
@@ -596,7 +655,8 @@ def _progress(
     if not g.tripped:
         starts = plan.next_pods(states, spec.strategy)
         d.start = resumes + [_fresh(n, spec) for n in starts]
-        d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
+        if spec.checkpoint is not None:  # a broadcast has nothing to stage
+            d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
         if plan.all_settled(states) and not obs.in_flight and not d.start:
             transition("Succeeded", "Succeeded", _succeeded_message(st, spec, moved_on))
             d.watching = True  # the next tick decides whether it is the fleet's target
@@ -621,7 +681,7 @@ def _progress(
 
 
 def _succeeded_message(st: WeightRefitStatus, spec: WeightRefitSpec, moved_on: list[str]) -> str:
-    msg = f"{st.updated_pods}/{st.target_pods} pods at {spec.checkpoint.version}"
+    msg = f"{st.updated_pods}/{st.target_pods} pods at {spec.version}"
     degraded = st.failed_pods + st.inconclusive_pods
     if degraded:
         msg += f"; {degraded} failed or inconclusive within the limits"
@@ -659,9 +719,7 @@ def _started(st: WeightRefitStatus) -> float | None:
 
 
 def _fresh(name: str, spec: WeightRefitSpec) -> PodStart:
-    return PodStart(
-        name, spec.checkpoint.version, spec.checkpoint.path, rollback=False, resume=False
-    )
+    return PodStart(name, spec.version, spec.path, rollback=False, resume=False)
 
 
 def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:

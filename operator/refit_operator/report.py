@@ -405,7 +405,7 @@ def render_refit(
     meta = doc.get("metadata", {})
     spec = doc.get("spec", {})
     thresholds = spec.get("probe", {}).get("thresholds")
-    version = spec.get("checkpoint", {}).get("version", "?")
+    version = (spec.get("checkpoint") or spec.get("broadcast") or {}).get("version", "?")
     title = title or f"WeightRefit {meta.get('namespace', '?')}/{meta.get('name', '?')} → {version}"
     status = doc.get("status") or {}
     results = None

@@ -18,10 +18,11 @@ from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
 from . import metrics, podflow, probe
-from .api import Sequence, WeightRefitSpec
+from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Cluster
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
 from .reconcile import PodStart, admission_problem
+from .rounds import Rounds, TrainerTimeout
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,16 @@ class StepFailed(Exception):
         self.reason = reason
         self.message = message
         self.final = final
+
+
+@dataclass(frozen=True)
+class BroadcastSource:
+    """A broadcast refit's weight source: the spec, the trainer's manifest (read from its
+    ConfigMap and checked against the spec's digest by the fleet preflight), the rounds."""
+
+    spec: Broadcast
+    manifest: dict[str, object]
+    rounds: Rounds
 
 
 @dataclass
@@ -59,6 +70,7 @@ class PassContext:
     # with no restart since is not asked for its refit_info again.
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     live: dict[str, Progress] = field(default_factory=dict)  # pod -> its pass's progress now
+    broadcast: BroadcastSource | None = None  # spec.broadcast: the passes receive from it
 
 
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
@@ -78,6 +90,14 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     """Run one pass on ``pod`` under a claim of its own. Raises PodBusy when the pod changed
     since it was listed (the pass never started) and ClaimLost when another pass took the
     pod over (this one stops without another call or write)."""
+    try:
+        return await _run_pass(ctx, pod, start)
+    finally:
+        if ctx.broadcast is not None:  # its round no longer waits for this pod
+            ctx.broadcast.rounds.leave(pod.name)
+
+
+async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     claim = Claim(ctx.refit_name, ctx.refit_uid, ctx.next_fence(), ctx.cluster.identity)
     worker = ctx.client(pod, claim.fence)
     resumed = bool(start.resume and pod.progress)
@@ -86,7 +106,7 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
-            serving=pod.serving,
+            serving=pod.serving, source="checkpoint" if start.path else "broadcast",
         )  # fmt: skip
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
@@ -158,17 +178,28 @@ async def _run_step(
     try:
         if step == "probe":
             return await _probe(ctx, pod, worker, progress)
-        if step == podflow.RESTORE:
+        if step == "receive" and podflow.step_applies(
+            step, ctx.spec.sequence.sleep_level, progress.source
+        ):
+            try:
+                await _receive(ctx, pod, worker, progress, resumed)
+            finally:
+                assert ctx.broadcast is not None
+                ctx.broadcast.rounds.leave(pod.name)
+        elif step == podflow.RESTORE:
             await _restore(worker, ctx.spec.sequence, progress)
             metrics.step_finished(
                 ctx.namespace, ctx.fleet, step, "success", time.monotonic() - began
             )
             return podflow.restored(progress, time.time())
-        note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
+        else:
+            note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
             raise ClaimLost(f"pod {pod.name}: {step}: {e.message}") from e
         reason, final = worker_error_reason(e, step)
+        # A broadcast round cannot be repeated by one pod alone: its pass ends here.
+        final = final or step == "receive"
         result = "timeout" if e.kind == "timeout" else "failure"
         metrics.step_finished(ctx.namespace, ctx.fleet, step, result, time.monotonic() - began)
         await _event(ctx, "PodStepRetry" if not final else "PodStepFailed",
@@ -179,8 +210,9 @@ async def _run_step(
     except StepFailed as e:
         metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", time.monotonic() - began)
         await _event(
-            ctx, "PodStepRetry", f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning"
-        )
+            ctx, "PodStepFailed" if e.final else "PodStepRetry",
+            f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning",
+        )  # fmt: skip
         return podflow.step_failed(
             progress, step, e.reason, e.message, time.time(), retries=retries, final=e.final
         )
@@ -198,7 +230,7 @@ async def execute_step(
     refit cycle runs the same code). Returns the stage step's note (how the worker staged
     the checkpoint), "" for the other steps."""
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
-    if not podflow.step_applies(step, seq.sleep_level):
+    if not podflow.step_applies(step, seq.sleep_level, progress.source):
         return ""
     if step == "stage":
         staged = await worker.stage(progress.path, timeout=t_load)
@@ -235,6 +267,44 @@ async def execute_step(
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
+
+
+async def _receive(
+    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, resumed: bool
+) -> None:
+    """The broadcast's receive: join the pod's round, and once the trainer announced it,
+    join its transfer at the rank assigned, receive, check and load, finish, read back."""
+    assert ctx.broadcast is not None, "a broadcast pass needs the refit's broadcast source"
+    b = ctx.broadcast.spec
+    t_step = float(ctx.spec.sequence.step_timeout_seconds)
+    # The pod's own transfer timeout answers first; the HTTP timeout only catches a hung pod.
+    t_transfer = float(b.timeout_seconds) + t_step
+    digest = b.manifest.digest
+    if podflow.must_read_back(progress, resumed):
+        try:  # a receive that finished before a restart is not received again
+            await worker.received(digest, progress.version, timeout=t_step)
+            return
+        except WorkerError as e:
+            if e.code == contract.STALE_FENCE:
+                raise
+            # Not loaded here: receive it again, in a new round.
+    try:
+        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
+    except TrainerTimeout as e:
+        raise StepFailed("TrainerTimeout", str(e), final=True) from e
+    init = {
+        "master_address": b.rendezvous.host,
+        "master_port": b.rendezvous.port,
+        "rank_offset": rank,
+        "world_size": world,
+        "timeout_seconds": b.timeout_seconds,
+    }
+    await worker.init_weight_transfer(init, timeout=t_transfer)
+    await worker.start_weight_update(timeout=t_step)
+    await worker.update_weights({"manifest": ctx.broadcast.manifest}, timeout=t_transfer)
+    await worker.finish_weight_update(progress.version, timeout=t_step)
+    # Records the version as the worker's and refuses unless it loaded exactly the promise.
+    await worker.received(digest, progress.version, timeout=t_step)
 
 
 async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:

@@ -206,7 +206,7 @@ def plan_batches(
 ) -> tuple[list[str], list[list[str]], list[str]]:
     """(pods in flight now, batches still to start in order, pods already at the version),
     from the operator's own decisions, assuming every pod passes its probe."""
-    version = refit.spec.checkpoint.version
+    version = refit.spec.version
     states = {p.name: reconcile.pod_state(p, refit, version, rollback=False) for p in pods}
     states = {n: s for n, s in states.items() if s != "dropped"}
     done = sorted(n for n, s in states.items() if s == "passed")
@@ -241,9 +241,9 @@ def plan_report(
         if strat.type == "AllAtOnce"
         else api.max_unavailable_count(strat.max_unavailable, len(pods))
     )
-    version = spec.checkpoint.version
+    version = spec.version
     out = [
-        f"WeightRefit {meta.get('name') or '(new)'}: {version} from {spec.checkpoint.path}",
+        f"WeightRefit {meta.get('name') or '(new)'}: {version} from {_source(spec)}",
         f"Fleet {spec.fleet.selector.canonical()}: {len(pods)} pods; strategy {strat.type}"
         + (
             f", maxUnavailable {strat.max_unavailable} -> {width} at a time"
@@ -336,3 +336,10 @@ HISTORY_HEADERS = ("  NAME", "VERSION", "OUTCOME", "REASON", "UPDATED", "FROM", 
 
 def fleet_of(doc: Mapping[str, Any]) -> str:
     return api.LabelSelector.model_validate(doc["spec"]["fleet"]["selector"]).canonical()
+
+
+def _source(spec: api.WeightRefitSpec) -> str:
+    if spec.broadcast is None:
+        return spec.path
+    r = spec.broadcast.rendezvous
+    return f"a {spec.broadcast.engine} broadcast by the trainer at {r.host}:{r.port}"

@@ -46,6 +46,12 @@ ErrorKind = Literal["http", "timeout", "connect", "protocol", "rejected"]
 
 # A pod that has not accepted the connection by then is unreachable, not slow.
 CONNECT_TIMEOUT_SECONDS = 10.0
+# vLLM's RL routes of a broadcast (docs/broadcast.md): like /collective_rpc, a refusal raises
+# through vLLM's app, with the worker's RefitRejected text in the body.
+TRANSFER_PATHS = frozenset(
+    {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+     "/finish_weight_update"}
+)  # fmt: skip
 # Gauges whose sum is the number of requests a drain still waits for.
 IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -216,7 +222,7 @@ class WorkerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if self._fence is not None and not api:
             headers[contract.FENCE_HEADER] = self._fence
-        if path == "/collective_rpc":
+        if path == "/collective_rpc" or path in TRANSFER_PATHS:
             # A refusing RPC raises through vLLM's app; uvicorn then closes the connection
             # right after the 500, and a pooled reuse of it races that close (a spurious
             # "connect" error on the next call). RPCs are rare: give each its own connection.
@@ -256,7 +262,7 @@ class WorkerClient:
                 raise WorkerError(
                     "rejected", stale, status=answer.status, code=contract.STALE_FENCE
                 )
-        if path == "/collective_rpc":
+        if path == "/collective_rpc" or path in TRANSFER_PATHS:
             rejection = contract.parse_rejection(_rpc_error_text(text))
             if rejection is not None:
                 code, detail = rejection
@@ -320,6 +326,13 @@ class WorkerClient:
         except contract.ContractError as exc:
             raise WorkerError("protocol", str(exc)) from exc
 
+    async def received(
+        self, digest: str, version: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """What the pod's transfer engine received and loaded last (refuses unless it loaded
+        exactly the manifest ``digest``); records ``version`` as the worker's version."""
+        return await self._rpc_dict(contract.RPC_RECEIVED, [digest, version], timeout)
+
     async def _rpc_dict(
         self, method: str, args: list[Any], timeout: float | None
     ) -> dict[str, Any]:
@@ -368,6 +381,31 @@ class WorkerClient:
         if not _field(doc, "success", bool, "reset_prefix_cache"):
             # vLLM refuses while blocks are still held (running requests); a retry may pass.
             raise WorkerError("rejected", "reset_prefix_cache refused: cache blocks still held")
+
+    async def init_weight_transfer(
+        self, init_info: dict[str, Any], *, timeout: float | None = None
+    ) -> None:
+        """Join the trainer's transfer group; answers once every rank has joined."""
+        await self._request(
+            "POST", "/init_weight_transfer_engine", timeout=timeout, json={"init_info": init_info}
+        )
+
+    async def start_weight_update(self, *, timeout: float | None = None) -> None:
+        await self._request("POST", "/start_weight_update", timeout=timeout)
+
+    async def update_weights(
+        self, update_info: dict[str, Any], *, timeout: float | None = None
+    ) -> None:
+        """Receive the trainer's send, check it against the manifest and load it; answers
+        once that is done (a refusal raises ``rejected`` with the contract's code)."""
+        await self._request(
+            "POST", "/update_weights", timeout=timeout, json={"update_info": update_info}
+        )
+
+    async def finish_weight_update(self, version: str, *, timeout: float | None = None) -> None:
+        await self._request(
+            "POST", "/finish_weight_update", timeout=timeout, json={"weight_version": version}
+        )
 
     async def update_weight_version(self, version: str, *, timeout: float | None = None) -> None:
         doc = await self._json(

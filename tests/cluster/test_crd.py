@@ -348,6 +348,7 @@ def test_other_spec_fields_stay_mutable(
 
 FULL_STATUS: Manifest = {
     "phase": "Progressing",
+    "broadcast": {"round": 2, "worldSize": 3, "receivers": 2, "state": "Ready"},
     "observedGeneration": 1,
     "message": "2 of 3 pods at step-1; pod-2 is loading",
     "conditions": [
@@ -563,3 +564,99 @@ def test_kubectl_explain_teaches_the_spec(
         explained = control_plane.kubectl("explain", f"weightrefit.{path}").stdout
         # kubectl re-wraps descriptions; compare word by word.
         assert " ".join(description.split()) in " ".join(explained.split()), path
+
+
+# --------------------------------------------------------------------- broadcast source
+BROADCAST = {
+    "version": "step-2",
+    "rendezvous": {"host": "10.0.0.5", "port": 29500},
+    "manifest": {"configMapRef": {"name": "step-2-weights"}, "digest": "ab" * 32},
+}
+CONFIGMAP_REFERENCE = {"source": "ConfigMap", "configMapRef": {"name": "step-2-weights"}}
+
+
+def broadcast_refit(name: str = "bcast") -> Manifest:
+    obj = minimal(name)
+    del obj["spec"]["checkpoint"]
+    obj["spec"]["broadcast"] = copy.deepcopy(BROADCAST)
+    obj["spec"]["probe"] = {"reference": copy.deepcopy(CONFIGMAP_REFERENCE)}
+    return obj
+
+
+def test_a_broadcast_refit_is_accepted_with_its_defaults(
+    control_plane: ControlPlane, ns: str
+) -> None:
+    stored = create(control_plane, ns, broadcast_refit("bcast-ok"), dry_run=True)
+    b = stored["spec"]["broadcast"]
+    assert (b["engine"], b["timeoutSeconds"]) == ("refit-gloo", 600)
+    assert b["manifest"]["configMapRef"]["key"] == "transfer-manifest.json"
+    assert "checkpoint" not in stored["spec"]
+
+
+def _without(path: str) -> Callable[[Manifest], None]:
+    def mutate(obj: Manifest) -> None:
+        *parents, leaf = path.split(".")
+        node = obj
+        for key in parents:
+            node = node[key]
+        del node[leaf]
+
+    return mutate
+
+
+BROADCAST_INVALID = [
+    ("both-sources", _set("spec.checkpoint", {"path": "/c", "version": "v"}),
+     "set exactly one weight source"),
+    ("no-source", _without("spec.broadcast"), "set exactly one weight source"),
+    ("checkpoint-reference", _set("spec.probe.reference", {"source": "Checkpoint"}),
+     "spec.broadcast needs spec.probe.reference.source ConfigMap"),
+    ("host-not-ipv4", _set("spec.broadcast.rendezvous.host", "trainer.local"),
+     "spec.broadcast.rendezvous.host must be an IPv4 address"),
+    ("host-ipv6", _set("spec.broadcast.rendezvous.host", "::1"),
+     "spec.broadcast.rendezvous.host must be an IPv4 address"),
+    ("port-zero", _set("spec.broadcast.rendezvous.port", 0),
+     "should be greater than or equal to 1"),
+    ("digest-short", _set("spec.broadcast.manifest.digest", "ab" * 31),
+     "spec.broadcast.manifest.digest must be 64 lowercase hex"),
+    ("digest-upper", _set("spec.broadcast.manifest.digest", "AB" * 32),
+     "spec.broadcast.manifest.digest must be 64 lowercase hex"),
+    ("unknown-engine", _set("spec.broadcast.engine", "nccl"), "Unsupported value"),
+    ("bad-version", _set("spec.broadcast.version", "step 2"),
+     "spec.broadcast.version must be 1-63"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "fragment"), [c[1:] for c in BROADCAST_INVALID],
+                         ids=[c[0] for c in BROADCAST_INVALID])  # fmt: skip
+def test_an_inconsistent_broadcast_spec_is_rejected(
+    control_plane: ControlPlane, ns: str, mutate: Callable[[Manifest], None], fragment: str
+) -> None:
+    obj = broadcast_refit("bcast-invalid")
+    mutate(obj)
+    proc = create(control_plane, ns, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {json.dumps(obj['spec'])}"
+    assert fragment in proc.stderr, proc.stderr
+    assert control_plane.kubectl("get", "-n", ns, "wr", "bcast-invalid", check=False).returncode
+
+
+def test_the_weight_source_cannot_be_switched(control_plane: ControlPlane, ns: str) -> None:
+    stored = create(control_plane, ns, broadcast_refit("bcast-switch"))
+    try:
+        changed = copy.deepcopy(stored)
+        del changed["spec"]["broadcast"]
+        changed["spec"]["checkpoint"] = {"path": "/checkpoints/step-2", "version": "step-2"}
+        changed["spec"]["probe"]["reference"] = {"source": "Checkpoint"}
+        proc = control_plane.kubectl(
+            "replace", "-n", ns, "-f", "-", input=json.dumps(changed), check=False
+        )
+        assert proc.returncode != 0
+        assert "the weight source" in proc.stderr, proc.stderr
+        again = copy.deepcopy(stored)
+        again["spec"]["broadcast"]["version"] = "other"
+        proc = control_plane.kubectl(
+            "replace", "-n", ns, "-f", "-", input=json.dumps(again), check=False
+        )
+        assert "spec.broadcast is immutable" in proc.stderr, proc.stderr
+        assert get(control_plane, ns, "bcast-switch")["spec"] == stored["spec"]
+    finally:
+        control_plane.kubectl("delete", "-n", ns, "wr", "bcast-switch", "--wait=false")

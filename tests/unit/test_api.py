@@ -57,6 +57,7 @@ def test_spec_defaults_match_the_crd():
         if ".adminTokenSecretRef." in f".{k}"
         or ".apiKeySecretRef." in f".{k}"
         or "configMapRef" in k
+        or k.startswith("broadcast.")
     }
     assert len(defaults) - len(nested_optional) >= 15
     spec = minimal_spec()
@@ -67,6 +68,13 @@ def test_spec_defaults_match_the_crd():
     assert api.SecretKeyRef(name="s").key == defaults["fleet.adminTokenSecretRef.key"]
     assert api.SecretKeyRef(name="s").key == defaults["fleet.apiKeySecretRef.key"]
     assert api.ConfigMapKeyRef(name="c").key == defaults["probe.reference.configMapRef.key"]
+    broadcast = api.Broadcast.model_validate(
+        {"version": "v", "rendezvous": {"host": "10.0.0.1", "port": 1},
+         "manifest": {"configMapRef": {"name": "m"}, "digest": "0" * 64}}
+    )  # fmt: skip
+    assert broadcast.engine == defaults["broadcast.engine"]
+    assert broadcast.timeout_seconds == defaults["broadcast.timeoutSeconds"]
+    assert broadcast.manifest.config_map_ref.key == defaults["broadcast.manifest.configMapRef.key"]
 
 
 def test_every_status_field_is_declared_in_the_crd():
@@ -77,7 +85,9 @@ def test_every_status_field_is_declared_in_the_crd():
             api.PodResult(name="p", probe=api.PodProbe(verdict="Pass"), out_of_traffic_seconds=1.5)
         ],
         conditions=[api.Condition(type="Ready", status="True", reason="R")],
+        broadcast=api.BroadcastRound(round=1, world_size=3, receivers=2),
     ).dump()
+    assert set(status["broadcast"]) == set(declared["broadcast"]["properties"])
     for key in status:
         assert key in declared, key
     pod_fields = declared["pods"]["items"]["properties"]

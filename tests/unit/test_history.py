@@ -18,8 +18,10 @@ def wr(
     completed: float | None = NOW - 3600,
     ttl: int | None = None,
     name: str | None = None,
+    checkpoint: bool = True,
 ) -> Finished:
-    """Refit of training step `step`, created `step` minutes into the run."""
+    """Refit of training step `step`, created `step` minutes into the run (a broadcast with
+    checkpoint=False)."""
     hours, minutes = divmod(step, 60)
     return Finished(
         name=name or f"step-{step:04d}",
@@ -28,6 +30,7 @@ def wr(
         completed=completed,
         ttl=ttl,
         fleet=fleet,
+        checkpoint=checkpoint,
     )
 
 
@@ -103,6 +106,37 @@ def test_limit_zero_keeps_only_the_target() -> None:
 def test_a_newer_failure_does_not_replace_the_target() -> None:
     refits = [wr(1), wr(2), wr(3, "Failed")]
     assert to_delete(refits, Policy(history_limit=1), NOW) == names(1, 3)
+
+
+# --- broadcasts: the target cannot be loaded again -------------------------------------------
+
+
+def test_a_broadcast_target_keeps_the_newest_checkpoint_refit_as_well() -> None:
+    # Steps 1-2 loaded checkpoints, 3-4 were broadcast, 5-8 failed.
+    refits = [wr(1), wr(2), wr(3, checkpoint=False), wr(4, checkpoint=False),
+              *(wr(s, "Failed") for s in range(5, 9))]  # fmt: skip
+    # Step 4 is the target (convergence, kubectl refit history's *); step 2 the rollback
+    # target (status.previous of the next refit). Both take places of the limit.
+    assert to_delete(refits, Policy(history_limit=3), NOW) == names(1, 3, 5, 6, 7)
+    assert to_delete(refits, Policy(history_limit=0), NOW) == names(1, 3, 5, 6, 7, 8)
+    # Neither rule deletes it: its TTL changes nothing.
+    refits[1] = wr(2, ttl=0)
+    assert "step-0002" not in to_delete(refits, Policy(history_limit=0), NOW)
+
+
+def test_a_checkpoint_target_is_its_own_rollback_target() -> None:
+    refits = [wr(1), wr(2, checkpoint=False), wr(3)]
+    assert to_delete(refits, Policy(history_limit=0), NOW) == names(1, 2)
+    assert to_delete(refits, Policy(history_limit=1), NOW) == names(1, 2)
+
+
+def test_a_fleet_of_broadcasts_keeps_only_its_target() -> None:
+    refits = [wr(s, checkpoint=False) for s in range(1, 4)]
+    assert to_delete(refits, Policy(history_limit=0), NOW) == names(1, 2)
+    assert history.rollback_target(refits) is None
+    # A broadcast that failed is no rollback target either.
+    assert history.rollback_target([*refits, wr(4, "Failed")]) is None
+    assert history.rollback_target([*refits, wr(4), wr(5)]) == wr(5)
 
 
 # --- the TTL ----------------------------------------------------------------------------------
@@ -211,6 +245,9 @@ def test_from_object_reads_a_weightrefit_as_the_api_server_returns_it() -> None:
     assert (fresh.phase, fresh.completed, fresh.ttl) == ("Pending", None, None)
     odd = {"metadata": {"name": "x"}, "status": {"completionTime": "yesterday"}}
     assert Finished.from_object(odd, FLEET).completed is None
+    assert r.checkpoint
+    broadcast = {"metadata": {"name": "b"}, "spec": {"broadcast": {"version": "b"}}}
+    assert not Finished.from_object(broadcast, FLEET).checkpoint
 
 
 def test_cost_stays_flat_for_a_long_run() -> None:

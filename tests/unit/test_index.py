@@ -51,3 +51,52 @@ def test_deleted_refits_leave_the_index_and_collection_asks_once() -> None:
     gone = idx.observe(doc("s0", "2026-01-01T00:00:00Z", "Succeeded", sel), deleted=True)
     assert gone is not None and gone.name == "s0"
     assert sorted(idx.names("ns").values()) == ["s1", "s2", "s3"]
+
+
+def broadcast_doc(name: str, created: str, phase: str, selector: dict[str, Any]) -> dict:
+    d = doc(name, created, phase, selector)
+    del d["spec"]["checkpoint"]
+    d["spec"]["broadcast"] = {
+        "version": f"v-{name}",
+        "rendezvous": {"host": "10.0.0.5", "port": 29500},
+        "manifest": {"configMapRef": {"name": "m"}, "digest": "a" * 64},
+    }
+    return d
+
+
+def index_of(*docs: dict) -> RefitIndex:
+    idx = RefitIndex()
+    for d in docs:
+        idx.observe(d)
+    return idx
+
+
+APP_R = {"matchLabels": {"app": "r"}}
+
+
+def test_the_rollback_target_is_the_newest_succeeded_checkpoint_not_a_broadcast() -> None:
+    idx = index_of(
+        doc("a", "2026-01-01T00:00:01Z", "Succeeded", APP_R),
+        broadcast_doc("b", "2026-01-01T00:00:02Z", "Succeeded", APP_R),
+        broadcast_doc("c", "2026-01-01T00:00:03Z", "Succeeded", APP_R),
+    )
+    pods = [pod("p0", app="r")]
+    refs, previous = idx.sharing("ns", "u-me", "2026-01-01T00:00:04Z", "Preflight", pods)
+    # The broadcasts share the fleet (they queue and wake as any refit) ...
+    assert {r.name for r in refs} == {"a", "b", "c"}
+    # ... but only a checkpoint can be loaded again.
+    assert previous is not None and previous.refit == "a"
+    assert (previous.version, previous.path) == ("v-a", "/c/a")
+    # A fleet that only ever received broadcasts has nothing to roll back to.
+    idx.observe(doc("a", "2026-01-01T00:00:01Z", "Succeeded", APP_R), deleted=True)
+    assert idx.sharing("ns", "u-me", "2026-01-01T00:00:04Z", "Preflight", pods)[1] is None
+
+
+def test_collection_keeps_the_rollback_target_behind_a_broadcast_target() -> None:
+    idx = index_of(
+        doc("s0", "2026-01-01T00:00:00Z", "Succeeded", APP_R),
+        doc("s1", "2026-01-01T00:00:01Z", "Succeeded", APP_R),
+        broadcast_doc("s2", "2026-01-01T00:00:02Z", "Succeeded", APP_R),
+    )
+    collected = idx.to_collect("ns", history.Policy(history_limit=0), now=1e10)
+    assert [k.name for k in collected] == ["s0"]

@@ -1,3 +1,4 @@
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,7 @@ def fresh() -> Progress:
 
 def test_steps_in_the_documented_order():
     assert STEPS == (
-        "stage", "drain", "sleep", "wakeWeights", "load", "wakeKV", "resetCache",
+        "stage", "drain", "sleep", "wakeWeights", "load", "receive", "wakeKV", "resetCache",
         "stampVersion", "probe", "ready",
     )  # fmt: skip
 
@@ -76,19 +77,39 @@ def test_backoff_is_bounded():
 
 
 def test_sleep_level_zero_skips_sleep_and_wakes():
-    skipped = [s for s in STEPS if not podflow.step_applies(s, 0)]
-    assert skipped == ["sleep", "wakeWeights", "wakeKV"]
-    assert all(podflow.step_applies(s, 1) for s in STEPS)
+    for source in ("checkpoint", "broadcast"):
+        at_one = [s for s in STEPS if podflow.step_applies(s, 1, source)]
+        at_zero = [s for s in STEPS if podflow.step_applies(s, 0, source)]
+        assert [s for s in at_one if s not in at_zero] == ["sleep", "wakeWeights", "wakeKV"]
+        assert podflow.step_applies("sleep", 2, source)
 
 
-def test_progress_is_recorded_at_checkpoints_only():
-    p = fresh()
+def test_a_checkpoint_loads_and_a_broadcast_receives():
+    # The default source is a checkpoint: every step but the broadcast's receive.
+    assert [s for s in STEPS if not podflow.step_applies(s, 1)] == ["receive"]
+    assert [s for s in STEPS if not podflow.step_applies(s, 1, "checkpoint")] == ["receive"]
+    # A broadcast has no directory to stage or load: it receives instead, and runs the rest.
+    assert [s for s in STEPS if not podflow.step_applies(s, 1, "broadcast")] == ["stage", "load"]
+    assert [s for s in STEPS if not podflow.step_applies(s, 0, "broadcast")] == [
+        "stage", "sleep", "wakeWeights", "load", "wakeKV",
+    ]  # fmt: skip
+    # The receive follows the wake of the weights and precedes the KV cache's, as the load.
+    assert STEPS.index("receive") == STEPS.index("load") + 1
+
+
+def _recorded(p: Progress, now: float) -> tuple[list[str], Progress]:
+    """Walk every step: the steps whose completion is recorded, and the pass at the end."""
     recorded = []
     for step in STEPS:
-        after = podflow.step_done(p, step, 0.1, 1.0)
+        after = podflow.step_done(p, step, 0.1, now)
         if podflow.must_record(p, after):
             recorded.append(step)
         p = after
+    return recorded, p
+
+
+def test_progress_is_recorded_at_checkpoints_only():
+    recorded, _ = _recorded(fresh(), 1.0)
     # Start is recorded by the caller; then once staged (the pod leaves traffic), and at the end.
     assert recorded == ["stage", "ready"]
 
@@ -219,7 +240,8 @@ def test_out_of_traffic_seconds_of_a_succeeded_pass():
     for step in STEPS:
         p = podflow.step_done(p, step, 1.0, 100.0 + 10 * STEPS.index(step))
     assert p.outcome == "Succeeded" and p.left_traffic == 100.0
-    assert podflow.out_of_traffic_seconds(p) == pytest.approx(90.0)
+    # Out from the stage (t=100) to the ready step, 10 s per step after it.
+    assert podflow.out_of_traffic_seconds(p) == pytest.approx(10.0 * (len(STEPS) - 1))
     assert podflow.out_of_traffic_seconds(serving_pass()) is None
 
 
@@ -241,3 +263,53 @@ def test_what_a_pod_serves():
         2.0,
     )  # fmt: skip
     assert _pod(back).serving == "v1"
+
+
+def broadcast_pass(serving: str = "v1") -> Progress:
+    """A broadcast pass (no path) on a pod that serves ``serving``, at its receive step."""
+    p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving=serving, source="broadcast")
+    for step in ("stage", "drain", "sleep", "wakeWeights", "load"):
+        p = podflow.step_done(p, step, 0.0, 110.0)
+    assert p.step == "receive"
+    return p
+
+
+def test_the_source_survives_the_annotation():
+    p = broadcast_pass()
+    assert p.source == "broadcast"
+    assert Progress.from_annotation(p.to_annotation()) == p
+    assert fresh().source == "checkpoint"
+    # A record written before the field existed reads as a checkpoint pass.
+    doc = json.loads(fresh().to_annotation())
+    del doc["source"]
+    assert Progress.from_annotation(json.dumps(doc)) == fresh()
+
+
+def test_a_receive_refused_before_the_model_was_touched_restores_the_pod():
+    for reason in ("TransferMismatch", "TransferFailed", "TrainerTimeout", "ManifestInvalid",
+                   "TensorMismatch"):  # fmt: skip
+        back = podflow.step_failed(broadcast_pass(), "receive", reason, "x", 111.0, retries=3,
+                                   final=True)  # fmt: skip
+        assert back.step == podflow.RESTORE and back.outcome == "", reason
+        done = podflow.restored(back, 112.0)
+        assert done.restored and podflow.readiness(done).reason == "PreviousWeights", reason
+
+
+def test_a_receive_that_may_have_touched_the_model_fails_closed():
+    for reason in ("LoadFailed", "ReceiveTimeout", "PodUnreachable"):
+        p = podflow.step_failed(broadcast_pass(), "receive", reason, "x", 111.0, retries=3,
+                                final=True)  # fmt: skip
+        assert p.outcome == "Failed" and p.step == "receive" and not p.restored, reason
+        assert podflow.readiness(p).ready is False
+    # Without weights it served with a passed probe there is nothing to go back to.
+    p = podflow.step_failed(broadcast_pass(serving=""), "receive", "TransferFailed", "x", 111.0,
+                            retries=3, final=True)  # fmt: skip
+    assert p.outcome == "Failed" and not p.restored
+
+
+def test_a_broadcast_pass_is_recorded_where_a_checkpoint_pass_is():
+    p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving="v1", source="broadcast")
+    recorded, p = _recorded(p, 101.0)
+    # The skipped stage still ends the time in traffic, in the record it writes.
+    assert recorded == ["stage", "ready"]
+    assert p.outcome == "Succeeded" and p.left_traffic == 101.0

@@ -1,0 +1,218 @@
+"""Broadcast refits end to end on real parts: the `refit-operator` process on the real API
+server drives two real vLLM CPU servers (the refit-gloo engine, the admin guard, the worker
+extension), and a real trainer process (`testbed.broadcast_trainer`, through
+`refit_operator.client`) sends the tensors over gloo once per round.
+
+Each test starts from a checkpoint refit to A (the pods serve A, probed; A is the rollback
+target), then broadcasts. Faults are the trainer's own (a process that dies mid-send, sends
+too late, expects a rank that never joins, or changes a tensor after promising it) and a
+consistent but wrong model. Every one ends with no pod serving anything unprobed (the
+harness's invariant watcher) and the fleet on a probed version with a reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testbed.fleet import Fleet
+from testbed.operator_process import Operators
+from testbed.tiny_model import TinyModel
+from testbed.vllm_server import VllmServer, free_port, start_vllm_server
+
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PODS = ("vllm-0", "vllm-1")
+HOSTS = ("127.0.0.2", "127.0.0.3")
+END = {"Succeeded", "Failed", "Halted", "RolledBack"}
+TRANSFER_TIMEOUT = 15  # spec.broadcast.timeoutSeconds of the fault cases
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
+    """Two pods' servers on one port at two loopback addresses, started from A's files with
+    the refit-gloo engine, one admin token."""
+    from refit_worker.contract import TRANSFER_BACKEND
+
+    config = json.dumps({"backend": TRANSFER_BACKEND})
+    port = free_port(HOSTS[0])
+    args = dict(
+        load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
+        admin_token="broadcast-admin-token", extra_args=["--weight-transfer-config", config],
+    )  # fmt: skip
+    with (
+        start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,  # type: ignore[arg-type]
+        start_vllm_server(tiny_model, host=HOSTS[1], **args) as b,  # type: ignore[arg-type]
+    ):
+        yield [a, b]
+
+
+@pytest.fixture
+def fleet(
+    harness: tuple[Fleet, Operators], servers: list[VllmServer], tiny_model: TinyModel
+) -> Iterator[tuple[Fleet, Operators]]:
+    """The two pods in the test's namespace, serving A after a checkpoint refit."""
+    fl, op = harness
+    token = base64.b64encode(servers[0].admin_token.encode()).decode()
+    fl.core.create_namespaced_secret(
+        fl.ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
+    )
+    for name, server in zip(PODS, servers, strict=True):
+
+        class Pod:  # what Fleet.add_pod needs of a worker
+            ip = server.host
+
+        fl.add_pod(name, Pod())  # type: ignore[arg-type]
+    op.start()
+    fl.apply_refit(
+        "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
+        fleet={"adminTokenSecretRef": {"name": "vllm-admin"}}, sequence={"sleepLevel": 1},
+    )  # fmt: skip
+    st = fl.wait_phase("to-a", END, 180, op)["status"]
+    assert st["phase"] == "Succeeded", (st, op.logs())
+    yield fl, op
+
+
+def train(
+    fl: Fleet,
+    tiny_model: TinyModel,
+    servers: list[VllmServer],
+    name: str,
+    version: str,
+    *,
+    tensors: str,
+    reference: str,
+    fault: str = "none",
+    transfer_timeout: int = 60,
+    **spec: Any,
+) -> dict[str, Any]:
+    """Run the trainer process to the verdict; its JSON line."""
+    spec = {
+        "admin_token_secret": "vllm-admin",
+        "sequence": {"sleepLevel": 1},
+        **spec,
+    }
+    cmd = [
+        sys.executable, "-m", "testbed.broadcast_trainer",
+        "--kubeconfig", str(fl.cp.kubeconfig), "--namespace", fl.ns, "--name", name,
+        "--version", version, "--tensors", str(tiny_model.checkpoints[tensors]),
+        "--reference", str(tiny_model.checkpoints[reference] / "refit-probe.json"),
+        "--port", str(free_port("127.0.0.1")), "--fleet-port", str(servers[0].port),
+        "--transfer-timeout", str(transfer_timeout), "--fault", fault, "--timeout", "300",
+        "--spec", json.dumps(spec),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          cwd=Path(__file__).parents[2])  # fmt: skip
+    if fault == "die-mid-send":
+        assert done.returncode == 9, (done.returncode, done.stderr[-3000:])
+        return {}
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def pod_record(fl: Fleet, name: str) -> dict[str, Any]:
+    record = fl.progress(fl.pod(name))
+    assert record is not None
+    return record
+
+
+def serving(fl: Fleet, servers: list[VllmServer]) -> dict[str, tuple[str, bool]]:
+    """Each pod's weight version as vLLM reports it, and whether it is in traffic."""
+    import httpx
+
+    out = {}
+    for name, server in zip(PODS, servers, strict=True):
+        got = httpx.get(server.base_url + "/weight_info", headers=server.admin_headers())
+        out[name] = (got.json()["weight_version"], bool(fl.ready(fl.pod(name))))
+    return out
+
+
+def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
+    fl, op = fleet
+    out = train(fl, tiny_model, servers, "bcast-b", "B-bcast", tensors="B", reference="B")
+    assert out["phase"] == "Succeeded", (out, op.logs())
+    # AllAtOnce: one send to both pods (world: the trainer and two ranks).
+    assert [r["round"] for r in out["rounds"]] == [1]
+    st = out["status"]
+    assert st["broadcast"] == {"round": 1, "worldSize": 3, "receivers": 2, "state": "Done"}
+    cond = {c["type"]: c for c in st["conditions"]}
+    assert cond["ReceiversReady"]["status"] == "False", cond
+    for name in PODS:
+        record = pod_record(fl, name)
+        assert (record["version"], record["source"]) == ("B-bcast", "broadcast")
+        # fp32 pods against B's fp32 reference: the broadcast loaded B exactly.
+        assert record["probe"]["verdict"] == "Pass"
+        assert record["probe"]["maxAbsLogprobDiff"] < 1e-4, record["probe"]
+        # Nothing staged or read from files: the weights came in the receive step.
+        assert record["step_seconds"]["receive"] > 0, record["step_seconds"]
+        assert record["step_seconds"]["stage"] < 0.05, record["step_seconds"]
+    assert serving(fl, servers) == {p: ("B-bcast", True) for p in PODS}
+    # A broadcast is no rollback target: the next refit's previous is still the checkpoint A.
+    # Rolling, one pod at a time: one send per batch, the client loops by itself.
+    out = train(
+        fl, tiny_model, servers, "bcast-a", "A-bcast", tensors="A", reference="A",
+        strategy="Rolling", max_unavailable=1,
+    )  # fmt: skip
+    assert out["phase"] == "Succeeded", (out, op.logs())
+    assert [r["round"] for r in out["rounds"]] == [1, 2]
+    assert out["status"]["broadcast"]["worldSize"] == 2
+    assert out["status"]["previous"]["refit"] == "to-a"
+    assert serving(fl, servers) == {p: ("A-bcast", True) for p in PODS}
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("corrupt-after-promise", "TransferMismatch"),
+        ("die-mid-send", "TransferFailed"),
+        ("extra-rank", "TransferFailed"),
+        ("slow-send", "TransferFailed"),
+        ("silent", "TrainerTimeout"),
+    ],
+)
+def test_a_failed_broadcast_leaves_the_pods_on_their_probed_weights(
+    fleet, servers, tiny_model, fault, reason
+):
+    """Every receive is refused before the model is touched: each pod goes back to serving
+    A (probed), the refit halts with the reason, nothing half-served."""
+    fl, op = fleet
+    out = train(
+        fl, tiny_model, servers, f"bcast-{fault}", "B-bcast", tensors="B", reference="B",
+        fault=fault, transfer_timeout=TRANSFER_TIMEOUT,
+    )  # fmt: skip
+    doc = fl.wait_phase(f"bcast-{fault}", END, 180, op)
+    st = doc["status"]
+    assert st["phase"] == "Halted", (st, out, op.logs())
+    assert st["failedPods"] == 2
+    for name in PODS:
+        record = pod_record(fl, name)
+        assert record["reason"] == reason, record
+        assert record["restored"] is True, record
+    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+
+
+def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
+    fleet, servers, tiny_model
+):
+    """The trainer sends A's tensors with A's promise but B's reference: the transfer checks
+    pass, the probe fails, and Rollback reloads the last checkpoint the fleet served."""
+    fl, op = fleet
+    out = train(
+        fl, tiny_model, servers, "bcast-wrong", "B-bcast", tensors="A", reference="B",
+        on_failure="Rollback",
+    )  # fmt: skip
+    assert out["phase"] == "RolledBack", (out, op.logs())
+    st = fl.refit("bcast-wrong")["status"]
+    assert st["previous"] == {"version": "A", "path": str(tiny_model.checkpoints["A"]),
+                              "refit": "to-a"}  # fmt: skip
+    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+    for name in PODS:
+        record = pod_record(fl, name)
+        assert (record["rollback"], record["version"]) == (True, "A"), record

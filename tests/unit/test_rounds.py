@@ -1,0 +1,204 @@
+"""rounds.Rounds: the rounds of a broadcast refit (docs/broadcast.md, "A broadcast refit"):
+who receives one send of the trainer, at which ranks, and when the pods may join it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from refit_operator.api import BroadcastRound
+from refit_operator.rounds import SENDING_ANNOTATION, Rounds, TrainerTimeout
+
+WAIT = 5.0  # seconds a join may wait in these tests: never reached unless a test fails
+
+
+class Changes:
+    """An on_change callback that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+async def settle() -> None:
+    """Let every task that can run, run."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def joining(rounds: Rounds, *pods: str, seconds: float = WAIT) -> dict[str, asyncio.Task]:
+    return {p: asyncio.create_task(rounds.join(p, seconds)) for p in pods}
+
+
+async def test_a_round_is_ready_only_once_every_member_joined() -> None:
+    rounds = Rounds(0, Changes())
+    assert rounds.view() is None  # no round yet
+    rounds.open(["b", "a", "c"])
+    tasks = joining(rounds, "a", "b")
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=0, receivers=3, state="Joining")
+    tasks |= joining(rounds, "c")
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=4, receivers=3, state="Ready")
+    assert not any(t.done() for t in tasks.values())  # ready, not announced: still waiting
+    rounds.trainer_sending(1)
+    await settle()
+    assert {p: t.result() for p, t in tasks.items()} == {"a": (1, 4), "b": (2, 4), "c": (3, 4)}
+
+
+async def test_ranks_go_by_pod_name_from_one_and_the_trainer_is_rank_zero() -> None:
+    rounds = Rounds(0, Changes())
+    names = ["rollout-2", "rollout-10", "rollout-0", "rollout-1"]
+    rounds.open(names)
+    tasks = joining(rounds, *names)  # the order of joining does not matter
+    await settle()
+    rounds.trainer_sending(1)
+    await settle()
+    got = {p: t.result() for p, t in tasks.items()}
+    # By name (string order), ranks 1..n; the world is the n pods and the trainer.
+    assert got == {
+        "rollout-0": (1, 5), "rollout-1": (2, 5), "rollout-10": (3, 5), "rollout-2": (4, 5),
+    }  # fmt: skip
+
+
+async def test_a_member_that_leaves_before_joining_shrinks_the_round() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a", "b", "c"])
+    tasks = joining(rounds, "a", "c")
+    await settle()
+    assert rounds.view().state == "Joining"
+    rounds.leave("b")  # its pass failed before the receive
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=3, receivers=2, state="Ready")
+    rounds.trainer_sending(1)
+    await settle()
+    assert {p: t.result() for p, t in tasks.items()} == {"a": (1, 3), "c": (2, 3)}
+    rounds.leave("b")  # idempotent
+    assert rounds.view().receivers == 2
+
+
+async def test_a_member_that_leaves_after_the_round_was_ready_keeps_its_rank() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a", "b"])
+    tasks = joining(rounds, "a", "b")
+    await settle()
+    tasks["a"].cancel()
+    rounds.leave("a")  # the trainer may already have opened a world of size 3
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=3, receivers=2, state="Ready")
+    rounds.trainer_sending(1)
+    assert await tasks["b"] == (2, 3)
+
+
+async def test_join_waits_for_the_trainers_announcement_of_its_round() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a"])
+    task = asyncio.create_task(rounds.join("a", WAIT))
+    await settle()
+    assert rounds.view().state == "Ready" and not task.done()
+    rounds.trainer_sending(2)  # another round's number releases nothing
+    await settle()
+    assert not task.done()
+    rounds.trainer_sending(1)
+    assert await task == (1, 2)
+    assert rounds.view().state == "Sending"
+
+
+async def test_join_times_out_when_the_trainer_never_announces() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a"])
+    with pytest.raises(TrainerTimeout) as e:
+        await rounds.join("a", 0.05)
+    assert "round 1 never announced" in str(e.value) and SENDING_ANNOTATION in str(e.value)
+    # A round whose other members never arrive times out as well, and says so.
+    rounds.open(["b", "c"])
+    rounds.leave("a")
+    with pytest.raises(TrainerTimeout) as e:
+        await rounds.join("b", 0.05)
+    assert "round 2 never became ready" in str(e.value) and "1/2 pods joined" in str(e.value)
+
+
+async def test_rounds_are_ready_one_at_a_time_in_order() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a"])
+    rounds.open(["b"])
+    second = asyncio.create_task(rounds.join("b", WAIT))
+    await settle()
+    # Every member of round 2 joined, but round 1 is not done: round 2 waits.
+    assert rounds.view() == BroadcastRound(round=1, world_size=0, receivers=1, state="Joining")
+    rounds.trainer_sending(2)  # the trainer cannot announce a round that is not ready
+    first = asyncio.create_task(rounds.join("a", WAIT))
+    await settle()
+    assert rounds.view().round == 1 and rounds.view().state == "Ready"
+    rounds.trainer_sending(1)
+    assert await first == (1, 2)
+    await settle()
+    assert not second.done()
+    rounds.leave("a")  # past its receive: round 1 is done, round 2 is next
+    assert rounds.view() == BroadcastRound(round=2, world_size=2, receivers=1, state="Ready")
+    rounds.trainer_sending(2)
+    assert await second == (1, 2)  # a round's ranks start from 1 again
+
+
+async def test_the_view_walks_joining_ready_sending_done() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a", "b"])
+    states = [rounds.view().state]
+    tasks = joining(rounds, "a", "b")
+    await settle()
+    states.append(rounds.view().state)
+    rounds.trainer_sending(1)
+    await settle()
+    states.append(rounds.view().state)
+    rounds.leave("a")
+    states.append(rounds.view().state)  # one pod still receiving
+    rounds.leave("b")
+    states.append(rounds.view().state)
+    assert states == ["Joining", "Ready", "Sending", "Sending", "Done"]
+    assert all(t.done() for t in tasks.values())
+    # The last round stays in view, Done, until another opens.
+    assert rounds.view() == BroadcastRound(round=1, world_size=3, receivers=2, state="Done")
+    rounds.open(["a"])
+    assert rounds.view() == BroadcastRound(round=2, world_size=0, receivers=1, state="Joining")
+
+
+async def test_on_change_is_called_when_a_round_becomes_ready_or_done() -> None:
+    changes = Changes()
+    rounds = Rounds(0, changes)
+    rounds.open(["a", "b"])
+    task = asyncio.create_task(rounds.join("a", WAIT))
+    await settle()
+    assert changes.calls == 0  # still joining: nothing for the status to show yet
+    second = asyncio.create_task(rounds.join("b", WAIT))
+    await settle()
+    assert changes.calls == 1  # Ready: the status must say ReceiversReady
+    rounds.trainer_sending(1)
+    await asyncio.gather(task, second)
+    rounds.leave("a")
+    before = changes.calls
+    rounds.leave("b")
+    assert changes.calls > before  # Done
+
+
+async def test_numbering_continues_after_the_round_the_status_shows() -> None:
+    rounds = Rounds(4, Changes())  # an operator restarted after round 4
+    rounds.open(["a"])
+    assert rounds.view().round == 5
+    rounds.open(["a", "b"])  # a stays in its unfinished round; b gets a new one
+    assert rounds.view().receivers == 1
+    rounds.leave("a")
+    assert rounds.view() == BroadcastRound(round=6, world_size=0, receivers=1, state="Joining")
+    rounds.open([])  # nothing to open
+    rounds.open(["b"])
+    assert rounds.view().round == 6
+
+
+async def test_a_pass_outside_every_round_joins_one_of_its_own() -> None:
+    rounds = Rounds(0, Changes())
+    task = asyncio.create_task(rounds.join("x", WAIT))
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=2, receivers=1, state="Ready")
+    rounds.trainer_sending(1)
+    assert await task == (1, 2)
