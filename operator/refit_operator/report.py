@@ -39,7 +39,7 @@ Windows = Mapping[str, tuple[float, float | None]]
 # Up to this many pods each gets a labelled row of its own; a larger fleet is drawn whole, in
 # a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
 LABELLED_ROWS: Final = 100
-# One color per step of the sequence, in order (tab10 + one).
+# One color per step of the sequence, in order (tab10 + two).
 STEP_COLORS: Final = dict(
     zip(
         STEPS,
@@ -49,6 +49,7 @@ STEP_COLORS: Final = dict(
             "#9467bd",
             "#17becf",
             "#ff7f0e",
+            "#ffbb78",  # receive: a broadcast's load
             "#c5b0d5",
             "#8c564b",
             "#e377c2",
