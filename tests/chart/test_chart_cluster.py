@@ -337,8 +337,13 @@ def test_only_bound_trainers_may_create_weightrefits(
     assert _can_i(cp, trainer, "list", "pods", "-n", ns)
     assert _can_i(cp, trainer, "list", "events", "-n", ns)
     assert not _can_i(cp, trainer, "patch", "pods", "-n", ns)
-    assert not _can_i(cp, trainer, "patch", "weightrefits", "-n", ns)
     assert not _can_i(cp, trainer, "get", "secrets", "-n", ns)
+    # A broadcasting trainer writes its transfer manifest and announces each round on the
+    # refit (the spec itself is immutable: CEL); the status stays the operator's.
+    assert _can_i(cp, trainer, "create", "configmaps", "-n", ns)
+    assert _can_i(cp, trainer, "patch", "weightrefits", "-n", ns)
+    assert not _can_i(cp, trainer, "patch", "weightrefits", "--subresource=status", "-n", ns)
+    assert not _can_i(cp, trainer, "get", "configmaps", "-n", ns)
     names = cp.kubectl("get", "weightrefits", "-n", ns, "-o", "name").stdout.split()
     assert names == ["weightrefit.refit.rollout.dev/step-1"]
 
