@@ -15,7 +15,7 @@ from typing import Any
 from bench.results import Metric, SuiteResult, loadavg, machine_info, write_result, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ["scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory"]
+SUITES = ["scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast"]
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
     "soak": "a long RL run: consecutive refits on one fleet (real API server + operator)",
@@ -23,6 +23,7 @@ TITLES = {
     "bandwidth": "reload bandwidth vs a raw sequential read of the same files",
     "probe_cost": "probe tokens and time per pod vs the refit cycle",
     "memory": "vLLM worker RSS across consecutive refits",
+    "broadcast": "broadcast vs checkpoint refit (real vLLM CPU); the transport vs raw TCP",
 }
 
 
@@ -63,6 +64,10 @@ def run_one(
                 f"{scale.LEASE_SECONDS}"
             )
         return metrics, raw, notes
+    if name == "broadcast":
+        from bench import broadcast
+
+        return broadcast.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

@@ -396,10 +396,10 @@ class RefitClient:
         with the manifest's digest; the ConfigMap is then owned by it), and sends the
         tensors once per round: each time the operator reports ReceiversReady for a round
         not sent yet, it opens the ``rendezvous`` (host, port: where the pods reach this
-        process) for that round's world size,
-        announces the round on the WeightRefit and sends. AllAtOnce is one round; Rolling
-        and canary refits one per batch. ``on_send(round, stats)`` sees each send. Other
-        keywords set spec fields as for ``submit``.
+        process) for that round's world size, announces the round on the WeightRefit and
+        sends. AllAtOnce is one round; Rolling and canary refits one per batch.
+        ``on_send(round, stats)`` sees each send. Other keywords set spec fields as for
+        ``submit``.
         """
         from refit_worker import broadcast as wire  # torch: the trainer's environment only
 
@@ -466,10 +466,7 @@ class RefitClient:
         last: dict[str, Any] | None = None
         while True:
             status = self.get(name, namespace=ns).get("status") or {}
-            if status != last and on_update is not None:
-                on_update(status)
-            last = status
-            history.observe(status)
+            last = _follow(status, last, on_update, history)
             if _final(status):
                 return self._verdict(name, ns, status, history)
             ready = _round_ready(status)
@@ -548,10 +545,7 @@ class RefitClient:
         while True:
             doc = self.get(name, namespace=ns)
             status = doc.get("status") or {}
-            if status != last and on_update is not None:
-                on_update(status)
-            last = status
-            history.observe(status)
+            last = _follow(status, last, on_update, history)
             if _final(status):
                 return self._verdict(name, ns, status, history)
             left = deadline - time.monotonic()
@@ -560,10 +554,7 @@ class RefitClient:
             # Watch from the version just read: no change is missed between get and watch.
             rv = doc["metadata"]["resourceVersion"]
             for status in self._watch(name, ns, rv, left):
-                if status != last and on_update is not None:
-                    on_update(status)
-                last = status
-                history.observe(status)
+                last = _follow(status, last, on_update, history)
                 if _final(status):
                     return self._verdict(name, ns, status, history)
             # Watch ended (timeout, expired resourceVersion, dropped connection): re-read.
@@ -623,6 +614,20 @@ class RefitClient:
             return
         finally:
             w.stop()
+
+
+def _follow(
+    status: dict[str, Any],
+    last: dict[str, Any] | None,
+    on_update: Callable[[dict[str, Any]], None] | None,
+    history: History,
+) -> dict[str, Any]:
+    """One status read while following a refit: ``on_update`` on a change, the history
+    kept; returns the status as the new ``last``."""
+    if status != last and on_update is not None:
+        on_update(status)
+    history.observe(status)
+    return status
 
 
 def _round_ready(status: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -356,12 +356,9 @@ class Engine:
         b = view.spec.broadcast
         assert b is not None
         ref = b.manifest.config_map_ref
-        try:
-            text = await self.cluster.read_key("ConfigMap", view.namespace, ref.name, ref.key)
-        except AccessDenied as e:
-            return "ManifestForbidden", str(e)
-        if text is None:
-            return "ManifestMissing", f"ConfigMap {ref.name} has no key {ref.key!r}"
+        text = await self._read_key("ConfigMap", view.namespace, ref.name, ref.key, "Manifest")
+        if isinstance(text, tuple):
+            return text
         try:
             manifest = TransferManifest.from_json_dict(json.loads(text))
         except (ValueError, ContractError) as e:
@@ -383,15 +380,25 @@ class Engine:
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
-            try:
-                value = await self.cluster.read_key("Secret", view.namespace, ref.name, ref.key)
-            except AccessDenied as e:
-                return "SecretForbidden", str(e)
-            if value is None:
-                return "SecretMissing", f"Secret {ref.name} has no key {ref.key!r}"
+            value = await self._read_key("Secret", view.namespace, ref.name, ref.key, "Secret")
+            if isinstance(value, tuple):
+                return value
             setattr(st, attr, value)
         st.secrets_loaded = True
         return None
+
+    async def _read_key(
+        self, kind: str, namespace: str, name: str, key: str, what: str
+    ) -> str | tuple[str, str]:
+        """A Secret's or ConfigMap's value, or the problem: (``<what>Forbidden``, ...) when
+        RBAC forbids the read, (``<what>Missing``, ...) when the object or key is absent."""
+        try:
+            value = await self.cluster.read_key(kind, namespace, name, key)
+        except AccessDenied as e:
+            return f"{what}Forbidden", str(e)
+        if value is None:
+            return f"{what}Missing", f"{kind} {name} has no key {key!r}"
+        return value
 
     # ---------------------------------------------------------------- pod passes
     def _client(

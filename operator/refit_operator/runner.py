@@ -277,8 +277,6 @@ async def _receive(
     assert ctx.broadcast is not None, "a broadcast pass needs the refit's broadcast source"
     b = ctx.broadcast.spec
     t_step = float(ctx.spec.sequence.step_timeout_seconds)
-    # The pod's own transfer timeout answers first; the HTTP timeout only catches a hung pod.
-    t_transfer = float(b.timeout_seconds) + t_step
     digest = b.manifest.digest
     if podflow.must_read_back(progress, resumed):
         try:  # a receive that finished before a restart is not received again
@@ -292,19 +290,38 @@ async def _receive(
         rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
     except TrainerTimeout as e:
         raise StepFailed("TrainerTimeout", str(e), final=True) from e
+    await receive_broadcast(
+        worker, b, ctx.broadcast.manifest, rank, world, progress.version, t_step
+    )
+
+
+async def receive_broadcast(
+    worker: WorkerClient,
+    spec: Broadcast,
+    manifest: dict[str, object],
+    rank: int,
+    world: int,
+    version: str,
+    t_step: float,
+) -> dict[str, object]:
+    """One pod's side of a round, once the trainer announced it (the bench runs the same
+    code): join the transfer at ``rank`` of ``world``, receive, check and load, finish, and
+    read back what was loaded (refit_received); returns that record."""
+    # The pod's own transfer timeout answers first; the HTTP timeout only catches a hung pod.
+    t_transfer = float(spec.timeout_seconds) + t_step
     init = {
-        "master_address": b.rendezvous.host,
-        "master_port": b.rendezvous.port,
+        "master_address": spec.rendezvous.host,
+        "master_port": spec.rendezvous.port,
         "rank_offset": rank,
         "world_size": world,
-        "timeout_seconds": b.timeout_seconds,
+        "timeout_seconds": spec.timeout_seconds,
     }
     await worker.init_weight_transfer(init, timeout=t_transfer)
     await worker.start_weight_update(timeout=t_step)
-    await worker.update_weights({"manifest": ctx.broadcast.manifest}, timeout=t_transfer)
-    await worker.finish_weight_update(progress.version, timeout=t_step)
+    await worker.update_weights({"manifest": manifest}, timeout=t_transfer)
+    await worker.finish_weight_update(version, timeout=t_step)
     # Records the version as the worker's and refuses unless it loaded exactly the promise.
-    await worker.received(digest, progress.version, timeout=t_step)
+    return await worker.received(spec.manifest.digest, version, timeout=t_step)
 
 
 async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:

@@ -593,21 +593,10 @@ def test_a_broadcast_refit_is_accepted_with_its_defaults(
     assert "checkpoint" not in stored["spec"]
 
 
-def _without(path: str) -> Callable[[Manifest], None]:
-    def mutate(obj: Manifest) -> None:
-        *parents, leaf = path.split(".")
-        node = obj
-        for key in parents:
-            node = node[key]
-        del node[leaf]
-
-    return mutate
-
-
 BROADCAST_INVALID = [
     ("both-sources", _set("spec.checkpoint", {"path": "/c", "version": "v"}),
      "set exactly one weight source"),
-    ("no-source", _without("spec.broadcast"), "set exactly one weight source"),
+    ("no-source", _drop("spec.broadcast"), "set exactly one weight source"),
     ("checkpoint-reference", _set("spec.probe.reference", {"source": "Checkpoint"}),
      "spec.broadcast needs spec.probe.reference.source ConfigMap"),
     ("host-not-ipv4", _set("spec.broadcast.rendezvous.host", "trainer.local"),
