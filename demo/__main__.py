@@ -11,9 +11,12 @@ each server's own loopback address, and a real Prometheus scraping the operator.
     v2  checkpoint B      Rolling, canary 1                                  -> Succeeded
     v3  checkpoint mixed  Rolling, canary 1   valid manifest, wrong weights  -> the probe
         rejects the canary, the rollout halts, the canary is rolled back     -> RolledBack
+    v4  broadcast of A    AllAtOnce           a trainer process sends A's tensors over
+        gloo (refit_operator.client); each pod checks them against the trainer's promise
+        before loading, then the probe gates it as for a checkpoint           -> Succeeded
 
 with live per-pod progress, a summary table and PNG reports (refit_operator.report). Exit 0
-only when every outcome is the expected one and every pod serves v2 again, in traffic.
+only when every outcome is the expected one and every pod serves v4, in traffic.
 Everything started is stopped at the end (also on Ctrl-C); `--keep` leaves it all running
 until Ctrl-C and prints how to look at it.
 
@@ -48,7 +51,7 @@ from kubernetes import config as k8s_config
 from refit_operator.client import RefitClient, RefitFailed, RefitTimeout, reason_of
 from refit_operator.report import render_refit
 from refit_operator.views import describe, duration, table
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
 from testbed import controlplane, prometheus, vllm_server
 from testbed.operator_process import OperatorProcess
@@ -71,6 +74,7 @@ class Step:
     strategy: dict[str, Any]
     expect: str  # the phase this step must end in
     what: str
+    broadcast: bool = False  # sent by a trainer process instead of read from the directory
 
 
 SCENARIO = (
@@ -81,6 +85,9 @@ SCENARIO = (
     Step("demo-v3", "v3", "mixed", {"strategy": "Rolling", "canary": 1, "max_unavailable": 1},
          "RolledBack", "the mixed checkpoint: valid manifest, wrong weights; the probe must "
          "reject it and the fleet must end at v2"),
+    Step("demo-v4", "v4", "A", {"strategy": "AllAtOnce"}, "Succeeded",
+         "A's tensors broadcast by a trainer process (gloo), checked against its promise",
+         broadcast=True),
 )  # fmt: skip
 
 
@@ -159,8 +166,9 @@ def start_servers(
 
     def start(ip: str) -> None:
         cm: AbstractContextManager[Any] = vllm_server.start_vllm_server(
-            model, host=ip, port=port, admin_token=token
-        )
+            model, host=ip, port=port, admin_token=token,
+            extra_args=["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})],
+        )  # fmt: skip
         try:
             results[ip] = (cm, cm.__enter__())
         except BaseException as e:  # reported below, after every thread ended
@@ -253,13 +261,38 @@ class Live:
         self.out.write("\n")
 
 
-def run_step(refits: RefitClient, live: Live, model: Any, step: Step, port: int) -> Result:
-    path = model.checkpoints[step.checkpoint]
+def start_trainer(model: Any, step: Step, port: int, kubeconfig: Path, log: Path) -> Any:
+    """The trainer of a broadcast step: its own process (torch stays out of this one),
+    `testbed.broadcast_trainer`, which sends through refit_operator.client."""
+    spec = {"admin_token_secret": SECRET, "on_failure": "Rollback", **step.strategy}
+    ckpt = model.checkpoints[step.checkpoint]
+    cmd = [
+        sys.executable, "-m", "testbed.broadcast_trainer", "--kubeconfig", str(kubeconfig),
+        "--namespace", NAMESPACE, "--name", step.name, "--version", step.version,
+        "--tensors", str(ckpt), "--reference", str(ckpt / "refit-probe.json"),
+        "--port", str(controlplane.free_port()), "--fleet-port", str(port),
+        "--selector", ",".join(f"{k}={v}" for k, v in LABELS.items()),
+        "--timeout", str(REFIT_TIMEOUT), "--spec", json.dumps(spec),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log.open("wb"),
+                            text=True)  # fmt: skip
+
+
+def run_step(
+    refits: RefitClient, live: Live, model: Any, step: Step, port: int, kubeconfig: Path,
+    state: Path,
+) -> Result:  # fmt: skip
     began = time.monotonic()
-    name = refits.submit(
-        path, step.version, name=step.name, fleet_selector=LABELS, port=port,
-        admin_token_secret=SECRET, on_failure="Rollback", **step.strategy,
-    )  # fmt: skip
+    trainer = None
+    if step.broadcast:
+        trainer = start_trainer(model, step, port, kubeconfig, state / f"{step.name}.log")
+        name = step.name
+    else:
+        name = refits.submit(
+            model.checkpoints[step.checkpoint], step.version, name=step.name,
+            fleet_selector=LABELS, port=port, admin_token_secret=SECRET, on_failure="Rollback",
+            **step.strategy,
+        )  # fmt: skip
     stop = threading.Event()
 
     result = Result(step)
@@ -276,7 +309,16 @@ def run_step(refits: RefitClient, live: Live, model: Any, step: Step, port: int)
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        result.status = refits.wait(name, REFIT_TIMEOUT, on_update=result.observe)
+        if trainer is not None:
+            said = trainer.communicate(timeout=REFIT_TIMEOUT + 60)[0].strip().splitlines()
+            verdict = json.loads(said[-1]) if said else {"error": "the trainer said nothing"}
+            if trainer.returncode or verdict.get("error"):
+                raise DemoError(f"the trainer failed: {verdict}; log {state / name}.log")
+            result.status = refits.get(name).get("status") or {}
+            result.observe(result.status)
+            result.reason = verdict.get("reason", "")
+        else:
+            result.status = refits.wait(name, REFIT_TIMEOUT, on_update=result.observe)
     except RefitFailed as e:
         result.status = e.status
         result.reason = e.cause
@@ -320,7 +362,8 @@ def summary(results: list[Result]) -> str:
     for r in results:
         st = r.status
         rows.append([
-            r.step.name, r.step.version, r.step.checkpoint,
+            r.step.name, r.step.version,
+            r.step.checkpoint + (" (broadcast)" if r.step.broadcast else ""),
             r.step.strategy["strategy"] + (" canary 1" if r.step.strategy.get("canary") else ""),
             r.phase or "-", r.reason if r.reason != r.phase else "",
             ",".join(sorted(r.pod_reasons)) or "-",
@@ -387,7 +430,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         results = []
         for step in SCENARIO:
             say(f"refit {step.version}: {step.what}")
-            results.append(run_step(refits, live, model, step, port))
+            results.append(run_step(refits, live, model, step, port, cp.kubeconfig, state))
 
         versions = fleet_versions(servers)
         traffic = in_traffic(core, names)
@@ -424,11 +467,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     out.write(f"report: {path}\n")
         ok = (
             all(r.ok for r in results)
-            and set(versions.values()) == {"v2"}
+            and set(versions.values()) == {SCENARIO[-1].version}
             and all(traffic.values())
             and scraped.get("probe fail", 0) >= 1
             and scraped.get("refit rolled_back", 0) >= 1
-            and bool({"LogprobDrift", "NllDrift"} & results[-1].pod_reasons)
+            and bool({"LogprobDrift", "NllDrift"} & results[2].pod_reasons)
         )
         out.write(f"\nwall time {time.monotonic() - t0:.0f}s; outcome "
                   f"{'as expected' if ok else 'NOT as expected'}\n")  # fmt: skip

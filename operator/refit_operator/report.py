@@ -27,7 +27,7 @@ from refit_worker.contract import API_GROUP
 
 from . import api, times, traffic
 from .podflow import STEPS, PodView, Progress
-from .views import seconds
+from .views import seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
@@ -406,7 +406,7 @@ def render_refit(
     meta = doc.get("metadata", {})
     spec = doc.get("spec", {})
     thresholds = spec.get("probe", {}).get("thresholds")
-    version = (spec.get("checkpoint") or spec.get("broadcast") or {}).get("version", "?")
+    version = version_of(doc)
     title = title or f"WeightRefit {meta.get('namespace', '?')}/{meta.get('name', '?')} → {version}"
     status = doc.get("status") or {}
     results = None

@@ -127,6 +127,13 @@ POD_HEADERS = ("POD", "PHASE", "STEP", "VERSION", "READY", "ATTEMPTS", "PROBE", 
                "REF-NLL", "MEAN|Δ|", "MAX|Δ|", "OUT-OF-TRAFFIC", "REASON")  # fmt: skip
 
 
+def version_of(doc: Mapping[str, Any]) -> str:
+    """A WeightRefit document's version, whatever its weight source (checkpoint or broadcast)."""
+    spec = doc.get("spec") or {}
+    source = spec.get("checkpoint") or spec.get("broadcast") or {}
+    return str(source.get("version", "?"))
+
+
 def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = ()) -> str:
     """One refit: a header (version, phase, counts, reason, message) and the per-pod table."""
     meta, spec, status = doc["metadata"], doc.get("spec") or {}, doc.get("status") or {}
@@ -134,7 +141,7 @@ def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = (
     strat = spec.get("strategy") or {}
     reason, message = reason_of(status) if status else ("", "")
     lines = [
-        f"WeightRefit {meta['namespace']}/{meta['name']}: {spec['checkpoint']['version']} "
+        f"WeightRefit {meta['namespace']}/{meta['name']}: {version_of(doc)} "
         f"({strat.get('type', 'AllAtOnce')}, canary {strat.get('canary', 0)}) "
         f"on fleet {status.get('fleet') or fleet_of(doc)}",
         f"Phase: {phase}   Updated: {status.get('updatedPods', 0)}/{status.get('targetPods', 0)}"
@@ -188,7 +195,7 @@ def refit_rows(
         st = d.get("status") or {}
         reason = reason_of(st)[0] if st else ""
         rows.append([
-            d["metadata"]["name"], d["spec"]["checkpoint"]["version"], st.get("phase") or "Pending",
+            d["metadata"]["name"], version_of(d), st.get("phase") or "Pending",
             f"{st.get('updatedPods', 0)}/{st.get('targetPods', 0)}", st.get("failedPods", 0),
             _num((st.get("probeSummary") or {}).get("worstMaxAbsLogprobDiff")),
             reason if reason != st.get("phase") else "",
@@ -322,7 +329,7 @@ def history_rows(docs: Sequence[Mapping[str, Any]]) -> list[list[object]]:
         reason = reason_of(st)[0] if st else ""
         rows.append([
             ("* " if d["metadata"]["name"] == current else "  ") + d["metadata"]["name"],
-            d["spec"]["checkpoint"]["version"], st.get("phase") or "Pending",
+            version_of(d), st.get("phase") or "Pending",
             reason if reason != st.get("phase") else "",
             f"{st.get('updatedPods', 0)}/{st.get('targetPods', 0)}",
             (st.get("previous") or {}).get("version") or "-",

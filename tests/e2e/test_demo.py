@@ -35,15 +35,19 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     v3 = rows["demo-v3"]
     assert "RolledBack" in v3 and v3[-1] == "ok"
     assert re.search(r"LogprobDrift|NllDrift", " ".join(v3))
+    # The last version came by broadcast from a trainer process, gated by the same probe.
+    v4 = rows["demo-v4"]
+    assert "(broadcast)" in v4 and "Succeeded" in v4 and v4[-1] == "ok"
     pods = [line.split() for line in text.splitlines() if line.startswith("rollout-")]
     finals = [p for p in pods if len(p) == 4]  # the read-back table: name, address, version, yes
-    assert [p[2:] for p in finals[-PODS:]] == [["v2", "yes"]] * PODS
+    assert [p[2:] for p in finals[-PODS:]] == [["v4", "yes"]] * PODS
     assert "outcome as expected" in text
     assert sorted(p.name for p in out.glob("*.png")) == [
         "demo-v1.png",
         "demo-v2.png",
         "demo-v3-rejected.png",
         "demo-v3.png",
+        "demo-v4.png",
     ]
     # Everything it started is gone: no server still listens on the pods' addresses.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

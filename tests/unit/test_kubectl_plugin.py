@@ -205,3 +205,24 @@ def test_out_of_traffic_from_the_pods_records_when_the_status_has_none():
     )
     # Nothing measured yet: no line.
     assert "Out of traffic" not in describe(doc, [pod("a"), pod("z", progress=other)])
+
+
+def broadcast_doc(version: str = "v9") -> dict:
+    doc = refit_doc()
+    del doc["spec"]["checkpoint"]
+    doc["spec"]["broadcast"] = {
+        "version": version,
+        "rendezvous": {"host": "10.0.0.5", "port": 29500},
+        "manifest": {"configMapRef": {"name": "m"}, "digest": "ab" * 32},
+    }
+    doc["spec"]["probe"] = {"reference": {"source": "ConfigMap", "configMapRef": {"name": "m"}}}
+    doc["metadata"]["namespace"] = "ns"
+    return doc
+
+
+def test_every_view_names_a_broadcast_refits_version_and_source():
+    doc = broadcast_doc()
+    assert describe(doc, [pod("a")]).splitlines()[0].startswith("WeightRefit ns/wr: v9 ")
+    assert "v9" in " ".join(" ".join(r) for r in history_rows([doc]))
+    text = plan_report(doc, [pod("a")], [])
+    assert "v9 from a refit-gloo broadcast by the trainer at 10.0.0.5:29500" in text
