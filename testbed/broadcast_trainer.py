@@ -4,7 +4,8 @@ prints the verdict as one JSON line. Tests run it as a real process (it may die 
 
     python -m testbed.broadcast_trainer --kubeconfig K --namespace NS --name N --version V \\
         --tensors CKPT_DIR --reference refit-probe.json --port P --fleet-port 8000 \\
-        [--fault die-mid-send|slow-send|extra-rank|corrupt-after-promise|silent] [--spec JSON]
+        [--fault die-mid-send|stall-after-header|slow-send|extra-rank|corrupt-after-promise|silent]
+        [--spec JSON]
 
 Faults (each changes only this process):
 - die-mid-send: the process exits (status 9) after the round's header, before any tensor.
@@ -13,6 +14,8 @@ Faults (each changes only this process):
   never joins).
 - corrupt-after-promise: changes one tensor after its digest went into the promise.
 - silent: never opens the rendezvous nor announces a round (it still waits for the verdict).
+- stall-after-header: sends the round's header, then waits STALL_SECONDS before the tensors
+  (the pods are inside their receive meanwhile: a test kills one of them there).
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ from refit_operator.client import RefitClient, RefitError, RefitFailed
 from refit_worker import broadcast as wire
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
+STALL_SECONDS = 8.0
 
 
 def inject(fault: str, tensors: dict[str, Any], transfer_timeout: int) -> None:
-    if fault == "die-mid-send":
+    if fault in ("die-mid-send", "stall-after-header"):
         broadcasts = [0]
         original = wire.Group.broadcast
 
         def broadcast(self: wire.Group, tensor: Any) -> None:
             broadcasts[0] += 1
             if self.rank == 0 and broadcasts[0] == 3:  # wire version, header, then a bucket
-                os._exit(9)
+                if fault == "die-mid-send":
+                    os._exit(9)
+                time.sleep(STALL_SECONDS)
             original(self, tensor)
 
         wire.Group.broadcast = broadcast  # type: ignore[method-assign]

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from testbed.fleet import Fleet
 from testbed.operator_process import Operators
@@ -29,6 +33,7 @@ from testbed.vllm_server import VllmServer, free_port, start_vllm_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
+REPO = Path(__file__).parents[2]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.2", "127.0.0.3")
 END = {"Succeeded", "Failed", "Halted", "RolledBack"}
@@ -80,7 +85,7 @@ def fleet(
     yield fl, op
 
 
-def train(
+def trainer_command(
     fl: Fleet,
     tiny_model: TinyModel,
     servers: list[VllmServer],
@@ -92,8 +97,7 @@ def train(
     fault: str = "none",
     transfer_timeout: int = 60,
     **spec: Any,
-) -> dict[str, Any]:
-    """Run the trainer process to the verdict; its JSON line."""
+) -> list[str]:
     spec = {
         "admin_token_secret": "vllm-admin",
         "sequence": {"sleepLevel": 1},
@@ -108,8 +112,16 @@ def train(
         "--transfer-timeout", str(transfer_timeout), "--fault", fault, "--timeout", "300",
         "--spec", json.dumps(spec),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                          cwd=Path(__file__).parents[2])  # fmt: skip
+    return cmd
+
+
+def train(
+    fl: Fleet, tiny_model: TinyModel, servers: list[VllmServer], name: str, version: str,
+    *, fault: str = "none", **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the trainer process to the verdict; its JSON line."""
+    cmd = trainer_command(fl, tiny_model, servers, name, version, fault=fault, **kw)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     if fault == "die-mid-send":
         assert done.returncode == 9, (done.returncode, done.stderr[-3000:])
         return {}
@@ -216,3 +228,46 @@ def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
     for name in PODS:
         record = pod_record(fl, name)
         assert (record["rollback"], record["version"]) == (True, "A"), record
+
+
+def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
+    fleet, servers, tiny_model
+):
+    """The trainer stalls after the round's header; meanwhile one pod's vLLM dies inside its
+    receive. The other pod's round breaks (TransferFailed) and it serves A again; the dead
+    one stays out of traffic with a reason. Last in the module: it kills a server."""
+    fl, op = fleet
+    cmd = trainer_command(
+        fl, tiny_model, servers, "bcast-dies", "B-bcast", tensors="B", reference="B",
+        fault="stall-after-header", transfer_timeout=TRANSFER_TIMEOUT,
+    )  # fmt: skip
+    trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+
+        def sending() -> bool:
+            try:  # the trainer process creates the refit once it has imported torch
+                status = fl.refit("bcast-dies").get("status") or {}
+            except ApiException:
+                return False
+            return (status.get("broadcast") or {}).get("state") == "Sending"
+
+        fl.wait_for(sending, timeout=120, why="the trainer to announce its round")
+        time.sleep(2.0)  # both pods are inside /update_weights, the header received
+        os.killpg(servers[1].process.pid, signal.SIGKILL)
+        trainer.communicate(timeout=300)
+    finally:
+        trainer.kill()
+    st = fl.wait_phase("bcast-dies", END, 180, op)["status"]
+    assert st["phase"] == "Halted", (st, op.logs())
+    alive, dead = pod_record(fl, PODS[0]), pod_record(fl, PODS[1])
+    # The live pod either lost the round with its peer (refused before its model was
+    # touched: A again) or had received all of it from the trainer before the trainer hit
+    # the dead peer (checked and probed: B). Either way it serves a probed version.
+    restored = (alive["reason"], alive["restored"]) == ("TransferFailed", True)
+    loaded = (alive["outcome"], alive["version"]) == ("Succeeded", "B-bcast")
+    assert restored or loaded, alive
+    assert fl.ready(fl.pod(PODS[0])) is True
+    assert dead["outcome"] == "Failed" and not dead["restored"], dead
+    assert dead["reason"] in ("PodUnreachable", "ReceiveTimeout"), dead
+    assert fl.ready(fl.pod(PODS[1])) is False
