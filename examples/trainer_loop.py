@@ -4,7 +4,11 @@
         --pod-root /checkpoints/run1 --selector app=rollout --namespace rl --probe-texts texts.txt
 
 Each iteration: train a few steps, save a checkpoint (safetensors), write its manifest and
-probe reference, submit a WeightRefit and wait for the fleet's verdict. The fleet serves the
+probe reference, submit a WeightRefit and wait for the fleet's verdict. With
+`--broadcast HOST:PORT` no checkpoint is written: the weights go from this process's memory to
+every pod over the network (docs/broadcast.md), with the probe reference computed from the
+model in memory; the pods must run with `--weight-transfer-config '{"backend": "refit-gloo"}'`
+and reach HOST:PORT. The fleet serves the
 new weights only when every pod's probe passed; on failure the operator rolled the fleet
 back (onFailure: Rollback) and the loop stops with the operator's reason.
 
@@ -44,7 +48,13 @@ def train_steps(model, tokenizer, texts: list[str], steps: int, lr: float) -> fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, required=True, help="HF model to start from")
-    p.add_argument("--out-root", type=Path, required=True, help="where checkpoints are written")
+    p.add_argument("--out-root", type=Path, help="where checkpoints are written")
+    p.add_argument(
+        "--broadcast",
+        metavar="HOST:PORT",
+        default=None,
+        help="send the weights from memory instead (the pods reach HOST:PORT)",
+    )
     p.add_argument("--pod-root", default=None, help="out-root as mounted in the pods")
     p.add_argument("--selector", default="app=rollout", help="the fleet's labels")
     p.add_argument("--namespace", default=None)
@@ -55,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--refit-timeout", type=float, default=900)
     args = p.parse_args(argv)
+    if (args.out_root is None) == (args.broadcast is None):
+        p.error("give exactly one of --out-root (checkpoints) and --broadcast HOST:PORT")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,9 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     texts = [t for t in args.probe_texts.read_text().splitlines() if t.strip()]
     refits = RefitClient(namespace=args.namespace, kubeconfig=args.kubeconfig)
 
+    def progress(st: dict, name: str = "") -> None:
+        log.info("  %s: %s %s/%s", name, st.get("phase"), st.get("updatedPods", 0),
+                 st.get("targetPods", 0))  # fmt: skip
+
     for it in range(1, args.iterations + 1):
         loss = train_steps(model, tokenizer, texts, args.steps_per_iteration, args.lr)
         version = f"iter-{it}"
+        if args.broadcast:
+            host, _, port = args.broadcast.rpartition(":")
+            try:
+                status = refits.broadcast(
+                    weights_to_send(model), version, fleet_selector=args.selector,
+                    rendezvous=(host, int(port)),
+                    reference=reference_of(model, args.model_dir, texts, version),
+                    timeout=args.refit_timeout, strategy="AllAtOnce", on_failure="Rollback",
+                    on_update=lambda st, v=version: progress(st, v),
+                )  # fmt: skip
+            except (RefitFailed, RefitTimeout) as e:
+                log.error("broadcast of %s did not succeed: %s", version, e)
+                return 1
+            log.info("iteration %d: loss %.4f; fleet serves %s (sent from memory)",
+                     it, loss, version)  # fmt: skip
+            continue
         ckpt = args.out_root / version
         model.save_pretrained(ckpt, safe_serialization=True)
         tokenizer.save_pretrained(ckpt)
@@ -103,6 +135,26 @@ def main(argv: list[str] | None = None) -> int:
         worst = status.get("probeSummary", {}).get("worstMaxAbsLogprobDiff", 0.0)
         log.info("fleet serves %s (worst |Δlogprob| %.2e)", version, worst)
     return 0
+
+
+def weights_to_send(model) -> dict:  # type: ignore[no-untyped-def]
+    """The model's tensors under the names its checkpoint would have (a tied output head is
+    not a tensor of its own there)."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def reference_of(model, tokenizer_dir: Path, texts: list[str], version: str):  # type: ignore[no-untyped-def]
+    """The probe reference from the model in memory (the same scoring as for a checkpoint)."""
+    from refit_worker import reference
+    from refit_worker.contract import ProbeReference
+
+    ids = reference.tokenize(tokenizer_dir, texts, 128)
+    prompts = tuple(reference.score_model(model, ids))
+    return ProbeReference(version=version, dtype="float32", prompts=prompts,
+                          extra={"tool": "examples/trainer_loop.py", "maxTokens": 128})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -52,15 +52,26 @@ def score(model_dir: Path, token_ids: Sequence[Sequence[int]], dtype: str) -> li
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
     )
+    return score_model(model, token_ids)
+
+
+def score_model(model: Any, token_ids: Sequence[Sequence[int]]) -> list[ProbePrompt]:
+    """``score`` with a model already in memory (a trainer's, for a broadcast refit)."""
+    import torch
+
+    was_training = model.training
     model.eval()
     prompts = []
-    with torch.inference_mode():
-        for ids in token_ids:
-            x = torch.tensor([list(ids)], dtype=torch.long)
-            logits = model(input_ids=x).logits[0, :-1].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            picked = logprobs.gather(1, x[0, 1:].unsqueeze(1)).squeeze(1).tolist()
-            prompts.append(ProbePrompt(tuple(ids), (None, *picked)))
+    try:
+        with torch.inference_mode():
+            for ids in token_ids:
+                x = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+                logits = model(input_ids=x).logits[0, :-1].float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                picked = logprobs.gather(1, x[0, 1:].unsqueeze(1)).squeeze(1).tolist()
+                prompts.append(ProbePrompt(tuple(ids), (None, *picked)))
+    finally:
+        model.train(was_training)
     return prompts
 
 
