@@ -287,7 +287,14 @@ def test_example_fleet_manifests_carry_the_guard_settings() -> None:
     assert {"app.kubernetes.io/name": "refit-operator"} in [
         p["podSelector"]["matchLabels"] for p in peers
     ]
-    assert all(port["port"] == 8000 for rule in policy["ingress"] for port in rule["ports"])
+    # Only the operator, the gateway and Prometheus reach the vLLM port; the broadcast rule
+    # admits the fleet's pods and the trainer to gloo's ephemeral ports, which exclude it.
+    vllm_rules = [r for r in policy["ingress"] if all("endPort" not in p for p in r["ports"])]
+    assert len(vllm_rules) == 3
+    assert all(port["port"] == 8000 for rule in vllm_rules for port in rule["ports"])
+    (gloo,) = [r for r in policy["ingress"] if r not in vllm_rules]
+    assert all(p["port"] > 8000 for p in gloo["ports"])
+    assert {"app": "rollout"} in [p["podSelector"]["matchLabels"] for p in gloo["from"]]
     assert FLEET.joinpath("README.md").exists()
 
 
