@@ -410,6 +410,16 @@ class PodView:
     labels: dict[str, str] = field(default_factory=dict)
     claim: Claim | None = None  # the pass that drives the pod now
     resource_version: str = ""  # as listed: the claim is taken conditional on it
+    # The kubelet's ContainersReady: False while a container starts or restarts (vLLM still
+    # loading, its port refusing connections); a pod whose status has no such condition
+    # counts as ready.
+    containers_ready: bool = True
+
+    @property
+    def startable(self) -> bool:
+        """A new pass may begin: the pod runs, has an address and its containers are ready
+        (a pass begun while vLLM starts would spend its retries on refused connections)."""
+        return self.running and bool(self.ip) and self.containers_ready and not self.deleting
 
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""
@@ -454,4 +464,5 @@ class PodView:
             labels=dict(meta.get("labels") or {}),
             claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
             resource_version=meta.get("resourceVersion", ""),
+            containers_ready=conds.get("ContainersReady", {}).get("status") != "False",
         )

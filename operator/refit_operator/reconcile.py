@@ -639,7 +639,8 @@ def _progress(
         # A broadcast left nothing to load its version from: a pod that joins later waits
         # (out of traffic) for the next refit.
         fresh = [] if spec.broadcast is not None else targets
-        d.start = resumes + [_fresh(n, spec) for n in fresh if states[n] == "todo"]
+        ready = _startable(obs)
+        d.start = resumes + [_fresh(n, spec) for n in fresh if states[n] == "todo" and n in ready]
         d.idle = not d.start and not obs.in_flight
         d.watching = True
         return
@@ -654,7 +655,8 @@ def _progress(
         g = plan.Gate(True, "TotalTimeoutExceeded", f"the refit ran past {limit}s")
     if not g.tripped:
         starts = plan.next_pods(states, spec.strategy)
-        d.start = resumes + [_fresh(n, spec) for n in starts]
+        ready = _startable(obs)
+        d.start = resumes + [_fresh(n, spec) for n in starts if n in ready]
         if spec.checkpoint is not None:  # a broadcast has nothing to stage
             d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
         if plan.all_settled(states) and not obs.in_flight and not d.start:
@@ -718,6 +720,12 @@ def _started(st: WeightRefitStatus) -> float | None:
     return times.epoch(st.start_time)
 
 
+def _startable(obs: Observed) -> frozenset[str]:
+    """Pods a new pass may begin on now; the others (a container starting or restarting) stay
+    to do until the kubelet reports them ready."""
+    return frozenset(p.name for p in obs.pods if p.startable)
+
+
 def _fresh(name: str, spec: WeightRefitSpec) -> PodStart:
     return PodStart(name, spec.version, spec.path, rollback=False, resume=False)
 
@@ -740,7 +748,7 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
     ] + [
         PodStart(n, prev.version, prev.path, rollback=True, resume=False)
         for n, s in states.items()
-        if s == "todo"
+        if s == "todo" and n in _startable(obs)
     ]
     if plan.all_settled(states) and not obs.in_flight and not d.start:
         bad = [n for n, s in states.items() if s != "passed"]

@@ -20,7 +20,7 @@ MODULES = ("api", "plan", "podflow", "probe", "reconcile", "runner", "engine", "
 CAMEL = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 # CamelCase literals that are spec values, API names or prefixes, not reasons.
 NOT_REASONS = {"AllAtOnce", "LatestWins", "ConfigMap", "DoesNotExist", "NotIn", "WeightRefit",
-               "BearerToken", "InProgress", "PodRefit"}  # fmt: skip
+               "BearerToken", "InProgress", "PodRefit", "ContainersReady"}  # fmt: skip
 
 
 def operator_reasons() -> set[str]:

@@ -190,6 +190,41 @@ def test_convergence_of_late_or_restarted_pod():
     assert d.dormant and d.start == []
 
 
+def test_a_pass_waits_for_the_kubelet_to_report_the_containers_ready():
+    """A restarted container (vLLM loading again) or a replacement pod gets its pass only once
+    ContainersReady is True: begun earlier, the pass spent its retries on refused connections
+    and failed for good (found on the real node, tests/node)."""
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
+    prog = done(podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW))
+    fleet = [RefitRef("wr", CREATED, "Succeeded")]
+    starting = [pod("p1", prog, restarts=1, containers_ready=False),
+                pod("new", containers_ready=False)]  # fmt: skip
+    d = decide(observe(r, [pod("p0", prog), *starting], fleet=fleet))
+    assert d.start == [] and d.status.phase == "Succeeded" and d.watching
+    ready = [replace(p, containers_ready=True) for p in starting]
+    d = decide(observe(r, [pod("p0", prog), *ready], fleet=fleet))
+    assert sorted(x.pod for x in d.start) == ["new", "p1"]
+    # The same while the refit progresses: the pod is not started, and the refit waits.
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    d = decide(observe(r, [pod("p0", prog), pod("new", containers_ready=False)]))
+    assert d.start == [] and d.status.phase == "Progressing"
+
+
+def test_containers_ready_is_read_from_the_pod_status():
+    doc = {
+        "metadata": {"name": "p", "uid": "u"},
+        "spec": {},
+        "status": {"phase": "Running", "podIP": "10.0.0.2",
+                   "conditions": [{"type": "ContainersReady", "status": "False"}]},
+    }  # fmt: skip
+    assert PodView.from_pod(doc).startable is False
+    doc["status"]["conditions"][0]["status"] = "True"
+    assert PodView.from_pod(doc).startable is True
+    doc["status"]["conditions"] = []  # no kubelet (the API-only test bed): counts as ready
+    assert PodView.from_pod(doc).startable is True
+
+
 def test_deleted_pod_is_dropped_with_reason():
     s = spec()
     prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
