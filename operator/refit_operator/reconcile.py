@@ -100,6 +100,9 @@ class Decision:
     # The fleet's target refit, watching for late or restarted pods.
     watching: bool = False
     release_finalizer: bool = False
+    # Pods to take out of traffic now: in traffic while their container restarted since
+    # their pass (the weights it loaded are gone), before any pass can begin on them.
+    withdraw: list[str] = field(default_factory=list)
 
     @property
     def dormant(self) -> bool:
@@ -429,6 +432,12 @@ def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
 
 def decide(obs: Observed) -> Decision:
     d = _decide(obs)
+    d.withdraw = [
+        p.name
+        for p in obs.pods
+        if p.ready and p.progress is not None and p.progress.restarts != p.restarts
+        and p.name not in obs.in_flight
+    ]  # fmt: skip
     if obs.refit.spec.broadcast is not None:
         _receivers(d.status, obs)
     return d

@@ -211,6 +211,24 @@ def test_a_pass_waits_for_the_kubelet_to_report_the_containers_ready():
     assert d.start == [] and d.status.phase == "Progressing"
 
 
+def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
+    """Its gate is still True from its pass: without this the kubelet marks it Ready on fresh
+    (unprobed) weights as soon as vLLM is up (seen on the real node, tests/node)."""
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
+    prog = done(podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW))
+    fleet = [RefitRef("wr", CREATED, "Succeeded")]
+    restarted = pod("p1", prog, restarts=1, containers_ready=False)
+    d = decide(observe(r, [pod("p0", prog), restarted], fleet=fleet))
+    assert d.withdraw == ["p1"] and d.start == []
+    # Withdrawn (gate False): not again; it waits for its containers, then gets a pass.
+    d = decide(observe(r, [pod("p0", prog), replace(restarted, ready=False)], fleet=fleet))
+    assert d.withdraw == [] and d.start == []
+    back = replace(restarted, ready=False, containers_ready=True)
+    d = decide(observe(r, [pod("p0", prog), back], fleet=fleet))
+    assert [x.pod for x in d.start] == ["p1"] and d.withdraw == []
+
+
 def test_containers_ready_is_read_from_the_pod_status():
     doc = {
         "metadata": {"name": "p", "uid": "u"},
