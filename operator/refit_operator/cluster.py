@@ -211,14 +211,19 @@ class Cluster:
             raise
         return ClaimedPod(self, namespace, pod.name, claim, rv)
 
-    async def withdraw(self, namespace: str, name: str, reason: str, message: str) -> None:
-        """Set the pod's readiness condition False, without a claim: taking a pod out of
-        traffic is safe whoever does it, and a pass that begins later records its own."""
-        body = {"status": {"conditions": [{
+    async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
+        """Set the pod's readiness condition False, without a claim (taking a pod out of
+        traffic is safe whoever does it), conditional on the pod being exactly as listed: a
+        pass that claimed or recorded it since decides its readiness instead."""
+        body = {"metadata": {"resourceVersion": pod.resource_version}, "status": {"conditions": [{
             "type": READINESS_GATE, "status": "False", "reason": reason,
             "message": message[:1000], "lastTransitionTime": rfc3339(time.time()),
         }]}}  # fmt: skip
-        await self._patch_pod_status(namespace, name, body)
+        try:
+            await self._patch_pod_status(namespace, pod.name, body)
+        except ApiException as e:
+            if e.status not in (404, 409):  # deleted, or changed since listed: not ours
+                raise
 
     async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
         """One strategic-merge patch of pods/status; the pod's new resourceVersion."""

@@ -192,9 +192,10 @@ class Engine:
         d = reconcile.decide(obs)
         if d.need_preflight:
             d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
-        for pod in d.withdraw:  # before vLLM is back up and the kubelet would mark it Ready
+        listed = {p.name: p for p in st.pods}
+        for name in d.withdraw:  # before vLLM is back up and the kubelet would mark it Ready
             await self.cluster.withdraw(
-                namespace, pod, "ContainerRestarted",
+                listed[name], namespace, "ContainerRestarted",
                 "the container restarted and lost the weights its pass loaded; out of "
                 "traffic until a pass brings it back",
             )  # fmt: skip

@@ -436,7 +436,7 @@ def decide(obs: Observed) -> Decision:
         p.name
         for p in obs.pods
         if p.ready and p.progress is not None and p.progress.restarts != p.restarts
-        and p.name not in obs.in_flight
+        and p.name not in obs.in_flight and p.claim is None  # a claimed pod is its pass's
     ]  # fmt: skip
     if obs.refit.spec.broadcast is not None:
         _receivers(d.status, obs)

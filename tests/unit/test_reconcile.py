@@ -221,6 +221,10 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     restarted = pod("p1", prog, restarts=1, containers_ready=False)
     d = decide(observe(r, [pod("p0", prog), restarted], fleet=fleet))
     assert d.withdraw == ["p1"] and d.start == []
+    # A pod another pass holds is that pass's to take out (its claim write does).
+    held = replace(restarted, claim=podflow.Claim("other", "u2", 7, "op"))
+    d = decide(observe(r, [pod("p0", prog), held], fleet=fleet))
+    assert d.withdraw == []
     # Withdrawn (gate False): not again; it waits for its containers, then gets a pass.
     d = decide(observe(r, [pod("p0", prog), replace(restarted, ready=False)], fleet=fleet))
     assert d.withdraw == [] and d.start == []
