@@ -10,7 +10,8 @@ throttling): when it wakes, its passes carry on before the renewal loop runs aga
 leader also keeps a local monotonic deadline, two thirds of a lease duration after the last
 renewal it sent, and ``check()`` (called before every API write and every worker call) raises
 :class:`LeadershipLost` once it has passed. Each acquisition also fixes the fencing epoch (the
-Lease's ``leaseTransitions``): the fencing tokens of a newer leader are always higher.
+Lease's ``leaseTransitions``, counted up on every acquisition, even by the same identity): the
+fencing tokens of a newer leader are always higher.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Lease:
             duration,
         )
         self.epoch = 0  # leaseTransitions when this replica acquired the Lease
+        self.holding = False  # acquired by this object (its renewals keep the epoch)
         self.valid_until = 0.0  # monotonic: acting is safe before this moment
         self._passes = 0
         self.lost = asyncio.Event()
@@ -66,7 +68,10 @@ class Lease:
 
     def _body(self, old: dict[str, Any] | None, now: float) -> dict[str, Any]:
         spec = dict((old or {}).get("spec") or {})
-        if spec.get("holderIdentity") != self.identity:
+        # A new holder, or this identity again in a new process (a restarted container's
+        # operator is pid 1 again), starts a new epoch: its pass counter starts over, and
+        # its fencing tokens must still be higher than its predecessor's.
+        if not self.holding or spec.get("holderIdentity") != self.identity:
             spec["acquireTime"] = times.rfc3339_micro(now)
             spec["leaseTransitions"] = int(spec.get("leaseTransitions", 0)) + (1 if old else 0)
         spec.update(
@@ -120,6 +125,7 @@ class Lease:
 
     def _held(self, body: dict[str, Any], sent: float) -> None:
         self.epoch = int(body["spec"].get("leaseTransitions", 0))
+        self.holding = True
         self.valid_until = sent + self.duration * 2 / 3
 
     async def acquire(self) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import sys
 from typing import Any
@@ -52,11 +53,18 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def process_identity(base: str) -> str:
+    """This process's name in the Lease, Events and pod claims: unique per process, not per
+    pod (as client-go's leader election adds a UUID): a restarted container's operator has
+    the same pod name and, as its image's entrypoint, pid 1 again."""
+    return f"{base}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 async def run(args: argparse.Namespace) -> int:
     api_client = await cluster.connect(args.kubeconfig)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
-    identity = f"{args.identity}-{os.getpid()}"
+    identity = process_identity(args.identity)
     # The Lease has a client (and connection pool) of its own: a renewal must not queue
     # behind thousands of pod writes of a large refit and miss the local deadline.
     lease_client = await cluster.connect(args.kubeconfig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from refit_operator import history
-from refit_operator.main import parse_args
+from refit_operator.main import parse_args, process_identity
 
 
 def test_history_limit_defaults_to_the_policy_default() -> None:
@@ -21,3 +21,11 @@ def test_history_limit_refuses_bad_values(
         parse_args([f"--history-limit={value}"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_each_process_has_its_own_identity() -> None:
+    """A restarted container's operator has the same pod name and pid (1) as the one before:
+    its identity in the Lease, Events and claims must still differ."""
+    first, second = process_identity("refit-7d9f-abcde"), process_identity("refit-7d9f-abcde")
+    assert first.startswith("refit-7d9f-abcde-") and second.startswith("refit-7d9f-abcde-")
+    assert first != second
