@@ -21,7 +21,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ from .rounds import SENDING_ANNOTATION
 from .views import reason_of
 
 log = logging.getLogger(__name__)
-ROUND_POLL_SECONDS = 0.2  # how often a broadcasting trainer reads the refit's status
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
 API_VERSION = f"{API_GROUP}/{api.VERSION}"
@@ -460,34 +459,30 @@ class RefitClient:
     ) -> dict[str, Any]:
         from refit_worker import broadcast as wire
 
-        deadline = time.monotonic() + timeout
         history = History()
         sent = 0
         last: dict[str, Any] | None = None
-        while True:
-            status = self.get(name, namespace=ns).get("status") or {}
+        for status in self._statuses(name, ns, timeout):
             last = _follow(status, last, on_update, history)
             if _final(status):
                 return self._verdict(name, ns, status, history)
             ready = _round_ready(status)
-            if ready is not None and ready[0] > sent:
-                number, world = ready
-                try:
-                    with wire.Sender(world, host=rendezvous[0], port=rendezvous[1],
-                                     timeout_seconds=transfer_timeout) as sender:  # fmt: skip
-                        self._announce(name, ns, number)
-                        stats = sender.send(tensors)
-                    if on_send is not None:
-                        on_send(number, stats)
-                except (wire.TransportError, RuntimeError, OSError) as e:
-                    # The pods' receive fails too: the operator ends their passes, and the
-                    # refit's verdict says what happened to the fleet.
-                    log.warning("round %d of %s: the send failed: %s", number, name, e)
-                sent = number
+            if ready is None or ready[0] <= sent:
                 continue
-            if time.monotonic() > deadline:
-                raise RefitTimeout(name, timeout, status)
-            time.sleep(ROUND_POLL_SECONDS)
+            number, world = ready
+            try:
+                with wire.Sender(world, host=rendezvous[0], port=rendezvous[1],
+                                 timeout_seconds=transfer_timeout) as sender:  # fmt: skip
+                    self._announce(name, ns, number)
+                    stats = sender.send(tensors)
+                if on_send is not None:
+                    on_send(number, stats)
+            except (wire.TransportError, RuntimeError, OSError) as e:
+                # The pods' receive fails too: the operator ends their passes, and the
+                # refit's verdict says what happened to the fleet.
+                log.warning("round %d of %s: the send failed: %s", number, name, e)
+            sent = number
+        raise AssertionError("unreachable: _statuses ends only by raising")
 
     def _announce(self, name: str, ns: str, number: int) -> None:
         """Tell the operator this process listens for round ``number`` (rounds.py)."""
@@ -539,25 +534,31 @@ class RefitClient:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         ns = namespace or self.namespace
-        deadline = time.monotonic() + timeout
         history = History()
         last: dict[str, Any] | None = None
-        while True:
-            doc = self.get(name, namespace=ns)
-            status = doc.get("status") or {}
+        for status in self._statuses(name, ns, timeout):
             last = _follow(status, last, on_update, history)
             if _final(status):
                 return self._verdict(name, ns, status, history)
+        raise AssertionError("unreachable: _statuses ends only by raising")
+
+    def _statuses(self, name: str, ns: str, timeout: float) -> Iterator[dict[str, Any]]:
+        """The refit's status now and at each change after it, for as long as the caller
+        iterates; RefitTimeout once ``timeout`` seconds have passed. A read, then a watch
+        from the version just read (no change is missed between them); when the watch ends
+        (its timeout, an expired resourceVersion, a dropped connection) the same again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            doc = self.get(name, namespace=ns)
+            status = doc.get("status") or {}
+            yield status
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RefitTimeout(name, timeout, status)
-            # Watch from the version just read: no change is missed between get and watch.
-            rv = doc["metadata"]["resourceVersion"]
-            for status in self._watch(name, ns, rv, left):
-                last = _follow(status, last, on_update, history)
-                if _final(status):
-                    return self._verdict(name, ns, status, history)
-            # Watch ended (timeout, expired resourceVersion, dropped connection): re-read.
+            for status in self._watch(name, ns, doc["metadata"]["resourceVersion"], left):
+                yield status
+                if time.monotonic() > deadline:
+                    raise RefitTimeout(name, timeout, status)
 
     def _verdict(
         self, name: str, ns: str, status: dict[str, Any], history: History
