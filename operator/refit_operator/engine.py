@@ -47,7 +47,8 @@ class _RefitState:
     api_key: str | None = None  # vLLM's --api-key, for /v1
     secrets_loaded: bool = False
     references: dict[str, ProbeReference] = field(default_factory=dict)
-    pods: list[PodView] = field(default_factory=list)
+    pods: list[PodView] = field(default_factory=list)  # this tick's, as listed
+    by_name: dict[str, PodView] = field(default_factory=dict)  # the same, by pod name
     admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
     live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
     written: dict[str, Any] | None = None
@@ -58,6 +59,10 @@ class _RefitState:
     peers: dict[str, list[float]] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
+
+    def listed(self, pods: list[PodView]) -> None:
+        """This tick's pods: what the tick's decisions and the passes it starts act on."""
+        self.pods, self.by_name, self.peers = pods, {p.name: p for p in pods}, {}
 
     def peer_nlls(self, version: str) -> list[float]:
         if version not in self.peers:
@@ -170,8 +175,7 @@ class Engine:
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
-        st.pods = self._with_live(await self.cluster.list_pods(namespace, selector), st)
-        st.peers = {}
+        st.listed(self._with_live(await self.cluster.list_pods(namespace, selector), st))
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
         )
@@ -192,10 +196,9 @@ class Engine:
         d = reconcile.decide(obs)
         if d.need_preflight:
             d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
-        listed = {p.name: p for p in st.pods}
         for name in d.withdraw:  # before vLLM is back up and the kubelet would mark it Ready
             await self.cluster.withdraw(
-                listed[name], namespace, "ContainerRestarted",
+                st.by_name[name], namespace, "ContainerRestarted",
                 "the container restarted and lost the weights its pass loaded; out of "
                 "traffic until a pass brings it back",
             )  # fmt: skip
@@ -439,7 +442,7 @@ class Engine:
             peer_nlls=st.peer_nlls,
             admitted=st.admitted, live=st.live, broadcast=st.broadcast,
         )  # fmt: skip
-        pods = {p.name: p for p in st.pods}
+        pods = st.by_name
         if st.broadcast is not None:  # the passes started together receive one send
             st.broadcast.rounds.open(
                 s.pod for s in d.start
@@ -458,7 +461,7 @@ class Engine:
         off a pass that took the pod meanwhile. Best effort: the pass stages anyway."""
         if not st.secrets_loaded:
             await self._load_secrets(view, st)
-        pods = {p.name: p for p in st.pods}
+        pods = st.by_name
         path = view.spec.path
         timeout = float(view.spec.sequence.load_timeout_seconds)
 
