@@ -31,7 +31,7 @@ from refit_worker import broadcast as wire
 from refit_worker.contract import TRANSFER_BACKEND, ProbeReference
 
 from bench.results import Metric
-from bench.vllm_suites import Cycle, Log, SuiteOut, first_completion, refit_cycle
+from bench.vllm_suites import Cycle, Laps, Log, SuiteOut, first_completion, refit_cycle
 from testbed.tiny_model import ensure_tiny_model
 from testbed.vllm_server import free_port, start_vllm_server
 
@@ -50,15 +50,7 @@ async def broadcast_cycle(
     w: WorkerClient, tensors: dict[str, torch.Tensor], version: str
 ) -> tuple[Cycle, dict[str, Any]]:
     """One pod's broadcast refit with the operator's step code, this process the trainer."""
-    steps: dict[str, float] = {}
-    began = t = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        steps[name] = now - t
-        t = now
-
+    lap = Laps()
     manifest = wire.build_manifest(tensors)
     port = free_port("127.0.0.1")
     spec = Broadcast.model_validate(
@@ -90,7 +82,7 @@ async def broadcast_cycle(
     outcome = probe.evaluate(reference, scored, Thresholds())
     lap("probe")
     tokens = sum(len(p.token_ids) for p in reference.prompts)
-    return Cycle(steps, time.perf_counter() - began, tokens, outcome.verdict), record
+    return Cycle(lap.steps, lap.total(), tokens, outcome.verdict), record
 
 
 _REFERENCES: dict[str, ProbeReference] = {}

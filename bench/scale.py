@@ -42,6 +42,7 @@ from refit_worker.contract import API_GROUP
 from bench import apiserver
 from bench.results import Metric, summarize
 from testbed.controlplane import ControlPlane
+from testbed.fleet import weightrefit_body
 from testbed.operator_process import OperatorError, OperatorProcess
 from testbed.pods import register_pod
 from testbed.simfleet import SimFleet
@@ -275,17 +276,7 @@ def refit_body(
     name: str, port: int, checkpoint: Path, version: str, strategy: dict[str, Any], **spec: Any
 ) -> dict[str, Any]:
     """A WeightRefit for the bench fleet (pods labelled LABELS); spec: further spec fields."""
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "WeightRefit",
-        "metadata": {"name": name},
-        "spec": {
-            "fleet": {"selector": {"matchLabels": LABELS}, "port": port},
-            "checkpoint": {"path": str(checkpoint), "version": version},
-            "strategy": strategy,
-            **spec,
-        },
-    }
+    return weightrefit_body(name, version, checkpoint, LABELS, port, strategy=strategy, **spec)
 
 
 def raise_fd_limit(want: int) -> int:

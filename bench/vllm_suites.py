@@ -48,17 +48,25 @@ class Cycle:
     verdict: str
 
 
+class Laps:
+    """A stopwatch of named steps: `lap(name)` records the seconds since the previous lap."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+        self.began = self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.steps[name] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.began
+
+
 async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
     """One pod's full refit: the operator's sequence, then its probe; timed per step."""
-    steps: dict[str, float] = {}
-    began = t = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        steps[name] = now - t
-        t = now
-
+    lap = Laps()
     # The operator's own step code (runner.execute_step) with the API's default sequence.
     progress = podflow.start("bench", "bench", version, path, time.time())
     for step in podflow.STEPS:
@@ -73,7 +81,7 @@ async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
     outcome = probe.evaluate(reference, scored, Thresholds())
     lap("probe")
     tokens = sum(len(p.token_ids) for p in reference.prompts)
-    return Cycle(steps, time.perf_counter() - began, tokens, outcome.verdict)
+    return Cycle(lap.steps, lap.total(), tokens, outcome.verdict)
 
 
 def run_cycles(

@@ -15,8 +15,9 @@ from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_operator import api
 from refit_operator.podflow import PROGRESS_ANNOTATION
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from testbed.controlplane import ControlPlane
 from testbed.operator_process import Operators
@@ -25,6 +26,32 @@ from testbed.simfleet import SimPod
 from testbed.simworker import make_sim_checkpoint
 
 LABELS = {"app": "rollout"}
+
+
+def weightrefit_body(
+    name: str,
+    version: str,
+    path: Path | str,
+    labels: dict[str, str],
+    port: int,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A WeightRefit of the pods labelled `labels` to the checkpoint at `path`; `spec` adds
+    spec fields (its `fleet` merges into spec.fleet)."""
+    return {
+        "apiVersion": f"{API_GROUP}/{api.VERSION}",
+        "kind": "WeightRefit",
+        "metadata": {"name": name},
+        "spec": {
+            "fleet": {
+                "selector": {"matchLabels": labels},
+                "port": port,
+                **spec.pop("fleet", {}),
+            },
+            "checkpoint": {"path": str(path), "version": version},
+            **spec,
+        },
+    }
 
 
 class Fleet:
@@ -82,20 +109,7 @@ class Fleet:
     def apply_refit(
         self, name: str, version: str, path: Path | str, port: int, **spec: Any
     ) -> None:
-        body = {
-            "apiVersion": "refit.rollout.dev/v1alpha1",
-            "kind": "WeightRefit",
-            "metadata": {"name": name},
-            "spec": {
-                "fleet": {
-                    "selector": {"matchLabels": LABELS},
-                    "port": port,
-                    **spec.pop("fleet", {}),
-                },
-                "checkpoint": {"path": str(path), "version": version},
-                **spec,
-            },
-        }
+        body = weightrefit_body(name, version, path, LABELS, port, **spec)
         self.custom.create_namespaced_custom_object(
             "refit.rollout.dev", "v1alpha1", self.ns, "weightrefits", body
         )
