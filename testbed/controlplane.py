@@ -72,12 +72,16 @@ def cache_dir() -> Path:
     return Path(xdg) / "refit"
 
 
-def binaries() -> Path:
-    """Folder holding etcd, kube-apiserver and kubectl; builds them on first use. The build
+def binaries(*, node: bool = False) -> Path:
+    """Folder holding etcd, kube-apiserver and kubectl (and with `node`, kubelet,
+    kube-controller-manager and kube-scheduler); builds them on first use. The build
     script's progress lines (a first build takes minutes) go to our stderr as they come; a
     failure is one error whose message is the script's last line."""
     proc = subprocess.Popen(
-        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ["bash", str(BUILD_SCRIPT), *(["--node"] if node else [])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stderr is not None and proc.stdout is not None
     lines = []
@@ -483,8 +487,8 @@ def _cluster_dir(arg: str | None) -> Path:
     return Path(arg) if arg else cache_dir() / "cluster"
 
 
-def _alive(pid: int, binary: str) -> bool:
-    """pid still runs binary (guards against killing a recycled pid)."""
+def runs(pid: int, binary: str) -> bool:
+    """pid still runs binary (guards against killing a recycled pid; a zombie runs nothing)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
     except OSError:
@@ -498,7 +502,7 @@ def stop_recorded(state_dir: Path) -> bool:
     if not state_file.exists():
         return False
     pids: dict[str, int] = json.loads(state_file.read_text())["pids"]
-    running = [(name, pid) for name, pid in pids.items() if _alive(pid, name)]
+    running = [(name, pid) for name, pid in pids.items() if runs(pid, name)]
     for _, pid in sorted(running, key=lambda item: item[0] == "etcd"):
         kill_group(pid, grace=0)
     state_file.unlink()
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     state = state_dir / "state.json"
     if state.exists():
         pids: dict[str, int] = json.loads(state.read_text())["pids"]
-        if all(_alive(pid, name) for name, pid in pids.items()):
+        if all(runs(pid, name) for name, pid in pids.items()):
             _print_access(state_dir)
             return 0
         stop_recorded(state_dir)

@@ -35,6 +35,51 @@ SERVED_MODEL = "tiny"
 GUARD = "refit_worker.guard.AdminGuard"
 EXTENSION = "refit_worker.extension.RefitWorkerExtension"
 
+# Offline (no hub), no telemetry, the dev-mode routes the refit flow uses, a 1 GiB KV cache.
+ENGINE_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def engine_args(
+    model: Path, tokenizer: Path, host: str, port: int, load_format: str = "dummy"
+) -> list[str]:
+    """The arguments after `python` that start vLLM's API server on the tiny model with the
+    admin guard and the worker extension: one command line for the loopback servers here
+    and the real node's pods (testbed/node_workloads.py)."""
+    return [
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(tokenizer),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--load-format",
+        load_format,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--middleware",
+        GUARD,
+        "--worker-extension-cls",
+        EXTENSION,
+    ]
+
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
@@ -214,12 +259,7 @@ def start_vllm_server(
         raise ValueError("load_format other than dummy needs model_dir")
     server_env = {
         **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
+        **ENGINE_ENV,
         "REFIT_ALLOWED_ROOT": str(tiny_model.allowed_root),
         "REFIT_ADMIN_TOKEN_FILE": str(token_file),
         "PYTHONPATH": os.pathsep.join(
@@ -229,31 +269,7 @@ def start_vllm_server(
     }
     cmd = [
         sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model",
-        str(model),
-        "--tokenizer",
-        str(tiny_model.base_dir),
-        "--served-model-name",
-        SERVED_MODEL,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--load-format",
-        load_format,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "8",
-        "--enforce-eager",
-        "--middleware",
-        GUARD,
-        "--worker-extension-cls",
-        EXTENSION,
+        *engine_args(model, tiny_model.base_dir, host, port, load_format),
         *(["--api-key", api_key] if api_key else []),
         *(extra_args or []),
     ]
