@@ -11,7 +11,7 @@ cache=${REFIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/refit}
 node=$cache/node
 die() { echo "node-setup: $*" >&2; exit 1; }
 say() { echo "node-setup: $*" >&2; }
-[ "$(id -u)" = 0 ] || die "the node needs root (kubelet, containerd, runc, iptables, mmdebstrap)"
+[ "$(id -u)" = 0 ] || die "the real node needs root (kubelet, containerd, runc, iptables, mmdebstrap); run as root, or leave tests/node out with: make test REFIT_NODE_TESTS=0"
 command -v apt-get >/dev/null || die "needs a Debian-based machine (apt-get)"
 mkdir -p "$node"
 exec 8>"$node/.setup.lock"

@@ -420,9 +420,10 @@ def test_deleted_pod_replacement_converges(node: Node) -> None:
 # --- stage 5c: the operator's container killed in the middle of a refit ----------------------
 
 
-def lease_holder(node: Node) -> str:
-    doc = kubectl_json(node, "get", "lease", OPERATOR_LEASE, "-n", NS)
-    return str(doc["spec"].get("holderIdentity"))
+def lease_holder(node: Node) -> tuple[str, int]:
+    """(holder, leaseTransitions): the operator's fencing epoch is the transitions count."""
+    spec = kubectl_json(node, "get", "lease", OPERATOR_LEASE, "-n", NS)["spec"]
+    return str(spec.get("holderIdentity")), int(spec.get("leaseTransitions", 0))
 
 
 def kill_at_first_pass_step(node: Node, pid: int, version: str, timeout: float) -> dict[str, Any]:
@@ -485,11 +486,14 @@ def test_operator_killed_mid_refit_resumes_on_its_restart(node: Node) -> None:
     )
     status = kubectl_json(node, "get", "weightrefit", "back-to-a", "-n", NS).get("status")
     assert phase == "Succeeded", json.dumps(status) + operator_logs(node)[-4000:]
+    # A new process is a new leader, even as the same pod and pid: a new identity and a new
+    # fencing epoch, so its tokens are above every one its predecessor handed the pods.
     new_holder = lease_holder(node)
-    assert new_holder != holder and new_holder.startswith(state["operator_pod"]), (
+    assert new_holder[0] != holder[0] and new_holder[0].startswith(state["operator_pod"]), (
         holder,
         new_holder,
     )
+    assert new_holder[1] > holder[1], (holder, new_holder)
     wait_for(lambda: sum(watcher.ready_now().values()) == REPLICAS, 30, "both endpoints")
     for p in fleet_pods(node):
         name, pp = p["metadata"]["name"], progress(p)
