@@ -78,10 +78,14 @@ def vllm_deployment(
     """A Deployment of vLLM CPU pods with the weights-ready readiness gate, started like
     testbed/vllm_server.py starts a server (the tiny model, --load-format dummy)."""
     base = venv_base_prefix()
-    mounts = {"repo": REPO, "python": base, "models": model.root}
-    # Python's own prefix might live inside the checkout (a venv-only layout): mount once.
-    if base.is_relative_to(REPO):
-        del mounts["python"]
+    # The checkout's .venv may be a link to a venv elsewhere (a second worktree sharing one):
+    # the pod follows the link, so it mounts the venv where the link points as well.
+    # Each folder is mounted once: one inside an earlier one is not mounted again.
+    mounts = {"repo": REPO}
+    for key, path in (("venv", (REPO / ".venv").resolve()), ("python", base)):
+        if not any(path.is_relative_to(p) for p in mounts.values()):
+            mounts[key] = path
+    mounts["models"] = model.root
     python = REPO / ".venv" / "bin" / "python"
     env = {
         **ENGINE_ENV,
