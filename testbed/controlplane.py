@@ -115,48 +115,68 @@ def _pem(obj: Any) -> bytes:
     )
 
 
-def write_pki(pki: Path) -> None:
-    """A throwaway CA, a serving cert for 127.0.0.1/localhost and a ServiceAccount signing key.
-
-    EC P-256 keys: generated in milliseconds, unlike RSA, which matters for time to ready.
-    """
-    pki.mkdir(parents=True, exist_ok=True)
+def _issue(
+    ca: x509.Certificate | None,
+    ca_key: ec.EllipticCurvePrivateKey | None,
+    name: x509.Name,
+    *extensions: x509.ExtensionType,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A new EC P-256 key and its certificate, valid for 30 days, signed by ca (self-signed
+    without one). P-256: generated in milliseconds, unlike RSA (time to ready)."""
+    key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "refit-test-ca")])
-    ca = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
+        .subject_name(name)
+        .issuer_name(ca.subject if ca is not None else name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
+    for ext in extensions:
+        builder = builder.add_extension(ext, critical=isinstance(ext, x509.BasicConstraints))
+    return builder.sign(ca_key or key, hashes.SHA256()), key
+
+
+def write_pki(pki: Path) -> None:
+    """A throwaway CA; a serving cert for 127.0.0.1/localhost; the client cert kube-apiserver
+    shows a kubelet (kubectl logs/exec on the real node, testbed/node.py); a ServiceAccount
+    signing key."""
+    pki.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = _issue(
+        None,
+        None,
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "refit-test-ca")]),
+        x509.BasicConstraints(ca=True, path_length=None),
+    )
     sans: list[x509.GeneralName] = [
         x509.DNSName("localhost"),
         x509.DNSName("kubernetes.default.svc"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
     ]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=30))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .sign(ca_key, hashes.SHA256())
+    serving = _issue(
+        ca,
+        ca_key,
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
+        x509.SubjectAlternativeName(sans),
+    )
+    kubelet_client = _issue(
+        ca,
+        ca_key,
+        x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+                x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver-kubelet-client"),
+            ]
+        ),
     )
     sa_key = ec.generate_private_key(ec.SECP256R1())
     (pki / "ca.crt").write_bytes(_pem(ca))
-    (pki / "apiserver.crt").write_bytes(_pem(cert))
-    (pki / "apiserver.key").write_bytes(_pem(key))
+    for stem, (cert, key) in (("apiserver", serving), ("kubelet-client", kubelet_client)):
+        (pki / f"{stem}.crt").write_bytes(_pem(cert))
+        (pki / f"{stem}.key").write_bytes(_pem(key))
     (pki / "sa.key").write_bytes(_pem(sa_key))
     (pki / "sa.pub").write_bytes(
         sa_key.public_key().public_bytes(

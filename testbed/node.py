@@ -102,13 +102,20 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class NodeControlPlane(ControlPlane):
-    """controlplane.ControlPlane with the ServiceAccount admission plugin on: with
+    """controlplane.ControlPlane with the ServiceAccount admission plugin on (with
     kube-controller-manager creating each namespace's `default` ServiceAccount, pods get their
-    projected token (kube-api-access-*) as on any cluster."""
+    projected token, kube-api-access-*, as on any cluster) and a client cert for the kubelet."""
 
     def _spawn(self, name: str, args: list[str]) -> None:
         if name == "kube-apiserver":
-            args = [a for a in args if a != "--disable-admission-plugins=ServiceAccount"]
+            pki = self.state_dir / "pki"
+            args = [a for a in args if a != "--disable-admission-plugins=ServiceAccount"] + [
+                # kubectl logs/exec/port-forward: the API server calls the kubelet with a
+                # client cert of the CA the kubelet trusts (its serving cert is self-signed,
+                # so it is not verified, as with kubeadm's defaults).
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+            ]
         super()._spawn(name, args)
 
 

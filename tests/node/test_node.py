@@ -157,8 +157,17 @@ def wait_converged(node: Node, name: str, version: str, since: float, timeout: f
 
 
 def operator_logs(node: Node) -> str:
-    logs = sorted((node.state_dir / "pod-logs").glob(f"{NS}_{RELEASE}-*/*/*.log"))
-    return "\n".join(p.read_text(errors="replace")[-3000:] for p in logs)
+    """The operator's log, this container's and the one before (for a failure message)."""
+    pods = kubectl_json(
+        node, "get", "pods", "-n", NS, "-l", "app.kubernetes.io/name=refit-operator"
+    )
+    out = []
+    for pod in pods["items"]:
+        for previous in (["--previous"], []):
+            name = pod["metadata"]["name"]
+            proc = node.cp.kubectl("logs", "-n", NS, name, *previous, check=False)
+            out.append(proc.stdout[-3000:] if proc.returncode == 0 else proc.stderr.strip())
+    return "\n".join(out)
 
 
 def refit_phase(node: Node, name: str) -> str:
@@ -280,6 +289,9 @@ def test_helm_install_gives_a_running_leading_operator(node: Node) -> None:
         f"{name} to hold the Lease",
     )
     log(f"operator {name} leads (holder {holder}); leases: {len(json.loads(lease)['items'])}")
+    # kubectl logs reaches the kubelet (the API server's kubelet client cert).
+    logs = node.cp.kubectl("logs", "-n", NS, name).stdout
+    assert "leader lease" in logs and "acquired" in logs, logs[-2000:]
     state["operator_pod"] = name
 
 
