@@ -115,6 +115,8 @@ class NodeControlPlane(ControlPlane):
                 # so it is not verified, as with kubeadm's defaults).
                 f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
                 f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                # The node's name resolves nowhere; its InternalIP is where the kubelet listens.
+                "--kubelet-preferred-address-types=InternalIP",
             ]
         super()._spawn(name, args)
 
