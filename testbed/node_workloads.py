@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import READINESS_GATE, READY_PATH
 
 from testbed.fleet import weightrefit_body
 from testbed.node_images import OPERATOR_IMAGE, WORKER_IMAGE
@@ -121,10 +121,17 @@ def vllm_deployment(
                             "args": args,
                             "env": [{"name": k, "value": v} for k, v in env.items()],
                             "ports": [{"name": "http", "containerPort": VLLM_PORT}],
-                            "readinessProbe": {
+                            # As examples/fleet/fleet.yaml: started once vLLM answers,
+                            # ready once a refit pass probed its weights.
+                            "startupProbe": {
                                 "httpGet": {"path": "/health", "port": "http"},
                                 "periodSeconds": 2,
-                                "failureThreshold": 2,
+                                "failureThreshold": 300,
+                            },
+                            "readinessProbe": {
+                                "httpGet": {"path": READY_PATH, "port": "http"},
+                                "periodSeconds": 1,
+                                "failureThreshold": 1,
                             },
                             "resources": {
                                 "requests": {"cpu": "100m", "memory": "1Gi"},

@@ -3,7 +3,7 @@
 Each simulated pod listens on its own loopback address (127.x.y.z, all on one port) and
 answers the endpoints :class:`refit_operator.worker.WorkerClient` uses with the response
 shapes of a real vLLM 0.32 pod running the refit_worker plugin (tests/worker/test_contract.py
-holds the two to the same shapes): ``/health``, ``/metrics``, ``/v1/models``,
+holds the two to the same shapes): ``/health``, ``/refit/ready``, ``/metrics``, ``/v1/models``,
 ``/v1/completions`` (a token-id prompt or a list of them, ``prompt_logprobs``), ``/pause``,
 ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
 ``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
@@ -45,7 +45,7 @@ Fencing
     malformed one); ``state()["fence"]`` is the pod's mark.
 
 Steps and faults
-    Faults are set per pod and per step. A step is the endpoint name (``health``,
+    Faults are set per pod and per step. A step is the endpoint name (``health``, ``refit_ready``,
     ``metrics``, ``models``, ``completions``, ``pause``, ``resume``, ``is_paused``,
     ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``,
     ``update_weight_version``, ``weight_info``) or the RPC method behind ``/collective_rpc``
@@ -117,7 +117,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from refit_worker import contract, fence
+from refit_worker import contract, fence, readiness
 from refit_worker.checkpoint import (
     STAGING_BUDGET_ENV,
     ExpectedParam,
@@ -144,6 +144,7 @@ SIM_VLLM_VERSION = "0.32.0+sim"
 
 HTTP_STEPS = {
     "/health": "health",
+    contract.READY_PATH: "refit_ready",
     "/metrics": "metrics",
     "/v1/models": "models",
     "/v1/completions": "completions",
@@ -281,6 +282,7 @@ class PodState:
     staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
     faults: dict[str, Fault] = field(default_factory=dict)
     fences: fence.FenceTracker = field(default_factory=fence.FenceTracker)
+    ready_mark: readiness.ReadyMark = field(default_factory=readiness.ReadyMark)
     calls: list[dict[str, Any]] = field(default_factory=list)
     transports: set[Any] = field(default_factory=set)
     serving: asyncio.Event = field(default_factory=asyncio.Event)
@@ -294,6 +296,7 @@ class PodState:
         self.asleep = set()
         self.staged = None  # so is what was staged
         self.fences.reset()  # the mark is process memory
+        self.ready_mark.reset()  # and so is the readiness probe's mark
         self.update_serving()
 
     def update_serving(self) -> None:
@@ -316,6 +319,7 @@ class PodState:
             "running": self.running,
             "waiting": self.waiting,
             "fence": self.fences.highest,
+            "vouched": self.ready_mark.version,  # /refit/ready: None until a pass vouched
             "staged": (
                 None
                 if self.staged is None
@@ -560,6 +564,18 @@ class SimServer:
     # --- endpoints -----------------------------------------------------------------
     async def on_health(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         return web.Response(status=200)
+
+    async def on_refit_ready(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        if request.method == "POST":  # a pass vouches (admitted by the guard's rules above)
+            try:
+                version = readiness.parse_vouch(await request.read())
+            except readiness.VouchError as exc:
+                return web.json_response(
+                    readiness.vouch_error_body(str(exc)), status=readiness.BAD_REQUEST_STATUS
+                )
+            return web.json_response(pod.ready_mark.vouch(version))
+        status, answer = pod.ready_mark.answer()
+        return web.json_response(answer, status=status)
 
     async def on_metrics(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         labels = f'{{engine="0",model_name="{SIM_MODEL}"}}'

@@ -424,11 +424,11 @@ class Engine:
     ) -> None:
         if not st.secrets_loaded:  # after a restart the preflight that read them is not rerun
             await self._load_secrets(view, st)
+        problem = None
         if view.spec.broadcast is not None and st.broadcast is None:
             problem = await self._load_broadcast(view, st)  # after a restart, as the secrets
-            if problem is not None:
-                log.error("%s: cannot start broadcast passes: %s: %s", view.name, *problem)
-                return
+            if problem is not None:  # each pass fails with it: the gate then decides
+                log.error("%s: no broadcast source: %s: %s", view.name, *problem)
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
             return await self._reference(view, st, path, client)
@@ -440,7 +440,7 @@ class Engine:
             client=lambda pod, fence: self._client(view, st, pod, fence),
             next_fence=self.next_fence, reference=reference,
             peer_nlls=st.peer_nlls,
-            admitted=st.admitted, live=st.live, broadcast=st.broadcast,
+            admitted=st.admitted, live=st.live, broadcast=st.broadcast, source_problem=problem,
         )  # fmt: skip
         pods = st.by_name
         if st.broadcast is not None:  # the passes started together receive one send

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from refit_worker.contract import API_GROUP, READINESS_GATE
+from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
 # Where a pod's record lives on the pod (docs/operator.md).
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
@@ -40,7 +40,7 @@ STEPS: tuple[str, ...] = (
     "resetCache",
     "stampVersion",  # stamp (refit_load already does) and read back the weight version
     "probe",
-    "ready",  # readiness condition True
+    "ready",  # vouch for the weights (the pod's readiness probe), then condition True
 )
 # Steps after which the progress is recorded on the pod (besides start, failures and the end):
 # the end of staging is the write that takes the pod out of traffic; a restart past it resumes
@@ -410,16 +410,15 @@ class PodView:
     labels: dict[str, str] = field(default_factory=dict)
     claim: Claim | None = None  # the pass that drives the pod now
     resource_version: str = ""  # as listed: the claim is taken conditional on it
-    # The kubelet's ContainersReady: False while a container starts or restarts (vLLM still
-    # loading, its port refusing connections); a pod whose status has no such condition
-    # counts as ready.
-    containers_ready: bool = True
+    # vLLM answers, as the kubelet knows it (containers_up_in): False while a container
+    # starts or restarts (vLLM still loading, its port refusing connections).
+    containers_up: bool = True
 
     @property
     def startable(self) -> bool:
-        """A new pass may begin: the pod runs, has an address and its containers are ready
+        """A new pass may begin: the pod runs, has an address and its containers are up
         (a pass begun while vLLM starts would spend its retries on refused connections)."""
-        return self.running and bool(self.ip) and self.containers_ready and not self.deleting
+        return self.running and bool(self.ip) and self.containers_up and not self.deleting
 
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""
@@ -464,5 +463,25 @@ class PodView:
             labels=dict(meta.get("labels") or {}),
             claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
             resource_version=meta.get("resourceVersion", ""),
-            containers_ready=conds.get("ContainersReady", {}).get("status") != "False",
+            containers_up=containers_up_in(spec, status),
         )
+
+
+def containers_up_in(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether a pod's containers answer, from the Pod object.
+
+    Normally the kubelet's ContainersReady condition. A pod whose readiness probe is the
+    worker's /refit/ready (refit_worker.readiness) is not ready until a pass stamps its
+    weights, so waiting for ContainersReady would wait for ourselves: there every container
+    must have *started* instead (containerStatuses[].started, which a startupProbe on /health
+    holds False until vLLM answers). No condition at all (a test bed without a kubelet)
+    counts as up."""
+    probes = [
+        ((c.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "")
+        for c in spec.get("containers") or []
+    ]
+    if any(str(p).rstrip("/") == READY_PATH for p in probes):
+        statuses = status.get("containerStatuses") or []
+        return bool(statuses) and all(c.get("started") is True for c in statuses)
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    return conds.get("ContainersReady", {}).get("status") != "False"

@@ -71,6 +71,10 @@ class PassContext:
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     live: dict[str, Progress] = field(default_factory=dict)  # pod -> its pass's progress now
     broadcast: BroadcastSource | None = None  # spec.broadcast: the passes receive from it
+    # Why spec.broadcast has no source now (reason, message): its manifest ConfigMap, read
+    # again after an operator restart, is gone or changed. No pass can receive: new broadcast
+    # passes are refused like an admission problem, a resumed one fails at its receive.
+    source_problem: tuple[str, str] | None = None
 
 
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
@@ -110,7 +114,10 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         )  # fmt: skip
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
-        refused = await _admission(ctx, pod, ctx.client(pod, None))
+        # A pass that receives cannot run without the broadcast's source; a rollback loads
+        # the previous checkpoint (start.path) and needs none.
+        unsourced = ctx.source_problem if not start.path else None
+        refused = unsourced or await _admission(ctx, pod, ctx.client(pod, None))
         if refused is not None:
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
@@ -184,8 +191,8 @@ async def _run_step(
             try:
                 await _receive(ctx, pod, worker, progress, resumed)
             finally:
-                assert ctx.broadcast is not None
-                ctx.broadcast.rounds.leave(pod.name)
+                if ctx.broadcast is not None:
+                    ctx.broadcast.rounds.leave(pod.name)
         elif step == podflow.RESTORE:
             await _restore(worker, ctx.spec.sequence, progress)
             metrics.step_finished(
@@ -193,6 +200,8 @@ async def _run_step(
             )
             return podflow.restored(progress, time.time())
         else:
+            if step == "drain":
+                await _wait_out_of_endpoints(ctx, pod)
             note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
@@ -263,7 +272,9 @@ async def execute_step(
                 "VersionMismatch", f"pod reports {got!r}, expected {progress.version!r}"
             )
     elif step == "ready":
-        pass  # the pass's last record sets the condition True (runner._finish)
+        # The probe passed: vouch for this process's weights, so its readiness probe passes
+        # (refit_worker.readiness); the pass's last record then sets the condition True.
+        await mark_ready(worker, progress.version, t_step)
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
@@ -274,8 +285,8 @@ async def _receive(
 ) -> None:
     """The broadcast's receive: join the pod's round, and once the trainer announced it,
     join its transfer at the rank assigned, receive, check and load, finish, read back."""
-    assert ctx.broadcast is not None, "a broadcast pass needs the refit's broadcast source"
-    b = ctx.broadcast.spec
+    b = ctx.spec.broadcast
+    assert b is not None, "a broadcast pass needs spec.broadcast"
     t_step = float(ctx.spec.sequence.step_timeout_seconds)
     digest = b.manifest.digest
     if podflow.must_read_back(progress, resumed):
@@ -286,6 +297,9 @@ async def _receive(
             if e.code == contract.STALE_FENCE:
                 raise
             # Not loaded here: receive it again, in a new round.
+    if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
+        assert ctx.source_problem is not None
+        raise StepFailed(*ctx.source_problem, final=True)
     try:
         rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
     except TrainerTimeout as e:
@@ -345,6 +359,41 @@ async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> N
             f"{progress.message}; the pod reports {got!r}, not {progress.serving!r}",
             final=True,
         )
+    # Probed in this process by an earlier pass (no restart since), so vouched for already;
+    # again, so that the condition's True never waits on a readiness probe that fails.
+    await mark_ready(worker, progress.serving, t_step)
+
+
+async def mark_ready(worker: WorkerClient, version: str, t_step: float) -> None:
+    try:
+        await worker.mark_ready(version, timeout=t_step)
+    except WorkerError as e:
+        # A worker image from before /refit/ready (its readiness probe cannot wait for the
+        # vouch either): nothing to do. Any other refusal is the step's failure.
+        if (e.kind, e.status) != ("http", 404):
+            raise
+
+
+async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
+    """Before the drain pauses the pod: wait until its Ready condition is no longer True, i.e.
+    the kubelet has applied the readiness condition the pass set False, so endpoints stop
+    listing the pod. Requests that reach a paused vLLM wait and run after the resume, which
+    comes before the probe: sent after the condition went False they would meet the new,
+    unprobed weights. A pod without a Ready condition (no kubelet) has nothing to wait for."""
+    limit = float(ctx.spec.sequence.drain_timeout_seconds)
+    deadline = time.monotonic() + limit
+    while True:
+        doc = await ctx.cluster.read_pod(ctx.namespace, pod.name)
+        conds = {c.get("type"): c for c in (doc.get("status") or {}).get("conditions") or []}
+        if conds.get("Ready", {}).get("status") != "True":
+            return
+        if time.monotonic() >= deadline:
+            raise StepFailed(
+                "DrainTimeout",
+                f"the pod is still Ready {limit:.0f}s after its readiness condition was set "
+                "False (is its kubelet reporting?)",
+            )
+        await asyncio.sleep(DRAIN_POLL_SECONDS / 2)
 
 
 async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:

@@ -413,6 +413,14 @@ class WorkerClient:
         )
         self._expect(doc, "new_version", version, "update_weight_version")
 
+    async def mark_ready(self, version: str, *, timeout: float | None = None) -> None:
+        """Vouch for the process's weights (``POST /refit/ready``, refit_worker.readiness):
+        from now on its readiness probe passes. Only after a passed probe."""
+        doc = await self._json(
+            "POST", contract.READY_PATH, timeout=timeout, json={"version": version}
+        )
+        self._expect(doc, "version", version, "refit/ready")
+
     async def weight_version(self, *, timeout: float | None = None) -> str:
         doc = await self._json("GET", "/weight_info", timeout=timeout)
         return str(_field(doc, "weight_version", str, "weight_info"))

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
+from refit_operator.podflow import containers_up_in
+from refit_worker.contract import READY_PATH
 
 from tests.chart.chartkit import (
     ALL_OPTIONS,
@@ -273,6 +275,15 @@ def test_example_fleet_manifests_carry_the_guard_settings() -> None:
         module, _, cls = arg.removeprefix(flag).rpartition(".")
         source = REPO / "worker_image" / (module.replace(".", "/") + ".py")
         assert re.search(rf"^class {cls}\b", source.read_text(), re.M), arg
+    # Ready only once a pass stamped this process's weights; started once vLLM answers, which
+    # is then what the operator waits for before a pass (not ContainersReady).
+    assert vllm["readinessProbe"]["httpGet"]["path"] == READY_PATH
+    assert vllm["startupProbe"]["httpGet"]["path"] == "/health"
+    starting = {"containerStatuses": [{"name": "vllm", "started": False}],
+                "conditions": [{"type": "ContainersReady", "status": "False"}]}  # fmt: skip
+    assert not containers_up_in(pod, starting)
+    starting["containerStatuses"][0]["started"] = True
+    assert containers_up_in(pod, starting)
     mounts = {m["name"]: m for m in vllm["volumeMounts"]}
     assert mounts["checkpoints"]["mountPath"] == "/checkpoints"
     assert mounts["checkpoints"]["readOnly"] is True

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SEQUENCE = [
     "refit_stage", "pause", "metrics", "sleep", "wake_up", "refit_load",
     "wake_up", "reset_prefix_cache", "resume", "update_weight_version", "weight_info",
+    "refit_ready",  # after the probe: the pass vouches for the weights, then the gate
 ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 ENDPOINT = {
     "stage": "refit_stage", "drain": "pause", "sleep": "sleep", "wakeWeights": "wake_up",
     "load": "refit_load", "wakeKV": "wake_up", "resetCache": "reset_prefix_cache",
-    "stampVersion": "update_weight_version", "probe": "completions",
+    "stampVersion": "update_weight_version", "probe": "completions", "ready": "refit_ready",
 }  # fmt: skip
 TAGS = {"wakeWeights": "weights", "wakeKV": "kv_cache"}
 # The fleet preflight also scores a prompt: the probe's completions come after the stamp.
@@ -45,6 +45,7 @@ def test_killed_at_step_resumes(harness, sim_fleet, tmp_path, step):
     for i, sim in enumerate(sims):
         assert sim.state()["weight_version"] == "v1"
         assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+        assert sim.state()["vouched"] == "v1"  # its readiness probe passes too
         loads = sim.counts()["refit_load"]
         # Killed after the load finished: the restarted operator reads the version back
         # and does not load again. Killed during the load: at most one more.

@@ -5,6 +5,7 @@ the weights it had (real API server, real operator process, simulated workers)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def test_checkpoint_changed_after_staging_is_refused_and_the_pod_serves_v1_again
     assert record["restored"] and record["serving"] == "v1"
     calls = [c["step"] for c in sims[1].call_log()]
     after = calls[len(calls) - calls[::-1].index("refit_load") :]
-    restore = ["wake_up", "reset_prefix_cache", "resume", "weight_info"]
+    restore = ["wake_up", "reset_prefix_cache", "resume", "weight_info", "refit_ready"]
     assert [c for c in after if c in restore] == restore, calls
 
 
@@ -131,3 +132,33 @@ def test_a_partial_checkpoint_is_refused_while_the_pod_still_serves(harness, sim
         assert "pause" not in v2_calls and "refit_load" not in v2_calls, v2_calls
     st_pods = {p["name"]: p for p in st["pods"]}
     assert st_pods and all(p["reason"] == "ManifestMismatch" for p in st_pods.values()), st
+
+
+def test_the_drain_waits_for_the_kubelet_to_take_the_pod_out_of_endpoints(
+    harness, sim_fleet, tmp_path
+):
+    """The pass sets the readiness condition False, but the pod stays Ready (endpoints keep
+    sending to it) until its kubelet applies that. Requests that reach a paused vLLM run
+    after the resume, before the probe: so no /pause until the pod's Ready is no longer
+    True. Here the test is the kubelet, and a slow one."""
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 1)
+
+    def kubelet_says(ready: str) -> float:
+        fleet.core.patch_namespaced_pod_status(
+            "pod-0", fleet.ns, {"status": {"conditions": [{"type": "Ready", "status": ready}]}}
+        )
+        return time.time()
+
+    kubelet_says("True")
+    paused = [c["step"] for c in sims[0].call_log()].count("pause")  # v1's pass
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port)
+    fleet.wait_for(lambda: fleet.ready(fleet.pod("pod-0")) is False, 30, "the condition False")
+    time.sleep(2.0)  # the kubelet lags
+    assert [c["step"] for c in sims[0].call_log()].count("pause") == paused
+    caught_up = kubelet_says("False")
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    assert [c["step"] for c in sims[0].call_log()].count("pause") == paused + 1
+    record = fleet.progress(fleet.pod("pod-0"))
+    assert record["finished"] - record["left_traffic"] >= 2.0, record
+    assert record["finished"] > caught_up

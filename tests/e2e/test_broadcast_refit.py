@@ -230,6 +230,54 @@ def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
         assert (record["rollback"], record["version"]) == (True, "A"), record
 
 
+def test_a_manifest_gone_across_an_operator_restart_fails_closed_then_rolls_back(
+    fleet, servers, tiny_model
+):
+    """Both pods wait in their round (drained, asleep) for a trainer that never sends; the
+    operator is SIGKILLed and the transfer manifest's ConfigMap deleted before it restarts.
+    The resumed passes cannot receive anything they could check: each fails with
+    ManifestMissing (the pod out of traffic, not restored), and Rollback reloads A."""
+    fl, op = fleet
+    cmd = trainer_command(
+        fl, tiny_model, servers, "bcast-gone", "B-bcast", tensors="B", reference="B",
+        fault="silent", transfer_timeout=120, on_failure="Rollback",
+    )  # fmt: skip
+    trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+
+        def waiting() -> bool:
+            try:
+                status = fl.refit("bcast-gone").get("status") or {}
+            except ApiException:
+                return False
+            b = status.get("broadcast") or {}
+            return b.get("state") == "Ready" and b.get("receivers") == 2
+
+        fl.wait_for(waiting, timeout=120, why="both pods to wait in the round")
+        op.kill()
+        manifest = fl.refit("bcast-gone")["spec"]["broadcast"]["manifest"]["configMapRef"]
+        try:
+            fl.core.delete_namespaced_config_map(manifest["name"], fl.ns)
+        except ApiException as e:
+            assert e.status == 404, e  # the trainer's client may have taken it already
+        op.start()
+        st = fl.wait_phase("bcast-gone", END, 240, op)["status"]
+    finally:
+        trainer.kill()
+        trainer.communicate(timeout=30)
+    shown = {k: st.get(k) for k in ("phase", "conditions", "pods")}
+    assert st["phase"] == "RolledBack", (json.dumps(shown), op.logs()[-3000:])
+    failed = [e["message"] for e in fl.events("PodStepFailed")]
+    for name in PODS:
+        assert any(f"pod {name}: receive: ManifestMissing" in m for m in failed), failed
+        record = pod_record(fl, name)
+        assert (record["rollback"], record["version"], record["outcome"]) == (
+            True, "A", "Succeeded"
+        ), record  # fmt: skip
+    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+
+
 def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
     fleet, servers, tiny_model
 ):

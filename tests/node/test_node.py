@@ -120,24 +120,27 @@ def after_leading_true(hist: list[tuple[float, bool]]) -> list[bool]:
     return states
 
 
-def containers_ready_since(pod: dict[str, Any]) -> float | None:
-    """Epoch seconds since the pod's ContainersReady condition is True (None if not)."""
-    for c in pod["status"].get("conditions") or []:
-        if c["type"] == "ContainersReady" and c["status"] == "True":
-            return dt.datetime.fromisoformat(c["lastTransitionTime"]).timestamp()
-    return None
+def started_since(pod: dict[str, Any]) -> float | None:
+    """Epoch seconds since the pod's containers run and passed their startupProbe (None if
+    one has not). Not ContainersReady: /refit/ready keeps that False until a pass stamps."""
+    statuses = pod["status"].get("containerStatuses") or []
+    if not statuses or not all(c.get("started") for c in statuses):
+        return None
+    return max(
+        dt.datetime.fromisoformat(c["state"]["running"]["startedAt"]).timestamp() for c in statuses
+    )
 
 
 def wait_converged(node: Node, name: str, version: str, since: float, timeout: float) -> None:
     """Wait for pod `name` to serve `version` with a passed probe. Fails early, saying why,
     when the operator's pass for it (begun after `since`) gave up and nothing retried it for
-    60 s after the container became ready again."""
+    60 s after the container started again."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pod = kubectl_json(node, "get", "pod", name, "-n", NS)
         if serving(pod, version):
             return
-        prog, ready = progress(pod), containers_ready_since(pod)
+        prog, ready = progress(pod), started_since(pod)
         if (
             prog.get("outcome") == "Failed"
             and prog.get("started", 0) >= since - 1
@@ -146,10 +149,10 @@ def wait_converged(node: Node, name: str, version: str, since: float, timeout: f
         ):
             raise AssertionError(
                 f"{name}: the operator's pass to {version} failed while the container was not "
-                f"ready yet and was not retried in the 60 s since it is ready: "
+                f"started yet and was not retried in the 60 s since it is: "
                 f"reason {prog.get('reason')}, step {prog.get('step')}, attempts "
                 f"{prog.get('attempts')}, message {prog.get('message')!r}; "
-                f"containers ready since {ready:.1f}, pass {prog.get('started'):.1f}-"
+                f"containers started since {ready:.1f}, pass {prog.get('started'):.1f}-"
                 f"{prog.get('finished'):.1f}, gate {gate(pod)}"
             )
         time.sleep(2)
@@ -311,17 +314,19 @@ def test_fleet_refit_moves_endpoints_only_after_the_probe(node: Node) -> None:
     node.cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(dep))
     t = time.monotonic()
 
-    def containers_ready() -> bool:
+    def containers_started() -> bool:
         pods = fleet_pods(node)
-        return len(pods) == REPLICAS and all(
-            all(c.get("ready") for c in p["status"].get("containerStatuses") or [{}]) for p in pods
-        )
+        return len(pods) == REPLICAS and all(started_since(p) is not None for p in pods)
 
-    wait_for(containers_ready, 480, "vLLM containers to pass /health", every=2)
-    log(f"{REPLICAS} vLLM pods' containers ready in {time.monotonic() - t:.1f}s")
-    # The gate is not set yet: no pod is a ready endpoint.
+    wait_for(containers_started, 480, "vLLM containers to pass their startupProbe", every=2)
+    log(f"{REPLICAS} vLLM pods' containers started in {time.monotonic() - t:.1f}s")
+    time.sleep(3)  # three periods of the readiness probe
+    # Neither the gate is set nor has a pass vouched for the weights: /refit/ready is 503.
     pods = fleet_pods(node)
     assert all(gate(p) != "True" for p in pods), [gate(p) for p in pods]
+    assert not any(c.get("ready") for p in pods for c in p["status"]["containerStatuses"]), [
+        p["status"]["containerStatuses"] for p in pods
+    ]
 
     watcher = EndpointSliceWatcher(node.cp.kubectl, NS, FLEET).start()
     state["watcher"] = watcher
@@ -381,18 +386,40 @@ def _container_pid(node: Node, pod: dict[str, Any]) -> int:
 
 @pytest.mark.timeout(600)
 def test_killed_vllm_process_is_restarted_and_reconverged(node: Node) -> None:
+    """vLLM dies; the kubelet restarts it on its boot checkpoint while the pod's readiness
+    condition still says True (the operator has not seen the restart yet). With the operator
+    frozen for as long as that lasts, only the worker's /refit/ready keeps the pod out of the
+    Service; once thawed, the operator's new pass brings it back on the refit's version."""
     watcher: EndpointSliceWatcher = state["watcher"]
     pod = fleet_pods(node)[0]
     name, before = pod["metadata"]["name"], restarts(pod)
     pid = _container_pid(node, pod)
-    since = time.time()
-    os.kill(pid, signal.SIGKILL)
-    log(f"killed vLLM (pid {pid}) in {name}")
-    wait_for(
-        lambda: restarts(kubectl_json(node, "get", "pod", name, "-n", NS)) > before,
-        120,
-        "kubelet to restart the container",
+    operator_pid = _container_pid(
+        node, kubectl_json(node, "get", "pod", state["operator_pod"], "-n", NS)
     )
+    since = time.time()
+    os.kill(operator_pid, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        log(f"operator frozen (pid {operator_pid}); killed vLLM (pid {pid}) in {name}")
+        wait_for(
+            lambda: restarts(kubectl_json(node, "get", "pod", name, "-n", NS)) > before,
+            120,
+            "kubelet to restart the container",
+        )
+        wait_for(
+            lambda: started_since(kubectl_json(node, "get", "pod", name, "-n", NS)),
+            300,
+            "the restarted vLLM to pass its startupProbe",
+        )
+        time.sleep(3)  # three periods of the readiness probe
+        pod = kubectl_json(node, "get", "pod", name, "-n", NS)
+        assert gate(pod) == "True", pod["status"]  # stale: the process it vouched for is gone
+        assert not pod["status"]["containerStatuses"][0]["ready"], pod["status"]
+        assert not watcher.ready_now().get(name), watcher.history(name, since)
+    finally:
+        os.kill(operator_pid, signal.SIGCONT)
+    log(f"restarted {name} stayed out of the Service with its gate True; operator thawed")
     t = time.monotonic()
     wait_converged(node, name, "B", since, 480)
     log(f"{name} reconverged {time.monotonic() - t:.1f}s after the restart was seen")

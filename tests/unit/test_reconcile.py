@@ -190,7 +190,7 @@ def test_convergence_of_late_or_restarted_pod():
     assert d.dormant and d.start == []
 
 
-def test_a_pass_waits_for_the_kubelet_to_report_the_containers_ready():
+def test_a_pass_waits_for_the_kubelet_to_report_the_containers_up():
     """A restarted container (vLLM loading again) or a replacement pod gets its pass only once
     ContainersReady is True: begun earlier, the pass spent its retries on refused connections
     and failed for good (found on the real node, tests/node)."""
@@ -198,16 +198,16 @@ def test_a_pass_waits_for_the_kubelet_to_report_the_containers_ready():
     r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
     prog = done(podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW))
     fleet = [RefitRef("wr", CREATED, "Succeeded")]
-    starting = [pod("p1", prog, restarts=1, containers_ready=False),
-                pod("new", containers_ready=False)]  # fmt: skip
+    starting = [pod("p1", prog, restarts=1, containers_up=False),
+                pod("new", containers_up=False)]  # fmt: skip
     d = decide(observe(r, [pod("p0", prog), *starting], fleet=fleet))
     assert d.start == [] and d.status.phase == "Succeeded" and d.watching
-    ready = [replace(p, containers_ready=True) for p in starting]
+    ready = [replace(p, containers_up=True) for p in starting]
     d = decide(observe(r, [pod("p0", prog), *ready], fleet=fleet))
     assert sorted(x.pod for x in d.start) == ["new", "p1"]
     # The same while the refit progresses: the pod is not started, and the refit waits.
     r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
-    d = decide(observe(r, [pod("p0", prog), pod("new", containers_ready=False)]))
+    d = decide(observe(r, [pod("p0", prog), pod("new", containers_up=False)]))
     assert d.start == [] and d.status.phase == "Progressing"
 
 
@@ -218,7 +218,7 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     r = refit(s, WeightRefitStatus(phase="Succeeded", start_time=STARTED))
     prog = done(podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW))
     fleet = [RefitRef("wr", CREATED, "Succeeded")]
-    restarted = pod("p1", prog, restarts=1, containers_ready=False)
+    restarted = pod("p1", prog, restarts=1, containers_up=False)
     d = decide(observe(r, [pod("p0", prog), restarted], fleet=fleet))
     assert d.withdraw == ["p1"] and d.start == []
     # A pod another pass holds is that pass's to take out (its claim write does).
@@ -228,12 +228,12 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     # Withdrawn (gate False): not again; it waits for its containers, then gets a pass.
     d = decide(observe(r, [pod("p0", prog), replace(restarted, ready=False)], fleet=fleet))
     assert d.withdraw == [] and d.start == []
-    back = replace(restarted, ready=False, containers_ready=True)
+    back = replace(restarted, ready=False, containers_up=True)
     d = decide(observe(r, [pod("p0", prog), back], fleet=fleet))
     assert [x.pod for x in d.start] == ["p1"] and d.withdraw == []
 
 
-def test_containers_ready_is_read_from_the_pod_status():
+def test_containers_up_is_read_from_the_pod_status():
     doc = {
         "metadata": {"name": "p", "uid": "u"},
         "spec": {},
@@ -245,6 +245,33 @@ def test_containers_ready_is_read_from_the_pod_status():
     assert PodView.from_pod(doc).startable is True
     doc["status"]["conditions"] = []  # no kubelet (the API-only test bed): counts as ready
     assert PodView.from_pod(doc).startable is True
+
+
+def test_with_the_refit_readiness_probe_a_pod_is_up_once_its_containers_started():
+    """/refit/ready keeps ContainersReady False until a pass stamps the weights: waiting for it
+    would wait forever (the pass is what stamps). Started (the startupProbe passed) it is."""
+    doc = {
+        "metadata": {"name": "p", "uid": "u"},
+        "spec": {"containers": [
+            {"name": "vllm", "readinessProbe": {"httpGet": {"path": "/refit/ready/"}}},
+            {"name": "sidecar"},
+        ]},
+        "status": {"phase": "Running", "podIP": "10.0.0.2",
+                   "conditions": [{"type": "ContainersReady", "status": "False"}],
+                   "containerStatuses": [{"name": "vllm", "started": False},
+                                         {"name": "sidecar", "started": True}]},
+    }  # fmt: skip
+    assert PodView.from_pod(doc).startable is False  # vLLM has not answered its startupProbe
+    doc["status"]["containerStatuses"][0]["started"] = True
+    assert PodView.from_pod(doc).startable is True  # though ContainersReady is still False
+    doc["status"]["containerStatuses"][1]["started"] = False  # any container restarting
+    assert PodView.from_pod(doc).startable is False
+    doc["status"]["containerStatuses"] = []  # not yet created
+    assert PodView.from_pod(doc).startable is False
+    # Another readiness probe: ContainersReady decides, whatever started says.
+    doc["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/health"
+    doc["status"]["containerStatuses"] = [{"name": "vllm", "started": True}]
+    assert PodView.from_pod(doc).startable is False
 
 
 def test_deleted_pod_is_dropped_with_reason():

@@ -246,6 +246,7 @@ CALLS: dict[str, Call] = {
     "reset_prefix_cache": lambda c: c.reset_prefix_cache(),
     "update_weight_version": lambda c: c.update_weight_version("v"),
     "weight_info": lambda c: c.weight_version(),
+    "refit_ready": lambda c: c.mark_ready("v"),
     "completions": lambda c: c.score_prompts([[1, 2, 3], [4, 5]]),
     "models": lambda c: c.score([1, 2, 3]),
     "metrics": lambda c: c.requests_in_flight(),
@@ -307,6 +308,25 @@ async def test_wrong_version_and_refused_reset(pod: SimPod, http: aiohttp.Client
     with pytest.raises(WorkerError) as err:
         await c.reset_prefix_cache()
     assert (err.value.kind, err.value.code) == ("rejected", None)
+
+
+async def test_the_ready_step_vouches_and_skips_only_a_worker_without_the_endpoint(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    """runner.mark_ready: a 404 is an older worker image (its readiness probe is not ours to
+    open); any other failure is the step's, so the pass retries or fails closed."""
+    from refit_operator.runner import mark_ready
+
+    c = client(pod, http)
+    pod.set_fault("refit_ready", "error", 404, times=1)
+    await mark_ready(c, "v3", 5.0)
+    assert pod.state()["vouched"] is None
+    pod.set_fault("refit_ready", "error", 503, times=1)
+    with pytest.raises(WorkerError) as err:
+        await mark_ready(c, "v3", 5.0)
+    assert err.value.status == 503 and pod.state()["vouched"] is None
+    await mark_ready(c, "v3", 5.0)
+    assert pod.state()["vouched"] == "v3"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
@@ -512,6 +532,7 @@ STATE_CHANGING = {
     "wake_up",
     "reset_prefix_cache",
     "update_weight_version",
+    "refit_ready",  # the vouch is a POST
 }
 
 

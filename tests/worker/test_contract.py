@@ -7,8 +7,9 @@ body (keys and value types, recursively; list elements as the set of their shape
 keys as one key), and the client's outcome (a result, or WorkerError kind/status/code). This covers
 every WorkerClient method, the contract rejections (CheckpointMissing, PathNotAllowed,
 ManifestMismatch, at preflight and at refit_stage), out-of-vocabulary tokens and the 401 of the
-admin guard and the api key. refit_stage then refit_load must also agree on where the bytes
-were staged and loaded from (``staged``, ``source``: both "memory" under the default budget).
+admin guard and the api key, and the readiness probe (503 until a pass vouches, then 200).
+refit_stage then refit_load must also agree on where the bytes were staged and loaded from
+(``staged``, ``source``: both "memory" under the default budget).
 Several prompts in one completions request (score_prompts) must also agree on the choices'
 indices in answer order, each choice's prompt_logprobs length and the summed usage; one bad
 prompt among them (out of vocabulary, empty) fails the whole request on both. Fencing
@@ -131,7 +132,12 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
                 if enums:
                     seen.append(("values", enums))
 
+        async def ready() -> int:  # the kubelet's readiness probe: no credentials
+            async with http.get(target.base_url + contract.READY_PATH) as r:
+                return r.status
+
         calls: list[Callable[[], Awaitable[Any]]] = [
+            ready,  # 503: nothing stamped in this process
             admin.refit_info,
             admin.weight_version,
             admin.is_paused,
@@ -152,6 +158,11 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             admin.refit_info,
             lambda: admin.probe_reference(str(target.good)),
             lambda: admin.update_weight_version(VERSION),
+            ready,  # still 503: loaded and stamped, not vouched for
+            lambda: admin.mark_ready(""),  # 400
+            lambda: anonymous.mark_ready(VERSION),  # 401
+            lambda: admin.mark_ready(VERSION),
+            ready,  # 200
             admin.weight_version,
             lambda: admin.score(token_ids),
             admin.requests_in_flight,
@@ -238,8 +249,10 @@ def test_simulator_answers_with_the_real_shapes(
         "PathNotAllowed",
         "ManifestMismatch",
     ]
+    readiness = [o[3] for o in observed_real if o[:3] == ("http", "GET", contract.READY_PATH)]
+    assert readiness == [503, 503, 200]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
-    assert len(unauthorized) == 3
+    assert len(unauthorized) == 4
     batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]
     lengths = [len(p) for p in prompts]
     assert batches == [
@@ -247,7 +260,8 @@ def test_simulator_answers_with_the_real_shapes(
         list(enumerate([lengths[2], lengths[0], lengths[2]])),
     ]
     statuses = [o[2] for o in observed_real if o[:2] == ("error", "http")]
-    assert statuses == [400, 400, 400, 401, 401, 401]  # bad token, bad batch, empty prompt
+    # an empty vouch, an anonymous vouch; bad token, bad batch, empty prompt; anonymous calls
+    assert statuses == [400, 401, 400, 400, 400, 401, 401, 401]
 
 
 async def run_fencing(target: Target) -> list[Any]:

@@ -17,6 +17,9 @@ from typing import Any
 # --- Kubernetes-facing names shared by the operator, the chart and the example fleet ---
 API_GROUP = "refit.rollout.dev"
 READINESS_GATE = f"{API_GROUP}/weights-ready"
+# The worker's readiness probe (refit_worker.readiness): 503 until a refit pass vouched for the
+# weights of this process, so a restarted container is never Ready on unprobed weights.
+READY_PATH = "/refit/ready"
 
 # --- RPC methods of refit_worker.extension.RefitWorkerExtension (via /collective_rpc) ---
 RPC_INFO = "refit_info"

@@ -18,6 +18,11 @@ this pod has admitted; a lower one answers 409 with
 in this middleware, i.e. in the API-server process: a restarted container starts without
 one. With several API-server processes (vLLM's ``--api-server-count`` > 1) each would keep
 its own mark, so a fleet pod runs one.
+
+Readiness (refit_worker.readiness): the guard also serves the pod's readiness probe,
+``GET /refit/ready``, open like /health: 503 until a pass vouched for this process's weights
+with ``POST /refit/ready`` (an admin call, fenced like the others), then 200. Same process
+memory, same single API server.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from refit_worker import fence
-from refit_worker.contract import FENCE_HEADER
+from refit_worker import fence, readiness
+from refit_worker.contract import FENCE_HEADER, READY_PATH
 
 TOKEN_FILE_ENV = "REFIT_ADMIN_TOKEN_FILE"
 # vLLM's own --api-key middleware guards exactly these prefixes (vllm/entrypoints/serve/
 # middleware/authenticate.py); the guard leaves them to it.
 API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 # Read-only probes that must work without credentials (kubelet, Prometheus, load balancers).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz"})
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz", READY_PATH}
+)
 OPEN_METHODS = frozenset({"GET", "HEAD"})
 
 Scope = MutableMapping[str, Any]
@@ -145,13 +152,20 @@ class AdminGuard:
         self.tokens.get()  # log a misconfiguration at start, not at the first request
         # The highest fencing token this pod (this API-server process) has admitted.
         self.fences = fence.FenceTracker()
+        # Whether a refit pass vouched for this process's weights (/refit/ready).
+        self.ready_mark = readiness.ReadyMark()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         method = scope.get("method", "GET") if scope["type"] == "http" else "GET"
-        if not needs_admin(method, scope.get("path", "")):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.rstrip("/") == READY_PATH and method in OPEN_METHODS:
+            status, body = self.ready_mark.answer()
+            await _respond(send, status, json.dumps(body).encode())
+            return
+        if not needs_admin(method, path):
             await self.app(scope, receive, send)
             return
         if not self._authorized(scope):
@@ -168,7 +182,29 @@ class AdminGuard:
                 status, body = refusal
                 await _respond(send, status, json.dumps(body).encode())
                 return
+        if scope["type"] == "http" and method == "POST" and path.rstrip("/") == READY_PATH:
+            status, body = await self._vouch(receive)  # the guard's own endpoint, not vLLM's
+            await _respond(send, status, json.dumps(body).encode())
+            return
         await self.app(scope, receive, send)
+
+    async def _vouch(self, receive: Receive) -> tuple[int, dict[str, Any]]:
+        """An admitted ``POST /refit/ready``: a pass vouches for this process's weights."""
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return readiness.BAD_REQUEST_STATUS, readiness.vouch_error_body("no body")
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > 4096:
+                return readiness.BAD_REQUEST_STATUS, readiness.vouch_error_body("body too long")
+        try:
+            version = readiness.parse_vouch(body)
+        except readiness.VouchError as exc:
+            return readiness.BAD_REQUEST_STATUS, readiness.vouch_error_body(str(exc))
+        log.info("refit: a pass vouched for weights %s: ready", version)
+        return 200, self.ready_mark.vouch(version)
 
     def _fence(self, scope: Scope) -> tuple[int, dict[str, Any]] | None:
         """None to admit an authorized state-changing request, else (status, JSON body)."""
