@@ -47,7 +47,19 @@ def _start_pod(cp: ControlPlane, namespace: str, name: str, sim: SimPod) -> None
             "phase": "Running",
             "podIP": sim.ip,
             "podIPs": [{"ip": sim.ip}],
-            "conditions": [{"type": "ContainersReady", "status": "True"}],
+            # Started (its startupProbe on /health passed) but not ready: the fleet's readiness
+            # probe, /refit/ready, waits for a pass to vouch, and the pass only for started.
+            "conditions": [{"type": "ContainersReady", "status": "False"}],
+            "containerStatuses": [
+                {
+                    "name": "vllm",
+                    "ready": False,
+                    "started": True,
+                    "restartCount": 0,
+                    "image": "refit-worker",
+                    "imageID": "",
+                }
+            ],
         }
     }
     cp.kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from testbed.fleet import Fleet
@@ -59,12 +60,24 @@ def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
         yield [a, b]
 
 
+# The two servers (the pods) outlive each test's namespace, and so does the highest fencing
+# token each has admitted. Each test's operator leads on a Lease in its own namespace, which
+# starts from the epoch the previous tests reached, as one installation's Lease would: an
+# operator restarted inside a test (a new epoch) must not fence off the tests after it.
+LEASE = "refit-operator"
+_epoch = {"high": 0}
+
+
 @pytest.fixture
 def fleet(
     harness: tuple[Fleet, Operators], servers: list[VllmServer], tiny_model: TinyModel
 ) -> Iterator[tuple[Fleet, Operators]]:
     """The two pods in the test's namespace, serving A after a checkpoint refit."""
     fl, op = harness
+    leases = k8s.CoordinationV1Api(fl.api)
+    leases.create_namespaced_lease(
+        fl.ns, {"metadata": {"name": LEASE}, "spec": {"leaseTransitions": _epoch["high"]}}
+    )
     token = base64.b64encode(servers[0].admin_token.encode()).decode()
     fl.core.create_namespaced_secret(
         fl.ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
@@ -83,6 +96,8 @@ def fleet(
     st = fl.wait_phase("to-a", END, 180, op)["status"]
     assert st["phase"] == "Succeeded", (st, op.logs())
     yield fl, op
+    reached = leases.read_namespaced_lease(LEASE, fl.ns).spec.lease_transitions or 0
+    _epoch["high"] = max(_epoch["high"], reached)
 
 
 def trainer_command(
