@@ -471,7 +471,7 @@ def containers_up_in(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool
     """Whether a pod's containers answer, from the Pod object.
 
     Normally the kubelet's ContainersReady condition. A pod whose readiness probe is the
-    worker's /refit/ready (refit_worker.readiness) is not ready until a pass stamps its
+    worker's /refit/ready (refit_worker.readiness) is not ready until a pass vouches for its
     weights, so waiting for ContainersReady would wait for ourselves: there every container
     must have *started* instead (containerStatuses[].started, which a startupProbe on /health
     holds False until vLLM answers). No condition at all (a test bed without a kubelet)

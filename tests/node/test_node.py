@@ -122,7 +122,7 @@ def after_leading_true(hist: list[tuple[float, bool]]) -> list[bool]:
 
 def started_since(pod: dict[str, Any]) -> float | None:
     """Epoch seconds since the pod's containers run and passed their startupProbe (None if
-    one has not). Not ContainersReady: /refit/ready keeps that False until a pass stamps."""
+    one has not). Not ContainersReady: /refit/ready keeps that False until a pass vouches."""
     statuses = pod["status"].get("containerStatuses") or []
     if not statuses or not all(c.get("started") for c in statuses):
         return None
@@ -140,19 +140,19 @@ def wait_converged(node: Node, name: str, version: str, since: float, timeout: f
         pod = kubectl_json(node, "get", "pod", name, "-n", NS)
         if serving(pod, version):
             return
-        prog, ready = progress(pod), started_since(pod)
+        prog, started = progress(pod), started_since(pod)
         if (
             prog.get("outcome") == "Failed"
             and prog.get("started", 0) >= since - 1
-            and ready is not None
-            and time.time() - max(ready, prog.get("finished", 0)) > 60
+            and started is not None
+            and time.time() - max(started, prog.get("finished", 0)) > 60
         ):
             raise AssertionError(
                 f"{name}: the operator's pass to {version} failed while the container was not "
                 f"started yet and was not retried in the 60 s since it is: "
                 f"reason {prog.get('reason')}, step {prog.get('step')}, attempts "
                 f"{prog.get('attempts')}, message {prog.get('message')!r}; "
-                f"containers started since {ready:.1f}, pass {prog.get('started'):.1f}-"
+                f"containers started since {started:.1f}, pass {prog.get('started'):.1f}-"
                 f"{prog.get('finished'):.1f}, gate {gate(pod)}"
             )
         time.sleep(2)

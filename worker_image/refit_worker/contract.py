@@ -21,6 +21,13 @@ READINESS_GATE = f"{API_GROUP}/weights-ready"
 # weights of this process, so a restarted container is never Ready on unprobed weights.
 READY_PATH = "/refit/ready"
 
+
+def bad_request_body(message: str, param: str) -> dict[str, Any]:
+    """The JSON body of a 400 the worker plugin answers itself (a malformed fencing header, a
+    malformed vouch), shaped like vLLM's own error answers."""
+    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+
+
 # --- RPC methods of refit_worker.extension.RefitWorkerExtension (via /collective_rpc) ---
 RPC_INFO = "refit_info"
 RPC_PREFLIGHT = "refit_preflight"

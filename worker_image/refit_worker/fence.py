@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from refit_worker.contract import FENCE_HEADER, STALE_FENCE
+from refit_worker.contract import FENCE_HEADER, STALE_FENCE, bad_request_body
 
 # The operator's tokens are (leaseTransitions << 32) | passSequence: 64 bits are plenty.
 MAX_FENCE = 2**64 - 1
@@ -124,16 +124,8 @@ def stale_fence_body(token: int, highest: int) -> dict[str, Any]:
 
 
 def malformed_fence_body(message: str) -> dict[str, Any]:
-    """The JSON body of the 400 that refuses a malformed header, shaped like vLLM's own
-    error answers."""
-    return {
-        "error": {
-            "message": message,
-            "type": "BadRequestError",
-            "param": FENCE_HEADER,
-            "code": MALFORMED_FENCE_STATUS,
-        }
-    }
+    """The JSON body of the 400 that refuses a malformed header."""
+    return bad_request_body(message, FENCE_HEADER)
 
 
 class FenceTracker:

@@ -37,6 +37,8 @@ import json
 import time
 from typing import Any
 
+from refit_worker.contract import bad_request_body
+
 NOT_READY_STATUS = 503
 BAD_REQUEST_STATUS = 400
 MAX_VERSION_CHARS = 256
@@ -92,12 +94,5 @@ class ReadyMark:
 
 
 def vouch_error_body(message: str) -> dict[str, Any]:
-    """The 400 that refuses a malformed vouch, shaped like vLLM's own error answers."""
-    return {
-        "error": {
-            "message": message,
-            "type": "BadRequestError",
-            "param": "version",
-            "code": BAD_REQUEST_STATUS,
-        }
-    }
+    """The 400 that refuses a malformed vouch."""
+    return bad_request_body(message, "version")
