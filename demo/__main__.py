@@ -163,11 +163,14 @@ def start_servers(
 ) -> list[Any]:  # fmt: skip
     """Start the vLLM servers in parallel; every one that started is stopped by `stack`."""
     results: dict[str, Any] = {}
+    # Servers starting together share the CPUs: the knob is per server (testbed/vllm_server.py).
+    timeout = vllm_server.start_timeout(len(ips))
 
     def start(ip: str) -> None:
         cm: AbstractContextManager[Any] = vllm_server.start_vllm_server(
             model, host=ip, port=port, admin_token=token,
             extra_args=["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})],
+            timeout=timeout, progress=say,
         )  # fmt: skip
         try:
             results[ip] = (cm, cm.__enter__())

