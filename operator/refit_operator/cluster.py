@@ -126,6 +126,7 @@ class ClaimedPod:
     name: str
     claim: Claim
     resource_version: str
+    uid: str  # the pod object claimed: a pod recreated under its name is another pod
 
     async def record(
         self, progress: Progress, readiness: Readiness | None = None, *, release: bool = False
@@ -149,6 +150,8 @@ class ClaimedPod:
             metrics.api_retry("patch")
             doc = await self.cluster.read_pod(self.namespace, self.name)
             now = PodView.from_pod(doc)
+            if now.uid != self.uid:
+                raise ClaimLost(f"pod {self.name}: replaced by another pod of that name")
             if now.claim != self.claim:
                 raise ClaimLost(
                     f"pod {self.name}: claim taken over by "
@@ -209,7 +212,7 @@ class Cluster:
             if e.status == 409:
                 raise PodBusy(f"pod {pod.name} changed since it was listed") from e
             raise
-        return ClaimedPod(self, namespace, pod.name, claim, rv)
+        return ClaimedPod(self, namespace, pod.name, claim, rv, pod.uid)
 
     async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
         """Set the pod's readiness condition False, without a claim (taking a pod out of

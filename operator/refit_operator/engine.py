@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
 SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
+STOP_SECONDS = 5.0  # a cancelled pass runs only its cleanup; bounded all the same
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
@@ -43,6 +45,8 @@ class _RefitState:
     """In-memory state of one refit: nothing here is needed to resume after a restart."""
 
     tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    # The pod object (uid, address) each pass in flight drives: a pass belongs to that pod.
+    driven: dict[str, PodView] = field(default_factory=dict)
     token: str | None = None  # the pods' admin token
     api_key: str | None = None  # vLLM's --api-key, for /v1
     secrets_loaded: bool = False
@@ -79,6 +83,12 @@ def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
     if not start.resume or p is None:
         return True
     return p.source == "broadcast" and p.step in STEPS[: STEPS.index("receive") + 1]
+
+
+def _replaced(driven: PodView | None, now: PodView) -> bool:
+    """Whether the pod a pass drives is no longer the pod listed under its name (another
+    object, or another address): the pass's calls would reach the wrong process."""
+    return driven is not None and (driven.uid, driven.ip) != (now.uid, now.ip)
 
 
 class Engine:
@@ -173,18 +183,23 @@ class Engine:
         )
         st = self.state(view.uid)
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
+        st.driven = {n: p for n, p in st.driven.items() if n in st.tasks}
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
-        st.listed(self._with_live(await self.cluster.list_pods(namespace, selector), st))
+        listed = await self.cluster.list_pods(namespace, selector)
+        # A pod replaced under its name (new uid) or readdressed: its pass stops calling the
+        # old address now, and the pod as it is now gets a pass of its own (the uid's claim
+        # and progress say whether that one resumes or starts afresh).
+        await self._stop(st, [p.name for p in listed if _replaced(st.driven.get(p.name), p)])
+        st.listed(self._with_live(listed, st))
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
         )
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(
-            [n for n in st.tasks if n not in present and await self._gone(namespace, n)]
+            [n for n in st.tasks if n not in present and await self._gone(namespace, st.driven[n])]
         )
-        for pod in vanished:  # deleted mid-pass: nothing left to make safe
-            st.tasks.pop(pod).cancel()
+        await self._stop(st, vanished)  # deleted mid-pass: nothing left to make safe
         for gone in before - present:
             metrics.forget_pod(namespace, selector, gone)
         refits = self.index.names(namespace)
@@ -192,6 +207,7 @@ class Engine:
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
             now=time.time(), previous=previous, vanished=vanished, refits=refits,
             broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
+            elsewhere=await self._elsewhere(st, refits),
         )  # fmt: skip
         d = reconcile.decide(obs)
         if d.need_preflight:
@@ -253,16 +269,47 @@ class Engine:
             if st is not None:
                 st.wake.set()
 
-    async def _gone(self, namespace: str, pod: str) -> bool:
-        """A pod in flight that the list no longer shows: deleted (or being deleted), or only
-        relabelled out of the selector, whose pass must then finish (it holds the pod)."""
+    async def _gone(self, namespace: str, pod: PodView) -> bool:
+        """A pod in flight that the list no longer shows: deleted (or being deleted, or
+        replaced under its name), or only relabelled out of the selector, whose pass must
+        then finish (it holds the pod)."""
         try:
-            doc = await self.cluster.read_pod(namespace, pod)
+            doc = await self.cluster.read_pod(namespace, pod.name)
         except ApiException as e:
             if e.status == 404:
                 return True
             raise
-        return bool(doc["metadata"].get("deletionTimestamp"))
+        meta = doc["metadata"]
+        return bool(meta.get("deletionTimestamp")) or meta.get("uid") != pod.uid
+
+    @staticmethod
+    async def _stop(st: _RefitState, names: Collection[str]) -> None:
+        """Stop these pods' passes, and wait until they have stopped: none calls its pod
+        again once this returns (a cancelled pass runs nothing but its cleanup)."""
+        tasks = [st.tasks.pop(n) for n in names]
+        for name in names:
+            st.driven.pop(name, None)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_SECONDS)
+
+    async def _elsewhere(self, st: _RefitState, refits: Mapping[str, str]) -> frozenset[str]:
+        """Pods whose claim belongs to another operator process that may still act
+        (leader.holder_alive): no pass of this process takes them over. A claim that names
+        no Lease (written before claims did) is judged by this process's own Lease."""
+        if self.lease is None:
+            return frozenset()
+        me = self.cluster.identity
+        claims = {
+            p.name: (p.claim.lease or self.lease.key, p.claim.holder, p.claim.lease_seconds)
+            for p in st.pods
+            if p.claim is not None and p.claim.holder != me and p.claim.uid in refits
+        }
+        if not claims:
+            return frozenset()
+        alive = await self.lease.holders_alive(set(claims.values()))
+        return frozenset(name for name, h in claims.items() if h in alive)
 
     async def _collect(self, namespace: str) -> None:
         """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
@@ -441,6 +488,8 @@ class Engine:
             next_fence=self.next_fence, reference=reference,
             peer_nlls=st.peer_nlls,
             admitted=st.admitted, live=st.live, broadcast=st.broadcast, source_problem=problem,
+            lease=self.lease.key if self.lease else "",
+            lease_seconds=self.lease.duration if self.lease else 0,
         )  # fmt: skip
         pods = st.by_name
         if st.broadcast is not None:  # the passes started together receive one send
@@ -453,6 +502,7 @@ class Engine:
                 continue
             task = asyncio.create_task(self._guarded(ctx, pods[start.pod], start, st))
             st.tasks[start.pod] = task
+            st.driven[start.pod] = pods[start.pod]
 
     async def _stage_ahead(self, view: RefitView, st: _RefitState, names: list[str]) -> None:
         """Ask the next batch's pods to stage the checkpoint while they serve. Without a

@@ -1,17 +1,28 @@
 """Leader election on a coordination.k8s.io Lease: exactly one operator replica acts.
 
-A replica acquires the Lease when it is absent, already its own, or expired (renewTime +
-leaseDurationSeconds in the past). Updates carry the resourceVersion, so two replicas racing
-for an expired Lease cannot both win. The leader renews every sixth of the duration and stops
+A replica acquires the Lease when it is absent, already its own, released, or expired.
+Expired is judged as client-go does, never from the holder's ``renewTime`` (another machine's
+wall clock, which may be minutes off): the Lease is expired once this process has seen its
+record (its resourceVersion) unchanged for ``leaseDurationSeconds`` of its own monotonic
+clock (:class:`Observer`). Updates carry the resourceVersion, so two replicas racing for an
+expired Lease cannot both win. The leader renews every sixth of the duration and stops
 acting (the process exits) the moment it cannot renew in time.
 
 Renewal alone does not stop a leader that was frozen (SIGSTOP, a long GC pause, CPU
 throttling): when it wakes, its passes carry on before the renewal loop runs again. So the
 leader also keeps a local monotonic deadline, two thirds of a lease duration after the last
 renewal it sent, and ``check()`` (called before every API write and every worker call) raises
-:class:`LeadershipLost` once it has passed. Each acquisition also fixes the fencing epoch (the
-Lease's ``leaseTransitions``, counted up on every acquisition, even by the same identity): the
-fencing tokens of a newer leader are always higher.
+:class:`LeadershipLost` once it has passed.
+
+Fencing tokens come from the pods' own resourceVersions (podflow.claim_fence), which hold
+across Leases and installations. Only where the API server's resourceVersions are not
+integers does a pass take ``next_fence()``: the Lease's ``leaseTransitions`` (counted up on
+every acquisition, even by the same identity) as the epoch, then the pass sequence.
+
+A pod claimed by another operator process is taken over only once that process provably
+cannot act any more (:meth:`Lease.holders_alive`): the Lease its claim names is held by
+another identity or released, or this process has seen that Lease unchanged (or absent) for
+a lease duration of its own clock.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -34,6 +46,47 @@ FENCE_SHIFT = 32  # token = epoch << 32 | pass sequence: a newer leader's tokens
 
 class LeadershipLost(RuntimeError):
     """This replica may no longer be the leader: it must not make another call."""
+
+
+class Observer:
+    """When this process saw each Lease's record change, on its own monotonic clock
+    (client-go's observedTime): the only clock a judgement of expiry may use. Bounded by the
+    Leases looked at within the last ``FORGET_SECONDS``."""
+
+    FORGET_SECONDS = 600.0
+
+    def __init__(self) -> None:
+        # (namespace, name) -> (resourceVersion or None when absent, seen since, looked at)
+        self._seen: dict[tuple[str, str], tuple[str | None, float, float]] = {}
+
+    def unchanged_for(self, key: tuple[str, str], version: str | None, now: float) -> float:
+        """Seconds (of ``now``'s monotonic clock) since this process first saw the Lease at
+        ``version``; 0 when it has just changed or is seen for the first time."""
+        self._seen = {
+            k: v for k, v in self._seen.items() if now - v[2] < self.FORGET_SECONDS or k == key
+        }
+        old = self._seen.get(key)
+        since = old[1] if old is not None and old[0] == version else now
+        self._seen[key] = (version, since, now)
+        return now - since
+
+
+def holder_alive(
+    spec: Mapping[str, Any] | None, holder: str, unchanged_for: float, duration: float
+) -> bool:
+    """Whether ``holder`` may still act under a Lease whose record (``spec``; None: there is
+    no such Lease) this process has seen unchanged for ``unchanged_for`` seconds.
+
+    Held by another identity, or released: no (whoever took it waited out the lease, past
+    the old holder's own deadline). Held by ``holder``: until it has gone a lease duration
+    without a renewal this process saw. Absent: a holder that still acts re-creates it
+    within a sixth of ``duration`` (its renewal), so it may act until the absence has lasted
+    ``duration``."""
+    if spec is not None:
+        if spec.get("holderIdentity") != holder:
+            return False
+        duration = float(spec.get("leaseDurationSeconds") or duration)
+    return unchanged_for < duration
 
 
 class Lease:
@@ -52,6 +105,12 @@ class Lease:
         self.valid_until = 0.0  # monotonic: acting is safe before this moment
         self._passes = 0
         self.lost = asyncio.Event()
+        self.observer = Observer()
+
+    @property
+    def key(self) -> str:
+        """How a claim names this Lease: ``namespace/name``."""
+        return f"{self.namespace}/{self.name}"
 
     def check(self) -> None:
         """Raise unless the lease is certainly still ours (see the module docstring)."""
@@ -62,7 +121,8 @@ class Lease:
             )
 
     def next_fence(self) -> int:
-        """A fencing token for a new pod pass: higher than any earlier pass of any leader."""
+        """The fallback fencing token (podflow.claim_fence): higher than any earlier pass of
+        any leader of this Lease, while the Lease is not re-created."""
         self._passes += 1
         return (self.epoch << FENCE_SHIFT) | self._passes
 
@@ -89,18 +149,24 @@ class Lease:
             "spec": spec,
         }
 
-    async def try_acquire(self) -> bool:
-        sent = time.monotonic()  # the deadline counts from before the request left
-        now = time.time()
+    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            resp = await self.api.read_namespaced_lease(
-                self.name, self.namespace, _preload_content=False
-            )
-            old = await read_json(resp)
+            resp = await self.api.read_namespaced_lease(name, namespace, _preload_content=False)
+            doc: dict[str, Any] = await read_json(resp)
         except ApiException as e:
             if e.status != 404:
                 raise
-            old = None
+            return None
+        return doc
+
+    async def try_acquire(self) -> bool:
+        sent = time.monotonic()  # the deadline counts from before the request left
+        old = await self._read(self.namespace, self.name)
+        version = old["metadata"].get("resourceVersion") if old else None
+        unchanged = self.observer.unchanged_for(
+            (self.namespace, self.name), version, time.monotonic()
+        )
+        now = time.time()  # renewTime: for people; no replica judges the Lease by it
         try:
             if old is None:
                 body = self._body(None, now)
@@ -108,11 +174,10 @@ class Lease:
                 self._held(body, sent)
                 return True
             spec = old.get("spec") or {}
-            holder, renewed = spec.get("holderIdentity"), spec.get("renewTime")
-            duration = int(spec.get("leaseDurationSeconds") or self.duration)
-            renewed_at = times.epoch(renewed)
-            expired = renewed_at is None or now - renewed_at > duration
-            if holder not in (None, "", self.identity) and not expired:
+            holder = spec.get("holderIdentity")
+            if holder not in (None, "", self.identity) and holder_alive(
+                spec, str(holder), unchanged, self.duration
+            ):
                 return False
             body = self._body(old, now)
             await self.api.replace_namespaced_lease(self.name, self.namespace, body)
@@ -122,6 +187,34 @@ class Lease:
             if e.status == 409:  # someone else won the race
                 return False
             raise
+
+    async def holders_alive(
+        self, holders: Collection[tuple[str, str, int]]
+    ) -> set[tuple[str, str, int]]:
+        """Which of these (Lease ``namespace/name``, holder identity, lease seconds), each
+        taken from a pod's claim, may still act (:func:`holder_alive`); one read per Lease.
+        A Lease this process may not read (RBAC) or cannot read now leaves its holders
+        alive: nothing proves they stopped."""
+        alive: set[tuple[str, str, int]] = set()
+        for lease in {h[0] for h in holders}:
+            namespace, _, name = lease.partition("/")
+            try:
+                doc = await self._read(namespace, name)
+            except Exception as e:  # RBAC (403), or the API server unreachable now
+                log.warning(
+                    "Lease %s of another operator's claim unreadable (%s): its pods wait for "
+                    "that operator (grant get on that Lease to let this one judge it)", lease, e,
+                )  # fmt: skip
+                alive |= {h for h in holders if h[0] == lease}
+                continue
+            version = doc["metadata"].get("resourceVersion") if doc else None
+            unchanged = self.observer.unchanged_for((namespace, name), version, time.monotonic())
+            spec = (doc.get("spec") or {}) if doc else None
+            alive |= {
+                h for h in holders
+                if h[0] == lease and holder_alive(spec, h[1], unchanged, h[2] or self.duration)
+            }  # fmt: skip
+        return alive
 
     def _held(self, body: dict[str, Any], sent: float) -> None:
         self.epoch = int(body["spec"].get("leaseTransitions", 0))

@@ -9,11 +9,14 @@ from typing import Literal
 
 from .api import TERMINAL_PHASES, LabelSelector, ProbeSpec, Strategy, max_unavailable_count
 
-# Where a pod stands for one refit. "blocked": another refit's pass holds it (wait);
+# Where a pod stands for one refit. "blocked": another refit's pass, or another operator
+# process's pass, holds it (wait; out of traffic, so it counts as in flight);
 # "superseded": a newer refit has driven it (no longer this refit's to count or to touch).
 PodState = Literal[
     "todo", "active", "passed", "failed", "inconclusive", "dropped", "blocked", "superseded"
 ]
+
+IN_FLIGHT = frozenset({"active", "blocked"})
 
 
 def _eligible(states: dict[str, PodState], strategy: Strategy) -> tuple[list[str], int]:
@@ -25,9 +28,9 @@ def _eligible(states: dict[str, PodState], strategy: Strategy) -> tuple[list[str
         if any(states[n] in ("failed", "inconclusive") for n in canaries):
             return [], 0
         pool = [n for n in canaries if states[n] == "todo"]
-        return pool, sum(states[n] == "active" for n in canaries)
+        return pool, sum(states[n] in IN_FLIGHT for n in canaries)
     pool = [n for n in names if states[n] == "todo"]
-    return pool, sum(s == "active" for s in states.values())
+    return pool, sum(s in IN_FLIGHT for s in states.values())
 
 
 def next_pods(states: dict[str, PodState], strategy: Strategy) -> list[str]:

@@ -7,7 +7,7 @@ results back on the next call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
@@ -85,6 +85,10 @@ class Observed:
     refits: Mapping[str, str] = field(default_factory=dict)
     # A broadcast refit's current round as the engine's rounds see it (None: no round yet).
     broadcast: BroadcastRound | None = None
+    # Pods whose claim belongs to another operator process (a replica or another installation)
+    # that may still act: its pass drives the pod, whatever refit it serves, and no pass of
+    # this process takes it over (leader.holder_alive).
+    elsewhere: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -159,13 +163,20 @@ def preflight_problem(
     return None
 
 
-def holder(pod: PodView, refit: RefitView, refits: Mapping[str, str]) -> str:
-    """The other refit whose pass holds the pod ("" when the pod is free, held by this refit,
-    or held by a refit that no longer exists: a claim outlives only a crashed pass)."""
+def holder(
+    pod: PodView, refit: RefitView, refits: Mapping[str, str], elsewhere: Set[str] = frozenset()
+) -> str:
+    """Whose pass holds the pod, when it is not this refit's to drive: another refit's, or
+    any refit's pass of another operator process that may still act (``elsewhere``), named
+    with that process. "" when the pod is free, held by a pass of this refit that this process
+    may take over, or held by a refit that no longer exists: a claim outlives only a crashed
+    pass."""
     c = pod.claim
-    if c is None or c.uid == refit.uid or c.uid not in refits:
+    if c is None or c.uid not in refits:
         return ""
-    return c.refit
+    if pod.name in elsewhere:
+        return f"{c.refit} (operator {c.holder})"
+    return "" if c.uid == refit.uid else c.refit
 
 
 def pod_state(
@@ -174,6 +185,7 @@ def pod_state(
     version: str,
     rollback: bool,
     refits: Mapping[str, str] | None = None,
+    elsewhere: Set[str] = frozenset(),
 ) -> plan.PodState:
     p = pod.progress
     if pod.deleting:
@@ -183,7 +195,7 @@ def pod_state(
     if p is not None and p.uid != refit.uid and p.newer_than(refit.created, refit.name):
         if not (p.rollback and p.version == version):  # rolled back to us: still ours
             return "superseded"
-    if holder(pod, refit, refits or {}):
+    if holder(pod, refit, refits or {}, elsewhere):
         return "blocked"
     mine = p is not None and p.uid == refit.uid and p.rollback == rollback and p.version == version
     if not mine or p is None:
@@ -532,7 +544,8 @@ def _decide(obs: Observed) -> Decision:
     st.queue_position = 0
 
     states_for = {
-        pod.name: pod_state(pod, refit, spec.version, False, obs.refits) for pod in obs.pods
+        pod.name: pod_state(pod, refit, spec.version, False, obs.refits, obs.elsewhere)
+        for pod in obs.pods
     }
     if st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
         d.idle = True  # a finished refit's record stays as it was written
@@ -551,7 +564,11 @@ def _decide(obs: Observed) -> Decision:
     if refit.deleting:
         active = [n for n, s in states_for.items() if s == "active"]
         d.start = [_resume(n, obs, refit) for n in active if n not in obs.in_flight]
-        d.release_finalizer = not active and not obs.in_flight
+        # Another operator process's pass of this refit holds the finalizer too: deleting
+        # the refit would stop that pass mid-step.
+        theirs = any(p.name in obs.elsewhere and p.claim and p.claim.uid == refit.uid
+                     for p in obs.pods)  # fmt: skip
+        d.release_finalizer = not active and not obs.in_flight and not theirs
         return d
 
     # ---- preflight: every pod answers refit_info and is safe to refit, before we touch any
@@ -713,7 +730,7 @@ def _held(obs: Observed, states: dict[str, plan.PodState]) -> str:
     by: dict[str, list[str]] = {}
     for pod in obs.pods:
         if states.get(pod.name) == "blocked":
-            by.setdefault(holder(pod, obs.refit, obs.refits), []).append(pod.name)
+            by.setdefault(holder(pod, obs.refit, obs.refits, obs.elsewhere), []).append(pod.name)
     parts = []
     for other, names in sorted(by.items()):
         shown = ", ".join(sorted(names)[:5]) + (
@@ -749,7 +766,9 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
         for p in obs.pods
         if p.progress is not None and p.progress.uid == refit.uid and not p.deleting
     ]
-    states = {p.name: pod_state(p, refit, prev.version, True, obs.refits) for p in touched}
+    states = {
+        p.name: pod_state(p, refit, prev.version, True, obs.refits, obs.elsewhere) for p in touched
+    }
     d.start = [
         _resume(n, obs, refit)
         for n, s in states.items()

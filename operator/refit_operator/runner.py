@@ -63,7 +63,7 @@ class PassContext:
     fleet: str
     spec: WeightRefitSpec
     client: Callable[[PodView, int | None], WorkerClient]  # (pod, fencing token)
-    next_fence: Callable[[], int]
+    next_fence: Callable[[], int]  # the fallback token (podflow.claim_fence)
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
@@ -75,6 +75,10 @@ class PassContext:
     # again after an operator restart, is gone or changed. No pass can receive: new broadcast
     # passes are refused like an admission problem, a resumed one fails at its receive.
     source_problem: tuple[str, str] | None = None
+    # The Lease this operator process leads on (``namespace/name``) and its seconds: written
+    # into each claim, so that other processes judge from it whether this one may still act.
+    lease: str = ""
+    lease_seconds: int = 0
 
 
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
@@ -102,7 +106,10 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
 
 
 async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
-    claim = Claim(ctx.refit_name, ctx.refit_uid, ctx.next_fence(), ctx.cluster.identity)
+    # The claim's write is conditional on the pod's resourceVersion as listed: the token.
+    fence = podflow.claim_fence(pod.resource_version) or ctx.next_fence()
+    claim = Claim(ctx.refit_name, ctx.refit_uid, fence, ctx.cluster.identity, ctx.lease,
+                  ctx.lease_seconds)  # fmt: skip
     worker = ctx.client(pod, claim.fence)
     resumed = bool(start.resume and pod.progress)
     progress = pod.progress if resumed else None
@@ -384,6 +391,8 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
     deadline = time.monotonic() + limit
     while True:
         doc = await ctx.cluster.read_pod(ctx.namespace, pod.name)
+        if doc["metadata"].get("uid") != pod.uid:
+            raise ClaimLost(f"pod {pod.name} was replaced by another pod of that name")
         conds = {c.get("type"): c for c in (doc.get("status") or {}).get("conditions") or []}
         if conds.get("Ready", {}).get("status") != "True":
             return

@@ -237,3 +237,95 @@ def test_pod_refuses_a_stale_fencing_token(harness, sim_fleet, tmp_path):
     assert fleet.wait_phase("w2", END, 60, op)["status"]["phase"] == "Succeeded"
     assert sims[0].state()["fence"] > mark
     assert sims[0].state()["weight_version"] == "v2"
+
+
+def test_two_installations_never_drive_one_pod_at_once(harness, sim_fleet, tmp_path):
+    """Issue 24 #7: two installations (their own Leases, both leading) watch one namespace.
+    Their tokens used to start at the same epoch and count passes alike, and each resumed
+    the other's pass of the same refit: two loads at once on one pod. Now a pod another live
+    operator process claims is left to it, and no two passes share a token."""
+    fleet, op = harness
+    sims = sim_fleet(3, allowed_root=tmp_path)
+    for i, sim in enumerate(sims):
+        fleet.add_pod(f"pod-{i}", sim)
+        sim.set_fault("refit_load", "delay", 2.0)  # long passes: both operators see them
+    ckpt = make_checkpoints(tmp_path, "v1")
+    a = op.start("--lease-name", "install-a")
+    b = op.start("--lease-name", "install-b")
+    fleet.wait_for(lambda: op.logs().count("acquired by") == 2, 30, "both installations to lead")
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    st = fleet.wait_phase("wr", END, 120, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    assert st["targetPods"] == st["updatedPods"] == 3, st
+    for i, sim in enumerate(sims):
+        assert sim.counts()["refit_load"] == 1, (i, sim.call_log())
+        tokens = {c["fence"] for c in fenced_calls(sim)}
+        assert len(tokens) == 1, (i, tokens)  # one pass drove it
+        assert_one_driver(sim)
+        assert sim.state()["weight_version"] == "v1"
+        assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+    assert a.poll() is None and b.poll() is None
+
+
+def test_fencing_survives_a_lease_that_starts_over(harness, sim_fleet, tmp_path):
+    """Issue 24 #7: a Lease deleted (a reinstall) started the epoch again at 0, below the
+    marks the pods kept from the leaders before: every call was StaleFence until the pods
+    restarted. Tokens now come from the pods' own resourceVersions."""
+    from kubernetes import client as k8s
+
+    fleet, op = harness
+    sims = sim_fleet(1, allowed_root=tmp_path)
+    fleet.add_pod("pod-0", sims[0])
+    ckpt = make_checkpoints(tmp_path, "v1", "v2", "v3")
+    first = op.start()
+    fleet.apply_refit("w1", "v1", ckpt["v1"], sims[0].port)
+    assert fleet.wait_phase("w1", END, 60, op)["status"]["phase"] == "Succeeded"
+    op.kill(first)
+    second = op.start()  # a new leader of the same Lease (leaseTransitions 1)
+    fleet.apply_refit("w2", "v2", ckpt["v2"], sims[0].port)
+    assert fleet.wait_phase("w2", END, 60, op)["status"]["phase"] == "Succeeded"
+    mark = sims[0].state()["fence"]
+    op.kill(second)
+    k8s.CoordinationV1Api(fleet.api).delete_namespaced_lease("refit-operator", fleet.ns)
+    op.start()  # the Lease starts over
+    fleet.apply_refit("w3", "v3", ckpt["v3"], sims[0].port)
+    st = fleet.wait_phase("w3", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    assert sims[0].state()["weight_version"] == "v3"
+    assert sims[0].state()["fence"] > mark
+    assert_one_driver(sims[0])  # no call was refused
+
+
+def test_pod_replaced_under_its_name_gets_its_own_pass(harness, sim_fleet, tmp_path):
+    """Issue 24 #11: a pod deleted mid-pass and created again under its name, at another
+    address. The old pass kept calling the old address (here: waiting on a 60 s load) until
+    its next pod write, and the new pod waited for it. A pass belongs to one pod object:
+    it stops at the next tick, and the new pod gets its own pass at once."""
+    fleet, op = harness
+    sims = sim_fleet(2, allowed_root=tmp_path)
+    fleet.add_pod("pod-0", sims[0])
+    sims[0].set_fault("refit_load", "delay", 60.0)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    fleet.wait_serving(sims[0], "refit_load")
+    old_uid = fleet.pod("pod-0")["metadata"]["uid"]
+    fleet.core.delete_namespaced_pod("pod-0", fleet.ns, grace_period_seconds=0)
+
+    def deleted() -> bool:
+        return all(p["metadata"]["name"] != "pod-0" for p in fleet.pods())
+
+    fleet.wait_for(deleted, 10, "pod-0 to be gone")
+    calls_before = len(sims[0].call_log())
+    replaced_at = time.monotonic()
+    fleet.add_pod("pod-0", sims[1])
+    assert fleet.pod("pod-0")["metadata"]["uid"] != old_uid
+    fleet.wait_for(lambda: sims[1].counts()["refit_load"] > 0, 15, "the new pod's own pass")
+    assert time.monotonic() - replaced_at < 15
+    st = fleet.wait_phase("wr", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    assert sims[1].state()["weight_version"] == "v1"
+    assert fleet.ready(fleet.pod("pod-0")) is True
+    # Nothing reached the old address after the pod it belonged to was replaced.
+    assert len(sims[0].call_log()) == calls_before, sims[0].call_log()[calls_before:]
+    assert_one_driver(sims[1])

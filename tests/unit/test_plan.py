@@ -108,3 +108,10 @@ def test_a_started_refit_is_never_queued_again():
     assert plan.queue_role(b, [a, b]).role == "active"
     c = RefitRef("c", "2026-01-01T00:00:03Z", "Pending")
     assert plan.queue_role(c, [a, b, c]) == plan.QueueDecision("queued", 2, waiting_for="a")
+
+
+def test_pods_another_operator_holds_count_against_max_unavailable():
+    """A blocked pod is out of traffic under another pass: Rolling counts it in flight."""
+    strategy = Strategy(type="Rolling", max_unavailable=1)
+    assert plan.next_pods(states(a="blocked", b="todo"), strategy) == []
+    assert plan.next_pods(states(a="passed", b="todo"), strategy) == ["b"]

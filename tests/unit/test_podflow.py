@@ -4,6 +4,7 @@ from dataclasses import replace
 import pytest
 from refit_operator import podflow
 from refit_operator.podflow import STEPS, Finished, Progress, RunStep, WaitUntil
+from refit_worker.fence import MAX_FENCE, format_fence
 
 
 def fresh() -> Progress:
@@ -156,6 +157,32 @@ def test_claim_round_trips_and_unreadable_is_none():
         '{"refit":"a","uid":"u","fence":"x","holder":"h"}',
     ):
         assert podflow.Claim.from_annotation(bad) is None
+
+
+def test_claim_names_its_holders_lease_and_an_older_claim_still_reads():
+    c = podflow.Claim("wr", "u", 9, "op-a", lease="refit-a/refit-operator", lease_seconds=15)
+    assert podflow.Claim.from_annotation(c.to_annotation()) == c
+    old = '{"fence":7,"holder":"op0-1","refit":"wr","uid":"u"}'  # before claims named it
+    assert podflow.Claim.from_annotation(old) == podflow.Claim("wr", "u", 7, "op0-1", "", 0)
+    assert podflow.Claim.from_annotation("[1, 2]") is None
+
+
+def test_claim_fence_grows_with_every_claim_of_a_pod_and_tops_the_lease_scheme():
+    """Each claim of a pod is written conditional on a resourceVersion written after the
+    claim before it: its token is higher, whichever process or Lease took it. Tokens of the
+    Lease-epoch scheme (leaseTransitions << 32 | pass) a pod may remember from an older
+    operator stay below all of them, and every token fits the pods' 64 bits."""
+    given = ("1", "41", "42", "1000000", str(2**63 - 1))
+    tokens = [t for t in map(podflow.claim_fence, given) if t is not None]
+    assert len(tokens) == len(given) and tokens == sorted(set(tokens))
+    assert tokens[0] == podflow.FENCE_BASE + 1
+    lease_scheme = ((2**31 - 1) << 32) | (2**32 - 1)  # the largest epoch and pass
+    assert lease_scheme < podflow.FENCE_BASE + 1
+    assert tokens[-1] == MAX_FENCE
+    assert format_fence(tokens[-1]) == str(MAX_FENCE)
+    # Not etcd's integers: the pass takes the Lease-epoch token instead.
+    for odd in ("", "abc", "12a", "-1", "+5", "١٢", str(2**63), "1" * 30):
+        assert podflow.claim_fence(odd) is None, odd
 
 
 def test_newer_than_breaks_timestamp_ties_by_name():

@@ -360,6 +360,43 @@ def test_own_claim_from_a_previous_leader_is_taken_over():
     assert [(x.pod, x.resume) for x in d.start] == [("p0", True)]
 
 
+def test_own_refits_pod_held_by_another_live_operator_is_not_taken_over():
+    """Issue 24 #7: a second installation (or replica) saw the pass of another operator
+    process on a pod of the same refit and resumed it: two reloads at once. While that
+    process may still act, the pod is blocked, named with the process, and counts as in
+    flight: no resume, no fresh pass, no finish, no deletion under that pass."""
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW, created=CREATED)
+    theirs = pod("p0", prog, claim=_claimed("wr", "uid"), ready=False)
+    live = frozenset({"p0"})
+    d = decide(observe(r, [theirs], refits={"uid": "wr"}, elsewhere=live))
+    assert d.start == []
+    assert "p0 held by a pass of refit wr (operator op-1)" in d.status.message
+    assert d.status.phase == "Progressing"
+    # Its own refit's other pods wait under Rolling: that pod is out of traffic.
+    rolling = spec(strategy={"type": "Rolling", "maxUnavailable": 1})
+    rr = refit(rolling, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    d = decide(observe(rr, [theirs, pod("p1")], refits={"uid": "wr"}, elsewhere=live))
+    assert d.start == []
+    deleting = replace(r, deleting=True)
+    d = decide(observe(deleting, [theirs], refits={"uid": "wr"}, elsewhere=live))
+    assert not d.release_finalizer and d.start == []
+    # Once that process provably cannot act any more, this one resumes the pass.
+    d = decide(observe(r, [theirs], refits={"uid": "wr"}))
+    assert [(x.pod, x.resume) for x in d.start] == [("p0", True)]
+
+
+def test_a_live_operators_claim_of_a_deleted_refit_is_still_stale():
+    """A refit deleted: its passes are cancelled by every operator that watches it, so its
+    claims block nobody, whoever holds them."""
+    s = spec()
+    r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
+    stale = pod("p1", claim=_claimed("deleted", "uid-gone"))
+    d = decide(observe(r, [stale], refits={"uid": "wr"}, elsewhere=frozenset({"p1"})))
+    assert [x.pod for x in d.start] == ["p1"]
+
+
 def _by_newer(version: str = "v3") -> podflow.Progress:
     return done(
         podflow.start("newer", "uid-n", version, "/ckpt/v3", NOW, created="2026-11-30T00:00:00Z")

@@ -2,8 +2,8 @@
 
 Every call a refit pass makes to a pod carries a fencing token in the ``X-Refit-Fence``
 header (``contract.FENCE_HEADER``): a non-negative integer that only grows across passes
-and operator leaders (the operator derives it from its Lease's transitions and its pass
-sequence; to the pod it is an opaque number). The pod remembers the highest token it has
+and operator leaders (the operator derives it from the pod's resourceVersion its claim was
+written against; to the pod it is an opaque number). The pod remembers the highest token it has
 admitted and refuses a state-changing call that carries a lower one: that call comes from a
 pass that has since been superseded, e.g. an operator leader frozen past its lease and
 resumed, while a newer pass already drives the pod.
@@ -31,7 +31,7 @@ from typing import Any
 
 from refit_worker.contract import FENCE_HEADER, STALE_FENCE, bad_request_body
 
-# The operator's tokens are (leaseTransitions << 32) | passSequence: 64 bits are plenty.
+# The operator's tokens are 2**63 + a resourceVersion (etcd's int64 revision): 64 bits.
 MAX_FENCE = 2**64 - 1
 MAX_FENCE_DIGITS = len(str(MAX_FENCE))  # 20
 # Methods that only read: never fenced.
