@@ -718,8 +718,8 @@ def _progress(
     ]
     held = _held(obs, states)
     if st.phase == "Succeeded":
-        if moved_on:
-            st.message = _succeeded_message(st, spec, moved_on)
+        # The counts as they are now: pods join, restart, move in and out of the fleet.
+        st.message = _succeeded_message(st, spec, moved_on)
         # Convergence: a finished refit brings late or restarted pods to its version, unless
         # a refit that shares pods with it is at work, and only pods no newer Succeeded refit
         # selects (that one converges them): two finished refits never fight over a pod.
