@@ -668,7 +668,8 @@ def _orphans(obs: Observed) -> list[PodView]:
 
 def _back(obs: Observed, states: Mapping[str, plan.PodState]) -> list[str]:
     """Pods this refit would be the target of that no newer refit answers for any more."""
-    return sorted(p.name for p in _orphans(obs) if states[p.name] not in ("superseded", "dropped"))
+    others = ("superseded", "dropped", "blocked")
+    return sorted(p.name for p in _orphans(obs) if states[p.name] not in others)
 
 
 def _names(names: Sequence[str], shown: int = 5) -> str:
