@@ -120,6 +120,9 @@ class Engine:
         self._trainer_sending(doc)
         if gone is None:
             return
+        for uid in self.index.to_wake_on_delete(gone):
+            if uid in self.refits:
+                self.refits[uid].wake.set()
         st = self.refits.pop(gone.uid, None)
         if st is not None:
             for task in (*st.tasks.values(), *st.staged_ahead.values()):
@@ -212,12 +215,9 @@ class Engine:
         d = reconcile.decide(obs)
         if d.need_preflight:
             d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
-        for name in d.withdraw:  # before vLLM is back up and the kubelet would mark it Ready
-            await self.cluster.withdraw(
-                st.by_name[name], namespace, "ContainerRestarted",
-                "the container restarted and lost the weights its pass loaded; out of "
-                "traffic until a pass brings it back",
-            )  # fmt: skip
+        # A restarted pod before vLLM is back up and the kubelet would mark it Ready.
+        for name, (reason, message) in d.withdraw.items():
+            await self.cluster.withdraw(st.by_name[name], namespace, reason, message)
         if d.start:
             await self._start(namespace, doc, view, st, d)
         if d.stage_ahead:

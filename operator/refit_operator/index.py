@@ -113,13 +113,23 @@ class RefitIndex:
 
     def to_wake(self, namespace: str, fleet: Sequence[plan.RefitRef], uid: str) -> list[str]:
         """uids of the refits a finish of refit ``uid`` concerns: those of ``fleet`` that are
-        queued or active, or Succeeded (their pods may have moved on); the rest are done."""
-        names = {r.name for r in fleet if r.phase not in TERMINAL_PHASES or r.phase == "Succeeded"}
+        queued or active, or Succeeded (their pods may have moved on), or Superseded because
+        their pods moved on (they may be the target again); the rest are done."""
+        names = {r.name for r in fleet}
         return [
             k.uid
             for k in self.known.values()
             if k.namespace == namespace and k.name in names and k.uid != uid
-        ]
+            and (k.phase not in TERMINAL_PHASES or k.served)
+        ]  # fmt: skip
+
+    def to_wake_on_delete(self, gone: Known) -> list[str]:
+        """uids of the refits a deletion of ``gone`` may concern: every refit of its namespace
+        that to_wake would wake (which of them shared pods with it is no longer known: the
+        pods its selector matched are not at hand). A deleted refit's pods may have a new
+        target, which must take up a pod that restarts at once."""
+        fleet = [k.ref() for k in self.known.values() if k.namespace == gone.namespace]
+        return self.to_wake(gone.namespace, fleet, gone.uid)
 
     def to_collect(self, namespace: str, policy: history.Policy, now: float) -> list[Known]:
         """Refits of the namespace the history policy no longer keeps and whose deletion was

@@ -106,6 +106,9 @@ class Progress:
     # a pod keeps serving while the checkpoint stages, and goes back to serving it when the
     # load is refused before the model was touched.
     serving: str = ""
+    # The checkpoint ``serving`` was loaded from ("" for none, or a broadcast's): what a
+    # rollback of this pass loads into this pod (docs/concepts.md, "Rollback").
+    serving_path: str = ""
     left_traffic: float = 0.0  # epoch seconds this pass took the pod out of traffic (0: never)
     restored: bool = False  # the pass failed and the pod serves ``serving`` again
     staging: str = ""  # how the worker staged the checkpoint (memory, or why not)
@@ -152,6 +155,7 @@ def start(
     rollback: bool = False,
     restarts: int = 0,
     serving: str = "",
+    serving_path: str = "",
     source: Source = "checkpoint",
 ) -> Progress:
     """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
@@ -167,6 +171,7 @@ def start(
         started=now,
         restarts=restarts,
         serving=serving,
+        serving_path=serving_path if serving else "",
         left_traffic=0.0 if serving else now,
     )
 
@@ -474,6 +479,14 @@ class PodView:
         if p.outcome == "Succeeded":
             return p.version
         return p.serving if p.restored else ""
+
+    @property
+    def serving_path(self) -> str:
+        """The checkpoint ``serving`` was loaded from ("" if none, or a broadcast's)."""
+        p = self.progress
+        if p is None or not self.serving:
+            return ""
+        return p.path if p.outcome == "Succeeded" else p.serving_path
 
     @classmethod
     def from_pod(cls, doc: Mapping[str, Any]) -> PodView:

@@ -62,6 +62,9 @@ class PodStart:
     path: str
     rollback: bool
     resume: bool  # continue the recorded progress instead of starting a new pass
+    # False for a pod whose weights are another fleet's (moved here by its labels): it leaves
+    # traffic at the pass's start instead of serving them while the checkpoint stages.
+    keep_serving: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,11 @@ class Decision:
     # The fleet's target refit, watching for late or restarted pods.
     watching: bool = False
     release_finalizer: bool = False
-    # Pods to take out of traffic now: in traffic while their container restarted since
-    # their pass (the weights it loaded are gone), before any pass can begin on them.
-    withdraw: list[str] = field(default_factory=list)
+    # Pods to take out of traffic now, with the reason and message for their condition: in
+    # traffic while their container restarted since their pass (the weights it loaded are
+    # gone), before any pass can begin on them; serving another fleet's weights (moved here by
+    # their labels); left by a rollback with no checkpoint to go back to.
+    withdraw: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def dormant(self) -> bool:
@@ -179,6 +184,44 @@ def holder(
     return "" if c.uid == refit.uid else c.refit
 
 
+def foreign(pod: PodView, fleet: Sequence[plan.RefitRef], refits: Mapping[str, str]) -> bool:
+    """Whether the pod's record is the pass of a refit that exists and no longer selects it:
+    its labels moved it into this fleet, with weights that are another fleet's. ``fleet``
+    holds every refit that selects a pod of this one's fleet, so one that selects this pod."""
+    p = pod.progress
+    if p is None or refits.get(p.uid) != p.refit:
+        return False
+    return not any(r.name == p.refit and r.selects(pod.labels) for r in fleet)
+
+
+def moved_on(
+    pod: PodView,
+    refit: RefitView,
+    version: str,
+    fleet: Sequence[plan.RefitRef],
+    refits: Mapping[str, str] | None,
+) -> bool:
+    """Whether a newer refit answers for the pod (docs/concepts.md, "Which refit wins"): its
+    pass is the pod's record and what it left stands. It does not once the pod left that
+    refit's fleet (labels), nor once the container restarted since a pass of a refit that
+    ended without succeeding (the pod lost those weights: its target converges it), nor, for
+    a refit since deleted, once the pod no longer serves the version it left."""
+    p = pod.progress
+    if p is None or p.uid == refit.uid or not p.newer_than(refit.created, refit.name):
+        return False
+    if p.rollback and p.version == version:  # rolled back to us: still ours
+        return False
+    if refits is None:  # the other refits unknown (a dry run): the record stands
+        return True
+    if p.uid not in refits:
+        return bool(pod.serving)
+    if foreign(pod, fleet, refits):
+        return False
+    lost = p.finished_pass and p.restarts != pod.restarts
+    phase = next((r.phase for r in fleet if r.name == p.refit), "")
+    return not lost or phase == "Succeeded" or phase not in TERMINAL_PHASES
+
+
 def pod_state(
     pod: PodView,
     refit: RefitView,
@@ -186,15 +229,15 @@ def pod_state(
     rollback: bool,
     refits: Mapping[str, str] | None = None,
     elsewhere: Set[str] = frozenset(),
+    fleet: Sequence[plan.RefitRef] = (),
 ) -> plan.PodState:
     p = pod.progress
     if pod.deleting:
         return "dropped"
     # A newer refit has driven the pod (or drives it now): it has moved on, and this refit
     # neither counts it nor takes it back (two refits never fight over a pod).
-    if p is not None and p.uid != refit.uid and p.newer_than(refit.created, refit.name):
-        if not (p.rollback and p.version == version):  # rolled back to us: still ours
-            return "superseded"
+    if moved_on(pod, refit, version, fleet, refits):
+        return "superseded"
     if holder(pod, refit, refits or {}, elsewhere):
         return "blocked"
     mine = p is not None and p.uid == refit.uid and p.rollback == rollback and p.version == version
@@ -444,17 +487,27 @@ def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
 
 def decide(obs: Observed) -> Decision:
     d = _decide(obs)
-    d.withdraw = [
-        p.name
-        for p in obs.pods
-        if p.ready and p.progress is not None and p.progress.restarts != p.restarts
-        and p.name not in obs.in_flight and p.claim is None  # a claimed pod is its pass's
-    ]  # fmt: skip
+    starting = {s.pod for s in d.start}
+    for p in obs.pods:
+        if not p.ready or p.progress is None or p.name in obs.in_flight or p.claim is not None:
+            continue  # a claimed pod is its pass's
+        if p.progress.restarts != p.restarts:
+            d.withdraw[p.name] = ("ContainerRestarted", _RESTARTED)
+        elif p.name not in starting and foreign(p, obs.fleet, obs.refits):
+            # A pass starting now takes it out in its first write.
+            d.withdraw[p.name] = ("FleetChanged", (
+                f"the pod's labels moved it out of the fleet of refit {p.progress.refit}, "
+                f"whose weights ({p.progress.version}) it serves; out of traffic until a pass "
+                "of its fleet's refit"))  # fmt: skip
     if obs.refit.spec.broadcast is not None:
         _receivers(d.status, obs)
     return d
 
 
+_RESTARTED = (
+    "the container restarted and lost the weights its pass loaded; out of traffic until a "
+    "pass brings it back"
+)
 RECEIVERS_READY = "ReceiversReady"
 # The reason of a refit Superseded because every pod moved on to a newer refit that Succeeded
 # (the fleet served its version; index.py keeps it as a rollback candidate).
@@ -544,12 +597,24 @@ def _decide(obs: Observed) -> Decision:
     st.queue_position = 0
 
     states_for = {
-        pod.name: pod_state(pod, refit, spec.version, False, obs.refits, obs.elsewhere)
+        pod.name: pod_state(
+            pod, refit, spec.version, False, obs.refits, elsewhere=obs.elsewhere, fleet=obs.fleet
+        )
         for pod in obs.pods
     }
-    if st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
+    back = _back(obs, states_for) if _superseded_by_pods(old) else []
+    if back:
+        # Its pods had all moved on to a newer refit that Succeeded; some are back (that
+        # refit was deleted, or the pod restarted or moved since): it is their target again.
+        shown = _names(back)
+        transition("Succeeded", "Succeeded", f"the target again of {shown}, which no newer "
+                   "refit answers for")  # fmt: skip
+    elif st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
         d.idle = True  # a finished refit's record stays as it was written
         d.release_finalizer = refit.deleting
+        # Superseded because its pods moved on: it watches the pods it would be the target
+        # of, were they back, so that it takes them up at once.
+        d.watching = _superseded_by_pods(old) and bool(_orphans(obs))
         return d
     st.pods, st.pods_omitted = _pod_results(obs.pods, refit, old.pods, obs.vanished)
     st.probe_summary = _summary(
@@ -605,6 +670,31 @@ def _decide(obs: Observed) -> Decision:
     return d
 
 
+def _superseded_by_pods(st: WeightRefitStatus) -> bool:
+    ready = next((c for c in st.conditions if c.type == "Ready"), None)
+    return st.phase == "Superseded" and ready is not None and ready.reason == MOVED_ON
+
+
+def _orphans(obs: Observed) -> list[PodView]:
+    """The pods of this refit's fleet that no newer Succeeded refit selects: were this refit
+    Succeeded, it would be their target."""
+    refit = obs.refit
+    me = plan.RefitRef(refit.name, refit.created, "Succeeded", refit.spec.queue_policy)
+    newer = [r for r in obs.fleet if r.phase == "Succeeded" and plan.newer(r, me)]
+    return [p for p in obs.pods if not p.deleting and not any(r.selects(p.labels) for r in newer)]
+
+
+def _back(obs: Observed, states: Mapping[str, plan.PodState]) -> list[str]:
+    """Pods this refit would be the target of that no newer refit answers for any more."""
+    others = ("superseded", "dropped", "blocked")
+    return sorted(p.name for p in _orphans(obs) if states[p.name] not in others)
+
+
+def _names(names: Sequence[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(sorted(names)[:shown]) + more
+
+
 def _resume(name: str, obs: Observed, refit: RefitView) -> PodStart:
     pod = next(p for p in obs.pods if p.name == name)
     assert pod.progress is not None
@@ -647,26 +737,31 @@ def _progress(
     ]
     held = _held(obs, states)
     if st.phase == "Succeeded":
-        if moved_on:
-            st.message = _succeeded_message(st, spec, moved_on)
+        # The counts as they are now: pods join, restart, move in and out of the fleet.
+        st.message = _succeeded_message(st, spec, moved_on)
         # Convergence: a finished refit brings late or restarted pods to its version, unless
         # a refit that shares pods with it is at work, and only pods no newer Succeeded refit
         # selects (that one converges them): two finished refits never fight over a pod.
         if any(r.phase not in TERMINAL_PHASES for r in obs.fleet if r.name != refit.name):
             d.idle = True
             return
-        me = plan.RefitRef(refit.name, refit.created, st.phase, spec.queue_policy)
-        newer = [r for r in obs.fleet if r.phase == "Succeeded" and plan.newer(r, me)]
-        labels = {p.name: p.labels for p in obs.pods}
-        targets = [n for n in states if not any(r.selects(labels[n]) for r in newer)]
+        orphans = {p.name for p in _orphans(obs)}
+        targets = [n for n in states if n in orphans]
+        # It watches while it is the target of any pod, also of pods a newer refit that did
+        # not succeed drove (those that passed keep its version): one that restarts or moves
+        # is this refit's to converge, at once.
+        d.watching = bool(orphans)
         if not targets and not resumes:
-            d.idle = True  # newer Succeeded refits select every pod: they converge them
+            d.idle = True  # nothing to converge: newer refits answer for every pod
             return
         # A broadcast left nothing to load its version from: a pod that joins later waits
         # (out of traffic) for the next refit.
         fresh = [] if spec.broadcast is not None else targets
         ready = _startable(obs)
-        d.start = resumes + [_fresh(n, spec) for n in fresh if states[n] == "todo" and n in ready]
+        moved = _foreign(obs)
+        d.start = resumes + [
+            _fresh(n, spec, n not in moved) for n in fresh if states[n] == "todo" and n in ready
+        ]
         d.idle = not d.start and not obs.in_flight
         d.watching = True
         return
@@ -682,7 +777,8 @@ def _progress(
     if not g.tripped:
         starts = plan.next_pods(states, spec.strategy)
         ready = _startable(obs)
-        d.start = resumes + [_fresh(n, spec) for n in starts if n in ready]
+        moved = _foreign(obs)
+        d.start = resumes + [_fresh(n, spec, n not in moved) for n in starts if n in ready]
         if spec.checkpoint is not None:  # a broadcast has nothing to stage
             d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
         if plan.all_settled(states) and not obs.in_flight and not d.start:
@@ -698,12 +794,7 @@ def _progress(
         transition("Halted", g.reason, f"halted: {g.message}", "Warning")
         d.idle = True
         return
-    if st.previous is None or not st.previous.version:
-        msg = f"{g.message}; no previous version recorded for this fleet"
-        transition("Halted", "NoRollbackTarget", msg, "Warning")
-        d.idle = True
-        return
-    msg = f"{g.message}; rolling back to {st.previous.version}"
+    msg = f"{g.message}; rolling each pod back to the checkpoint it served"
     transition("RollingBack", g.reason, msg, "Warning")
     _rollback(obs, d, transition)
 
@@ -752,46 +843,89 @@ def _startable(obs: Observed) -> frozenset[str]:
     return frozenset(p.name for p in obs.pods if p.startable)
 
 
-def _fresh(name: str, spec: WeightRefitSpec) -> PodStart:
-    return PodStart(name, spec.version, spec.path, rollback=False, resume=False)
+def _foreign(obs: Observed) -> frozenset[str]:
+    """Pods serving another fleet's weights (see ``foreign``)."""
+    return frozenset(p.name for p in obs.pods if foreign(p, obs.fleet, obs.refits))
+
+
+def _fresh(name: str, spec: WeightRefitSpec, keep_serving: bool = True) -> PodStart:
+    return PodStart(name, spec.version, spec.path, False, False, keep_serving)
+
+
+def rollback_targets(
+    pods: Sequence[PodView], refit: RefitView
+) -> tuple[dict[str, tuple[str, str]], list[str], list[str]]:
+    """Where a rollback takes each pod this refit touched, from the pod's own record: (pod ->
+    (version, path) of the checkpoint it served when this refit's pass began, or its rollback
+    pass goes to; pods whose pass left them serving what they served, nothing to undo; pods
+    with no checkpoint to go back to: they served nothing probed, or a broadcast)."""
+    to: dict[str, tuple[str, str]] = {}
+    kept, nothing = [], []
+    for pod in pods:
+        p = pod.progress
+        if p is None or p.uid != refit.uid or pod.deleting:
+            continue
+        if p.rollback:
+            to[pod.name] = (p.version, p.path)
+        elif p.finished_pass and p.in_traffic and p.restarts == pod.restarts and pod.ready:
+            kept.append(pod.name)  # refused before its weights were touched
+        elif p.serving and p.serving_path:
+            to[pod.name] = (p.serving, p.serving_path)
+        else:
+            nothing.append(pod.name)
+    return to, sorted(kept), sorted(nothing)
+
+
+_NOTHING_BACK = (
+    "refit {refit} rolled back, and this pod served no checkpoint before it (nothing probed, "
+    "or a broadcast): out of traffic until the next refit"
+)
 
 
 def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
-    """Every pod this refit touched goes back to the previous version and is probed."""
-    refit, st = obs.refit, d.status
-    assert st.previous is not None
-    prev = st.previous
-    touched = [
-        p
-        for p in obs.pods
-        if p.progress is not None and p.progress.uid == refit.uid and not p.deleting
-    ]
+    """Every pod this refit touched goes back to the checkpoint it served, and is probed; a
+    pod with none to go back to leaves traffic (fail closed) and waits for the next refit."""
+    refit = obs.refit
+    to, kept, nothing = rollback_targets(obs.pods, refit)
+    by_name = {p.name: p for p in obs.pods}
     states = {
-        p.name: pod_state(p, refit, prev.version, True, obs.refits, obs.elsewhere) for p in touched
+        n: pod_state(by_name[n], refit, version, True, obs.refits, elsewhere=obs.elsewhere)
+        for n, (version, _) in to.items()
     }
     d.start = [
         _resume(n, obs, refit)
         for n, s in states.items()
         if s == "active" and n not in obs.in_flight
     ] + [
-        PodStart(n, prev.version, prev.path, rollback=True, resume=False)
+        PodStart(n, to[n][0], to[n][1], rollback=True, resume=False)
         for n, s in states.items()
         if s == "todo" and n in _startable(obs)
     ]
-    if plan.all_settled(states) and not obs.in_flight and not d.start:
-        bad = [n for n, s in states.items() if s != "passed"]
+    for n in nothing:
+        pod = by_name[n]
+        if pod.ready and pod.claim is None and n not in obs.in_flight:
+            d.withdraw[n] = ("NoRollbackTarget", _NOTHING_BACK.format(refit=refit.name))
+    # Finished once those are out of traffic: a finished refit withdraws nothing more.
+    if plan.all_settled(states) and not obs.in_flight and not d.start and not d.withdraw:
+        bad = sorted(n for n, s in states.items() if s != "passed")
+        versions: dict[str, list[str]] = {}
+        for n in [n for n, s in states.items() if s == "passed"]:
+            versions.setdefault(to[n][0], []).append(n)
+        parts = [
+            f"{len(ns)} pods rolled back to {v} ({_names(ns)})"
+            for v, ns in sorted(versions.items())
+        ]
+        if kept:
+            parts.append(f"{len(kept)} pods kept what they served ({_names(kept)})")
         if bad:
-            transition(
-                "Failed",
-                "RollbackFailed",
-                f"rollback failed on {', '.join(sorted(bad))}",
-                "Warning",
-            )
+            parts.insert(0, f"rollback failed on {_names(bad)}")
+        if nothing:
+            parts.insert(len(bad) > 0, (
+                f"{len(nothing)} pods had no checkpoint to go back to, out of traffic "
+                f"({_names(nothing)})"))  # fmt: skip
+        msg = "; ".join(parts) or "no pod to roll back"
+        if bad or nothing:
+            transition("Failed", "RollbackFailed" if bad else "NoRollbackTarget", msg, "Warning")
         else:
-            transition(
-                "RolledBack",
-                "RolledBack",
-                f"{len(states)} pods rolled back to {prev.version}",
-                "Warning",
-            )
+            transition("RolledBack", "RolledBack", msg, "Warning")
         d.idle = True

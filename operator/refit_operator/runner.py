@@ -114,10 +114,14 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
     resumed = bool(start.resume and pod.progress)
     progress = pod.progress if resumed else None
     if progress is None:
+        # A pod whose weights are another fleet's (moved here by its labels) does not keep
+        # serving them: it leaves traffic in the pass's first write, and has none to go back to.
+        serving = pod.serving if start.keep_serving else ""
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
-            serving=pod.serving, source="checkpoint" if start.path else "broadcast",
+            serving=serving, serving_path=pod.serving_path,
+            source="checkpoint" if start.path else "broadcast",
         )  # fmt: skip
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.

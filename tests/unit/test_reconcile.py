@@ -141,11 +141,11 @@ def test_rollback_refits_touched_pods_to_previous():
     prev = Previous(version="v1", path="/ckpt/v1", refit="wr-old")
     st = WeightRefitStatus(phase="Progressing", start_time=STARTED, previous=prev)
     r = refit(s, st)
-    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
+    prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW, serving="v1", serving_path="/ckpt/v1")
     d = decide(observe(r, [pod("p0", done(prog, "Failed")), pod("p1", done(prog)), pod("p2")]))
     assert d.status.phase == "RollingBack"
-    assert sorted((x.pod, x.version, x.rollback) for x in d.start) == [
-        ("p0", "v1", True), ("p1", "v1", True),
+    assert sorted((x.pod, x.version, x.path, x.rollback) for x in d.start) == [
+        ("p0", "v1", "/ckpt/v1", True), ("p1", "v1", "/ckpt/v1", True),
     ]  # fmt: skip
     back = podflow.start("wr", "uid", "v1", "/ckpt/v1", NOW, rollback=True)
     d = decide(
@@ -154,12 +154,20 @@ def test_rollback_refits_touched_pods_to_previous():
     assert d.status.phase == "RolledBack"
 
 
-def test_rollback_without_previous_halts():
+def test_rollback_without_a_checkpoint_any_pod_served_fails_closed():
+    """The first refit of a fleet (the pods served their boot weights, never probed): nothing
+    to go back to. The pods it touched leave traffic: the fleet serves what it served."""
     s = spec(onFailure="Rollback")
     r = refit(s, WeightRefitStatus(phase="Progressing", start_time=STARTED))
     prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
-    d = decide(observe(r, [pod("p0", done(prog, "Failed"))]))
-    assert d.status.phase == "Halted" and d.status.conditions[0].reason == "NoRollbackTarget"
+    d = decide(observe(r, [pod("p0", done(prog, "Failed"), ready=False), pod("p1", done(prog))]))
+    assert d.status.phase == "RollingBack" and d.start == []
+    assert list(d.withdraw) == ["p1"] and d.withdraw["p1"][0] == "NoRollbackTarget"
+    r = refit(s, d.status)
+    d = decide(observe(r, [pod("p0", done(prog, "Failed"), ready=False),
+                           pod("p1", done(prog), ready=False)]))  # fmt: skip
+    assert d.status.phase == "Failed" and d.status.conditions[0].reason == "NoRollbackTarget"
+    assert "2 pods had no checkpoint to go back to" in d.status.message, d.status.message
 
 
 def test_queued_and_superseded():
@@ -220,17 +228,18 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     fleet = [RefitRef("wr", CREATED, "Succeeded")]
     restarted = pod("p1", prog, restarts=1, containers_up=False)
     d = decide(observe(r, [pod("p0", prog), restarted], fleet=fleet))
-    assert d.withdraw == ["p1"] and d.start == []
+    assert list(d.withdraw) == ["p1"] and d.start == []
+    assert d.withdraw["p1"][0] == "ContainerRestarted"
     # A pod another pass holds is that pass's to take out (its claim write does).
     held = replace(restarted, claim=podflow.Claim("other", "u2", 7, "op"))
     d = decide(observe(r, [pod("p0", prog), held], fleet=fleet))
-    assert d.withdraw == []
+    assert not d.withdraw
     # Withdrawn (gate False): not again; it waits for its containers, then gets a pass.
     d = decide(observe(r, [pod("p0", prog), replace(restarted, ready=False)], fleet=fleet))
-    assert d.withdraw == [] and d.start == []
+    assert not d.withdraw and d.start == []
     back = replace(restarted, ready=False, containers_up=True)
     d = decide(observe(r, [pod("p0", prog), back], fleet=fleet))
-    assert [x.pod for x in d.start] == ["p1"] and d.withdraw == []
+    assert [x.pod for x in d.start] == ["p1"] and not d.withdraw
 
 
 def test_containers_up_is_read_from_the_pod_status():
