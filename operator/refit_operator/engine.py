@@ -70,6 +70,11 @@ class _RefitState:
         return self.peers[version]
 
 
+def _revision(doc: dict[str, Any]) -> int:
+    rv = str(doc["metadata"].get("resourceVersion", ""))
+    return int(rv) if rv.isdigit() else 0
+
+
 def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
     """Whether this pass of a broadcast refit has its receive ahead (a rollback loads a
     checkpoint; a resumed pass may be past its receive)."""
@@ -96,6 +101,7 @@ class Engine:
         self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
         self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
+        self._last_stamp = 0  # ns: the creation stamps this process gives grow strictly
         if lease is not None:
             cluster.before_write = lease.check
 
@@ -106,7 +112,7 @@ class Engine:
     def observe(self, doc: dict[str, Any], deleted: bool = False) -> None:
         """Fold a watched (or just read) WeightRefit into the index; forget a deleted one and
         everything kept for it, so nothing grows with the number of refits ever seen."""
-        gone = self.index.observe(doc, deleted)
+        gone = self.index.observe(doc, deleted, self._stamp())
         self._trainer_sending(doc)
         if gone is None:
             return
@@ -115,6 +121,33 @@ class Engine:
             for task in (*st.tasks.values(), *st.staged_ahead.values()):
                 task.cancel()
         metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
+
+    async def seen(self, doc: dict[str, Any], deleted: bool = False) -> None:
+        """A watch event: fold it in, and write the creation stamp the refit was given at
+        first sight, in watch order (the order the API server stored the refits in), if it
+        came without one. A write that fails is retried by the refit's tick."""
+        self.observe(doc, deleted)
+        if not deleted:
+            await self._try_stamp(doc["metadata"])
+
+    def _stamp(self) -> str:
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return times.stamp(self._last_stamp)
+
+    async def _write_stamp(self, namespace: str, uid: str) -> None:
+        """Persist the creation stamp the index gave refit ``uid``, so that a restarted
+        operator, or the next leader, orders it as this one did."""
+        k = self.index.unstamped(uid)
+        if k is None:
+            return
+        await self.cluster.stamp_refit(namespace, k.name, uid, k.stamp)
+        self.index.stamped(uid, k.stamp)
+
+    async def _try_stamp(self, meta: dict[str, Any]) -> None:
+        try:
+            await self._write_stamp(meta.get("namespace", ""), meta["uid"])
+        except ApiException as e:
+            log.warning("creation stamp of %s not written: %s", meta["name"], e)
 
     def _trainer_sending(self, doc: dict[str, Any]) -> None:
         """The trainer's announcement of the round it sends (rounds.py) releases that round's
@@ -140,8 +173,15 @@ class Engine:
                         raise
                     metrics.api_retry("list")
                     await asyncio.sleep(1.0)
+            # Refits created while no operator watched and without a stamp get theirs in the
+            # order they were stored, as the watch would have shown them: a refit nobody wrote
+            # since its creation still has its creation's revision (etcd's, which grows with
+            # every write). A write since (labels) may misplace it, only within its second.
+            docs.sort(key=lambda d: (d["metadata"]["creationTimestamp"], _revision(d)))
             for doc in docs:
                 self.observe(doc)
+            for doc in docs:
+                await self._try_stamp(doc["metadata"])
 
     def next_fence(self) -> int:
         if self.lease is not None:
@@ -159,13 +199,16 @@ class Engine:
             return None
         self.observe(doc)
         meta = doc["metadata"]
+        # Decide only with an order the object carries: the pods' progress records it, and the
+        # next operator must compare them with the same one.
+        await self._write_stamp(namespace, meta["uid"])
         spec = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
         view = RefitView(
             name=name,
             uid=meta["uid"],
             generation=int(meta.get("generation", 1)),
-            created=meta["creationTimestamp"],
+            created=self.index.order(meta["uid"], meta),
             spec=spec,
             status=status,
             deleting=deleting or bool(meta.get("deletionTimestamp")),

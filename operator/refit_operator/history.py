@@ -5,8 +5,8 @@ every one of them stays in etcd, in `kubectl get wr` and in the operator's index
 The policy (docs/concepts.md, "History and garbage collection"):
 
 - Only finished refits (api.TERMINAL_PHASES) are ever deleted; an active or queued one never.
-- Per fleet, at most `Policy.history_limit` finished refits are kept: the newest by
-  (creationTimestamp, name). The fleet's target counts as one of them.
+- Per fleet, at most `Policy.history_limit` finished refits are kept: the newest in creation
+  order (times.order_key). The fleet's target counts as one of them.
 - A finished refit with `spec.ttlSecondsAfterFinished` is deleted once that many seconds have
   passed since its `status.completionTime` (a refit whose completion time is unknown is
   never deleted by its TTL, only by the count).
@@ -45,7 +45,7 @@ class Finished:
     """
 
     name: str
-    created: str  # metadata.creationTimestamp, RFC3339 (sorts in time order)
+    created: str  # creation order (times.creation_order: sorts in creation order)
     phase: str  # status.phase
     completed: float | None  # status.completionTime as Unix seconds; None if unknown
     ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
@@ -62,7 +62,7 @@ class Finished:
         ttl = spec.get("ttlSecondsAfterFinished")
         return cls(
             name=str(meta.get("name", "")),
-            created=str(meta.get("creationTimestamp") or ""),
+            created=times.order_of(meta),
             phase=str(status.get("phase") or "Pending"),
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
@@ -91,7 +91,7 @@ class Policy:
 
 
 def _order(r: Finished) -> tuple[str, str]:
-    return (r.created, r.name)
+    return times.order_key(r.created, r.name)
 
 
 def target(fleet: Sequence[Finished]) -> Finished | None:
@@ -108,7 +108,7 @@ def rollback_target(fleet: Sequence[Finished]) -> Finished | None:
 
 
 def to_delete(refits: Sequence[Finished], policy: Policy, now: float) -> list[str]:
-    """Names of the refits to delete now, oldest first (by creationTimestamp, then name).
+    """Names of the refits to delete now, oldest first (in creation order).
 
     refits: every WeightRefit the operator knows, of any phase and fleet; now: Unix seconds.
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from refit_operator import api, history
+from refit_operator import api, history, times
 from refit_operator.history import Finished, Policy, to_delete
 
 NOW = 1_000_000.0
@@ -248,6 +248,21 @@ def test_from_object_reads_a_weightrefit_as_the_api_server_returns_it() -> None:
     assert r.checkpoint
     broadcast = {"metadata": {"name": "b"}, "spec": {"broadcast": {"version": "b"}}}
     assert not Finished.from_object(broadcast, FLEET).checkpoint
+
+
+def test_refits_of_one_second_are_kept_by_their_creation_stamps_not_their_names() -> None:
+    second = "2025-01-01T00:07:00Z"
+
+    def obj(name: str, ns: int) -> dict:
+        meta = {"name": name, "creationTimestamp": second,
+                "annotations": {times.CREATED_ANNOTATION: times.stamp(ns)}}  # fmt: skip
+        return {"metadata": meta, "spec": {}, "status": {"phase": "Succeeded"}}
+
+    ns = 1_735_690_020_000000000
+    refits = [Finished.from_object(obj("refit-step-9", ns + 1), FLEET),
+              Finished.from_object(obj("refit-step-10", ns + 2), FLEET)]  # fmt: skip
+    assert history.target(refits) == refits[1]
+    assert to_delete(refits, Policy(history_limit=1), NOW) == ["refit-step-9"]
 
 
 def test_cost_stays_flat_for_a_long_run() -> None:
