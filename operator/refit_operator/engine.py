@@ -32,6 +32,7 @@ from .worker import WorkerClient, WorkerError
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
+COLLECT_SECONDS = 30.0  # the least time between two collections of a namespace by dormant ticks
 SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
@@ -102,6 +103,7 @@ class Engine:
         self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
         self._last_stamp = 0  # ns: the creation stamps this process gives grow strictly
+        self._collected: dict[str, float] = {}  # namespace -> monotonic time of its last collection
         if lease is not None:
             cluster.before_write = lease.check
 
@@ -252,8 +254,9 @@ class Engine:
         await self._write(namespace, doc, view, st, d)
         if d.status.phase != view.status.phase and d.status.phase in TERMINAL_PHASES:
             self._wake(namespace, fleet, view.uid)
-        if d.status.phase in TERMINAL_PHASES and (d.dormant or d.status.phase != view.status.phase):
-            await self._collect(namespace)
+        ended = d.status.phase != view.status.phase
+        if d.status.phase in TERMINAL_PHASES and (d.dormant or ended):
+            await self._collect(namespace, ended)
         metrics.reconcile_done()
         return d
 
@@ -307,9 +310,17 @@ class Engine:
             raise
         return bool(doc["metadata"].get("deletionTimestamp"))
 
-    async def _collect(self, namespace: str) -> None:
-        """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
-        for k in self.index.to_collect(namespace, self.policy, time.time()):
+    async def _collect(self, namespace: str, ended: bool) -> None:
+        """Delete finished refits the history policy no longer keeps (docs/concepts.md). Refits
+        are grouped by the pods they share, so it lists the namespace's pods: at once when a
+        refit has just ended, else (a dormant refit's tick, for TTLs) at most once every
+        COLLECT_SECONDS per namespace."""
+        now = time.monotonic()
+        if not ended and now - self._collected.get(namespace, -COLLECT_SECONDS) < COLLECT_SECONDS:
+            return
+        self._collected[namespace] = now
+        pods = await self.cluster.list_pods(namespace, "")
+        for k in self.index.to_collect(namespace, self.policy, time.time(), pods):
             await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight

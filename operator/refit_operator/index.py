@@ -154,14 +154,19 @@ class RefitIndex:
             if k.namespace == namespace and k.name in names and k.uid != uid
         ]
 
-    def to_collect(self, namespace: str, policy: history.Policy, now: float) -> list[Known]:
+    def to_collect(
+        self, namespace: str, policy: history.Policy, now: float, pods: Sequence[PodView] = ()
+    ) -> list[Known]:
         """Refits of the namespace the history policy no longer keeps and whose deletion was
-        not asked yet; they are marked as being deleted."""
+        not asked yet; they are marked as being deleted. ``pods``: the namespace's pods, by
+        which refits are grouped into fleets as the queue groups them (history.fleets)."""
         mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
-                             k.spec.checkpoint is not None, k.moved_on)
+                             k.spec.checkpoint is not None, k.moved_on,
+                             frozenset(p.name for p in pods
+                                       if k.spec.fleet.selector.matches(p.labels)))
             for k in mine.values()
         ]  # fmt: skip
         out = []

@@ -166,3 +166,20 @@ def test_a_refit_without_a_stamp_gets_one_at_first_sight_and_keeps_it() -> None:
     k = idx.known["u-refit-step-9"]
     assert k.stamp == times.stamp(1_767_225_605_100000000) and k.stamped
     assert idx.order("u-refit-step-9", {}) == k.created
+
+
+def test_collection_groups_refits_by_the_pods_they_select_not_by_selector_text() -> None:
+    pods = [pod("p0", app="r", tier="g"), pod("p1", app="r", tier="g")]
+    selectors = [
+        {"matchLabels": {"app": "r"}},
+        {"matchLabels": {"tier": "g"}},
+        {"matchExpressions": [{"key": "app", "operator": "In", "values": ["r", "x"]}]},
+        {"matchLabels": {"app": "r", "tier": "g"}},
+    ]
+    docs = [doc(f"s{i}", f"2026-01-01T00:00:0{i}Z", "Succeeded", sel)
+            for i, sel in enumerate(selectors)]  # fmt: skip
+    policy = history.Policy(history_limit=2)
+    collected = index_of(*docs).to_collect("ns", policy, now=1e10, pods=pods)
+    assert [k.name for k in collected] == ["s0", "s1"]
+    # Without pods to compare by (none selected now), each selector text is a fleet of its own.
+    assert index_of(*docs).to_collect("ns", policy, now=1e10) == []
