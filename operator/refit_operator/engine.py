@@ -21,7 +21,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo, Tran
 from . import history, metrics, plan, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
-from .index import RefitIndex
+from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
 from .reconcile import Decision, Observed, PreflightResult, RefitView
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 PREFLIGHT_CONCURRENCY = 64
 COLLECT_SECONDS = 30.0  # the least time between two collections of a namespace by dormant ticks
 SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
+RESYNC_SECONDS = 60.0  # the index is checked against the API server's refits this often
+WAITING_RESYNC_SECONDS = 5.0  # ... and this often while a refit waits for another one
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
@@ -60,6 +62,7 @@ class _RefitState:
     peers: dict[str, list[float]] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
+    waiting: bool = False  # another refit shares its pods and is not finished, or holds one
 
     def listed(self, pods: list[PodView]) -> None:
         """This tick's pods: what the tick's decisions and the passes it starts act on."""
@@ -103,7 +106,9 @@ class Engine:
         self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
         self._last_stamp = 0  # ns: the creation stamps this process gives grow strictly
-        self._collected: dict[str, float] = {}  # namespace -> monotonic time of its last collection
+        # namespace -> monotonic time of its last collection, and of its last resync
+        self._collected: dict[str, float] = {}
+        self._resynced: dict[str, float] = {}
         if lease is not None:
             cluster.before_write = lease.check
 
@@ -116,8 +121,10 @@ class Engine:
         everything kept for it, so nothing grows with the number of refits ever seen."""
         gone = self.index.observe(doc, deleted, self._stamp())
         self._trainer_sending(doc)
-        if gone is None:
-            return
+        if gone is not None:
+            self._forget(gone)
+
+    def _forget(self, gone: Known) -> None:
         st = self.refits.pop(gone.uid, None)
         if st is not None:
             for task in (*st.tasks.values(), *st.staged_ahead.values()):
@@ -195,9 +202,30 @@ class Engine:
         if self.lease is not None:
             self.lease.check()
 
+    async def _resync(self, namespace: str, waiting: bool) -> None:
+        """Drop the refits the API server no longer has: a watch that relisted never shows
+        the DELETED events it missed, and such a ghost would keep its fleet's queue, its pods'
+        claims or its pods' target forever. One list of the namespace's refits (which history
+        keeps few): every RESYNC_SECONDS, or every WAITING_RESYNC_SECONDS while a refit of the
+        namespace waits for another one (a ghost may be what it waits for)."""
+        now = time.monotonic()
+        last = self._resynced.get(namespace)
+        every = WAITING_RESYNC_SECONDS if waiting else RESYNC_SECONDS
+        if last is not None and now - last < every:
+            return
+        self._resynced[namespace] = now
+        since = self.index.seq
+        present = {d["metadata"]["uid"] for d in await self.cluster.list_refits(namespace)}
+        for gone in self.index.drop_missing(namespace, present, since):
+            log.warning("%s/%s is gone; its deletion was not seen", namespace, gone.name)
+            self._forget(gone)
+
     async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
+        since = self.index.seq
         doc = await self.cluster.get_refit(namespace, name)
         if doc is None:
+            for ghost in self.index.drop_missing(namespace, set(), since, name):
+                self._forget(ghost)
             return None
         self.observe(doc)
         meta = doc["metadata"]
@@ -221,8 +249,12 @@ class Engine:
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
         st.listed(self._with_live(await self.cluster.list_pods(namespace, selector), st))
+        await self._resync(namespace, st.waiting)
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
+        )
+        st.waiting = any(r.name != name and r.phase not in TERMINAL_PHASES for r in fleet) or any(
+            p.claim is not None and p.claim.uid != view.uid for p in st.pods
         )
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(

@@ -68,6 +68,10 @@ def _ready_reason(status: dict[str, Any]) -> str:
 class RefitIndex:
     def __init__(self) -> None:
         self.known: dict[str, Known] = {}  # by uid
+        # uid -> ``seq`` when the refit was first folded in: a read of the API server that
+        # began after it and does not show the refit proves it gone (a missed DELETED event).
+        self.first_seen: dict[str, int] = {}
+        self.seq = 0  # counts the refits folded in
 
     def observe(self, doc: dict[str, Any], deleted: bool = False, stamp: str = "") -> Known | None:
         """Fold a watched (or just read) WeightRefit in; a deleted one is dropped and
@@ -79,7 +83,11 @@ class RefitIndex:
         uid = doc["metadata"]["uid"]
         known = None if deleted else Known.from_doc(doc)
         if known is None:
+            self.first_seen.pop(uid, None)
             return self.known.pop(uid, None)
+        if uid not in self.first_seen:
+            self.seq += 1
+            self.first_seen[uid] = self.seq
         if not known.stamped:
             before = self.known.get(uid)
             given = before.stamp if before is not None and before.stamp else stamp
@@ -88,6 +96,24 @@ class RefitIndex:
                 known = replace(known, created=created, stamp=given)
         self.known[uid] = known
         return None
+
+    def drop_missing(
+        self, namespace: str, present: set[str], since: int, name: str | None = None
+    ) -> list[Known]:
+        """Drop the refits of ``namespace`` (named ``name``, when given) that a read of the
+        API server begun when ``seq`` was ``since`` did not return (``present``: the uids it
+        returned) and that were known before it began: deleted, with the DELETED event lost
+        to a watch that relisted. A refit first seen after the read began may be newer than
+        what it returned: it stays. Returns the dropped ones, so the caller forgets them."""
+        gone = [
+            k for k in self.known.values()
+            if k.namespace == namespace and (name is None or k.name == name)
+            and k.uid not in present and self.first_seen.get(k.uid, since + 1) <= since
+        ]  # fmt: skip
+        for k in gone:
+            del self.known[k.uid]
+            self.first_seen.pop(k.uid, None)
+        return gone
 
     def order(self, uid: str, meta: dict[str, Any]) -> str:
         """The creation order of refit ``uid``: the index's (with the stamp it was given at

@@ -183,3 +183,30 @@ def test_collection_groups_refits_by_the_pods_they_select_not_by_selector_text()
     assert [k.name for k in collected] == ["s0", "s1"]
     # Without pods to compare by (none selected now), each selector text is a fleet of its own.
     assert index_of(*docs).to_collect("ns", policy, now=1e10) == []
+
+
+# --- a missed DELETED event ------------------------------------------------------------------
+
+
+def test_a_refit_the_api_server_no_longer_has_is_dropped_and_unblocks_its_fleet() -> None:
+    idx = index_of(doc("ghost", "2026-01-01T00:00:01Z", "Progressing", APP_R))
+    idx.observe(doc("b", "2026-01-01T00:00:02Z", "Pending", APP_R))
+    idx.observe(doc("other", "2026-01-01T00:00:03Z", "Progressing", APP_R) | {
+        "metadata": {"name": "other", "namespace": "ns2", "uid": "u-other",
+                     "creationTimestamp": "2026-01-01T00:00:03Z"}})  # fmt: skip
+    # The ghost's DELETED event was lost: b waits for it, and its claims look live.
+    assert queue(idx, "b").waiting_for == "ghost"
+    assert "u-ghost" in idx.names("ns")
+    since = idx.seq
+    # Created (and seen through the watch) while the list was on its way: not in the list,
+    # but newer than it, so it stays.
+    idx.observe(doc("late", "2026-01-01T00:00:04Z", "Pending", APP_R))
+    gone = idx.drop_missing("ns", {"u-b"}, since)
+    assert [k.name for k in gone] == ["ghost"]
+    assert sorted(idx.names("ns").values()) == ["b", "late"]
+    assert "u-other" in idx.known  # another namespace's refits are not this list's to judge
+    assert queue(idx, "b").role == "active"
+    assert "u-ghost" not in idx.first_seen  # nothing kept for it
+    # Only the refit asked about, when a read of one name finds nothing.
+    assert idx.drop_missing("ns", set(), idx.seq, "late")[0].name == "late"
+    assert sorted(idx.names("ns").values()) == ["b"]
