@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
 COLLECT_SECONDS = 30.0  # the least time between two collections of a namespace by dormant ticks
-SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 RESYNC_SECONDS = 60.0  # the index is checked against the API server's refits this often
 WAITING_RESYNC_SECONDS = 5.0  # ... and this often while a refit waits for another one
+SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
@@ -245,11 +245,11 @@ class Engine:
             namespace=namespace,
         )
         st = self.state(view.uid)
+        await self._resync(namespace, st.waiting)
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
         st.listed(self._with_live(await self.cluster.list_pods(namespace, selector), st))
-        await self._resync(namespace, st.waiting)
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
         )
