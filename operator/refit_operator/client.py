@@ -34,7 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
-from . import api
+from . import api, times
 from .rounds import SENDING_ANNOTATION
 from .views import reason_of
 
@@ -240,6 +240,15 @@ def build_refit(
     return {"apiVersion": API_VERSION, "kind": api.KIND, "metadata": meta, "spec": spec}
 
 
+def stamped(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with its creation stamp (times.CREATED_ANNOTATION), taken just before it is
+    sent: refits a trainer creates within one second of each other keep the order it created
+    them in, whatever their names (docs/concepts.md, "Which refit is newer")."""
+    annotations = body.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[times.CREATED_ANNOTATION] = times.stamp(time.time_ns())
+    return body
+
+
 def write_checkpoint_files(
     checkpoint_dir: Path,
     version: str,
@@ -354,7 +363,7 @@ class RefitClient:
             )
         try:
             self.custom.create_namespaced_custom_object(
-                API_GROUP, api.VERSION, ns, api.PLURAL, body
+                API_GROUP, api.VERSION, ns, api.PLURAL, stamped(body)
             )
         except ApiException as e:
             if e.status != 409:
@@ -430,7 +439,7 @@ class RefitClient:
             raise RefitError(f"creating ConfigMap {ns}/{name}-weights: {_api_message(e)}") from e
         try:
             created = self.custom.create_namespaced_custom_object(
-                API_GROUP, api.VERSION, ns, api.PLURAL, body
+                API_GROUP, api.VERSION, ns, api.PLURAL, stamped(body)
             )
         except ApiException as e:
             core.delete_namespaced_config_map(f"{name}-weights", ns)
@@ -516,7 +525,8 @@ class RefitClient:
             raise RefitError(f"listing WeightRefits in {ns}: {_api_message(e)}") from e
         items: list[dict[str, Any]] = doc.get("items", [])
         return sorted(
-            items, key=lambda d: (d["metadata"]["creationTimestamp"], d["metadata"]["name"])
+            items,
+            key=lambda d: times.order_key(times.order_of(d["metadata"]), d["metadata"]["name"]),
         )
 
     # ------------------------------------------------------------------------ wait

@@ -22,7 +22,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, READINESS_GATE
 
-from . import api, metrics
+from . import api, metrics, times
 from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, PodView, Progress, Readiness
 from .times import rfc3339
 
@@ -284,6 +284,23 @@ class Cluster:
                 _preload_content=False,
             )
         )
+
+    async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None:
+        """Write the creation stamp on a WeightRefit that has none (times.CREATED_ANNOTATION);
+        only on the object of that uid (a refit deleted and created again under the name has
+        its own). Gone already is fine."""
+        self.before_write()
+        body = {"metadata": {"uid": uid, "annotations": {times.CREATED_ANNOTATION: stamp}}}
+        try:
+            await _done(
+                await self.custom.patch_namespaced_custom_object(
+                    API_GROUP, api.VERSION, namespace, api.PLURAL, name, body,
+                    _content_type=MERGE, _preload_content=False,
+                )
+            )  # fmt: skip
+        except ApiException as e:
+            if e.status not in (404, 409):  # 409: another object under the name now
+                raise
 
     async def delete_refit(self, namespace: str, name: str) -> None:
         """Delete a WeightRefit (history collection); its finalizer still runs. Gone already

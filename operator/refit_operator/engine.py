@@ -22,7 +22,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo, Tran
 from . import history, metrics, plan, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
-from .index import RefitIndex
+from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
 from .reconcile import Decision, Observed, PreflightResult, RefitView
@@ -33,6 +33,9 @@ from .worker import WorkerClient, WorkerError
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
+COLLECT_SECONDS = 30.0  # the least time between two collections of a namespace by dormant ticks
+RESYNC_SECONDS = 60.0  # the index is checked against the API server's refits this often
+WAITING_RESYNC_SECONDS = 5.0  # ... and this often while a refit waits for another one
 SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 STOP_SECONDS = 5.0  # a cancelled pass runs only its cleanup; bounded all the same
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
@@ -63,6 +66,7 @@ class _RefitState:
     peers: dict[str, list[float]] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
+    waiting: bool = False  # another refit shares its pods and is not finished, or holds one
 
     def listed(self, pods: list[PodView]) -> None:
         """This tick's pods: what the tick's decisions and the passes it starts act on."""
@@ -72,6 +76,11 @@ class _RefitState:
         if version not in self.peers:
             self.peers[version] = sorted(reconcile.peer_nlls(self.pods, version))
         return self.peers[version]
+
+
+def _revision(doc: dict[str, Any]) -> int:
+    rv = str(doc["metadata"].get("resourceVersion", ""))
+    return int(rv) if rv.isdigit() else 0
 
 
 def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
@@ -106,6 +115,10 @@ class Engine:
         self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
         self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
+        self._last_stamp = 0  # ns: the creation stamps this process gives grow strictly
+        # namespace -> monotonic time of its last collection, and of its last resync
+        self._collected: dict[str, float] = {}
+        self._resynced: dict[str, float] = {}
         if lease is not None:
             cluster.before_write = lease.check
 
@@ -116,10 +129,14 @@ class Engine:
     def observe(self, doc: dict[str, Any], deleted: bool = False) -> None:
         """Fold a watched (or just read) WeightRefit into the index; forget a deleted one and
         everything kept for it, so nothing grows with the number of refits ever seen."""
-        gone = self.index.observe(doc, deleted)
+        gone = self.index.observe(doc, deleted, self._stamp())
         self._trainer_sending(doc)
-        if gone is None:
-            return
+        if gone is not None:
+            self._forget(gone)
+
+    def _forget(self, gone: Known) -> None:
+        """Drop what was kept for a refit that no longer exists (a DELETED event, or missing
+        from a resync's list), and wake the refits its deletion concerns."""
         for uid in self.index.to_wake_on_delete(gone):
             if uid in self.refits:
                 self.refits[uid].wake.set()
@@ -128,6 +145,33 @@ class Engine:
             for task in (*st.tasks.values(), *st.staged_ahead.values()):
                 task.cancel()
         metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
+
+    async def seen(self, doc: dict[str, Any], deleted: bool = False) -> None:
+        """A watch event: fold it in, and write the creation stamp the refit was given at
+        first sight, in watch order (the order the API server stored the refits in), if it
+        came without one. A write that fails is retried by the refit's tick."""
+        self.observe(doc, deleted)
+        if not deleted:
+            await self._try_stamp(doc["metadata"])
+
+    def _stamp(self) -> str:
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return times.stamp(self._last_stamp)
+
+    async def _write_stamp(self, namespace: str, uid: str) -> None:
+        """Persist the creation stamp the index gave refit ``uid``, so that a restarted
+        operator, or the next leader, orders it as this one did."""
+        k = self.index.unstamped(uid)
+        if k is None:
+            return
+        await self.cluster.stamp_refit(namespace, k.name, uid, k.stamp)
+        self.index.stamped(uid, k.stamp)
+
+    async def _try_stamp(self, meta: dict[str, Any]) -> None:
+        try:
+            await self._write_stamp(meta.get("namespace", ""), meta["uid"])
+        except ApiException as e:
+            log.warning("creation stamp of %s not written: %s", meta["name"], e)
 
     def _trainer_sending(self, doc: dict[str, Any]) -> None:
         """The trainer's announcement of the round it sends (rounds.py) releases that round's
@@ -153,8 +197,15 @@ class Engine:
                         raise
                     metrics.api_retry("list")
                     await asyncio.sleep(1.0)
+            # Refits created while no operator watched and without a stamp get theirs in the
+            # order they were stored, as the watch would have shown them: a refit nobody wrote
+            # since its creation still has its creation's revision (etcd's, which grows with
+            # every write). A write since (labels) may misplace it, only within its second.
+            docs.sort(key=lambda d: (d["metadata"]["creationTimestamp"], _revision(d)))
             for doc in docs:
                 self.observe(doc)
+            for doc in docs:
+                await self._try_stamp(doc["metadata"])
 
     def next_fence(self) -> int:
         if self.lease is not None:
@@ -166,25 +217,50 @@ class Engine:
         if self.lease is not None:
             self.lease.check()
 
+    async def _resync(self, namespace: str, waiting: bool) -> None:
+        """Drop the refits the API server no longer has: a watch that relisted never shows
+        the DELETED events it missed, and such a ghost would keep its fleet's queue, its pods'
+        claims or its pods' target forever. One list of the namespace's refits (which history
+        keeps few): every RESYNC_SECONDS, or every WAITING_RESYNC_SECONDS while a refit of the
+        namespace waits for another one (a ghost may be what it waits for)."""
+        now = time.monotonic()
+        last = self._resynced.get(namespace)
+        every = WAITING_RESYNC_SECONDS if waiting else RESYNC_SECONDS
+        if last is not None and now - last < every:
+            return
+        self._resynced[namespace] = now
+        since = self.index.seq
+        present = {d["metadata"]["uid"] for d in await self.cluster.list_refits(namespace)}
+        for gone in self.index.drop_missing(namespace, present, since):
+            log.warning("%s/%s is gone; its deletion was not seen", namespace, gone.name)
+            self._forget(gone)
+
     async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
+        since = self.index.seq
         doc = await self.cluster.get_refit(namespace, name)
         if doc is None:
+            for ghost in self.index.drop_missing(namespace, set(), since, name):
+                self._forget(ghost)
             return None
         self.observe(doc)
         meta = doc["metadata"]
+        # Decide only with an order the object carries: the pods' progress records it, and the
+        # next operator must compare them with the same one.
+        await self._write_stamp(namespace, meta["uid"])
         spec = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
         view = RefitView(
             name=name,
             uid=meta["uid"],
             generation=int(meta.get("generation", 1)),
-            created=meta["creationTimestamp"],
+            created=self.index.order(meta["uid"], meta),
             spec=spec,
             status=status,
             deleting=deleting or bool(meta.get("deletionTimestamp")),
             namespace=namespace,
         )
         st = self.state(view.uid)
+        await self._resync(namespace, st.waiting)
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         st.driven = {n: p for n, p in st.driven.items() if n in st.tasks}
         selector = spec.fleet.selector.canonical()
@@ -197,6 +273,9 @@ class Engine:
         st.listed(self._with_live(listed, st))
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, st.pods
+        )
+        st.waiting = any(r.name != name and r.phase not in TERMINAL_PHASES for r in fleet) or any(
+            p.claim is not None and p.claim.uid != view.uid for p in st.pods
         )
         present = {p.name for p in st.pods if not p.deleting}
         vanished = frozenset(
@@ -225,8 +304,9 @@ class Engine:
         await self._write(namespace, doc, view, st, d)
         if d.status.phase != view.status.phase and d.status.phase in TERMINAL_PHASES:
             self._wake(namespace, fleet, view.uid)
-        if d.status.phase in TERMINAL_PHASES and (d.dormant or d.status.phase != view.status.phase):
-            await self._collect(namespace)
+        ended = d.status.phase != view.status.phase
+        if d.status.phase in TERMINAL_PHASES and (d.dormant or ended):
+            await self._collect(namespace, ended)
         metrics.reconcile_done()
         return d
 
@@ -311,9 +391,17 @@ class Engine:
         alive = await self.lease.holders_alive(set(claims.values()))
         return frozenset(name for name, h in claims.items() if h in alive)
 
-    async def _collect(self, namespace: str) -> None:
-        """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
-        for k in self.index.to_collect(namespace, self.policy, time.time()):
+    async def _collect(self, namespace: str, ended: bool) -> None:
+        """Delete finished refits the history policy no longer keeps (docs/concepts.md). Refits
+        are grouped by the pods they share, so it lists the namespace's pods: at once when a
+        refit has just ended, else (a dormant refit's tick, for TTLs) at most once every
+        COLLECT_SECONDS per namespace."""
+        now = time.monotonic()
+        if not ended and now - self._collected.get(namespace, -COLLECT_SECONDS) < COLLECT_SECONDS:
+            return
+        self._collected[namespace] = now
+        pods = await self.cluster.list_pods(namespace, "")
+        for k in self.index.to_collect(namespace, self.policy, time.time(), pods):
             await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight

@@ -97,9 +97,10 @@ async def refit_daemon(
 @kopf.on.event(API_GROUP, api.VERSION, api.PLURAL)
 async def refit_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Keep the engine's index of WeightRefits current (queueing, rollback targets and
-    history collection read it instead of listing every refit on every tick). Async so that
-    kopf runs it on the event loop with the ticks, never in a thread beside them."""
-    _engine(memo).observe(dict(event["object"]), deleted=event["type"] == "DELETED")
+    history collection read it instead of listing every refit on every tick), and stamp a
+    refit created without a creation stamp in watch order. Async so that kopf runs it on the
+    event loop with the ticks, never in a thread beside them."""
+    await _engine(memo).seen(dict(event["object"]), deleted=event["type"] == "DELETED")
 
 
 @kopf.on.delete(API_GROUP, api.VERSION, api.PLURAL)

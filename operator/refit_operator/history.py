@@ -5,22 +5,29 @@ every one of them stays in etcd, in `kubectl get wr` and in the operator's index
 The policy (docs/concepts.md, "History and garbage collection"):
 
 - Only finished refits (api.TERMINAL_PHASES) are ever deleted; an active or queued one never.
-- Per fleet, at most `Policy.history_limit` finished refits are kept: the newest by
-  (creationTimestamp, name). The fleet's target counts as one of them.
+- A fleet is what the queue calls one: refits that select a pod in common (``Finished.pods``)
+  are one fleet, chained (a and b share a pod, b and c another: one fleet), whatever their
+  selectors' text; refits with the same selector text are one fleet too (a fleet scaled to
+  zero selects no pod and still has a target for the pods that come back).
+- Per fleet, at most `Policy.history_limit` finished refits are kept: the newest in creation
+  order (times.order_key). The refits kept whatever the limit says count as some of them.
 - A finished refit with `spec.ttlSecondsAfterFinished` is deleted once that many seconds have
   passed since its `status.completionTime` (a refit whose completion time is unknown is
   never deleted by its TTL, only by the count).
-- The fleet's **target** — its newest Succeeded refit, by the same order as
+- Each pod's **target** — the newest Succeeded refit that selects it, by the same order as
   plan.fleet_target — is never deleted, whatever the limit or its TTL: it is the rollback
-  target of the next refit (status.previous) and the refit that keeps converging pods that
-  join the fleet later. A history_limit of 0 therefore keeps exactly the target (or nothing
-  when the fleet has never had a Succeeded refit).
-- When the target is a broadcast (nothing to load its version from again), the fleet's newest
-  refit that loaded a checkpoint the fleet served (Succeeded, or Superseded because its pods
-  moved on) is kept as well: it is the rollback target.
+  target of the next refit (status.previous) and the refit that keeps converging the pod when
+  it restarts (and, for a selector, pods that join later). A history_limit of 0 therefore
+  keeps exactly the targets (or nothing when no pod ever had a Succeeded refit).
+- When a pod's target is a broadcast (nothing to load its version from again), the newest
+  refit that selects the pod and loaded a checkpoint the pod's fleet served (Succeeded, or
+  Superseded because its pods moved on) is kept as well: it is the rollback target.
+- A selector that selects no pod now keeps the target (and rollback target) of the refits
+  with that selector text, as above.
 
-The engine feeds `to_delete` from its in-memory index; it costs O(n log n) in the refits that
-exist now, which the policy itself keeps bounded.
+The engine feeds `to_delete` from its in-memory index and one list of the namespace's pods; it
+costs O(n log n + n p) for n refits that exist now (which the policy itself keeps bounded) and
+p pods.
 """
 
 from __future__ import annotations
@@ -45,13 +52,14 @@ class Finished:
     """
 
     name: str
-    created: str  # metadata.creationTimestamp, RFC3339 (sorts in time order)
+    created: str  # creation order (times.creation_order: sorts in creation order)
     phase: str  # status.phase
     completed: float | None  # status.completionTime as Unix seconds; None if unknown
     ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
-    fleet: str  # fleet key: refits with equal keys are one fleet
+    fleet: str  # selector text: refits with equal texts are one fleet
     checkpoint: bool = True  # loaded a checkpoint (False: a broadcast, spec.broadcast)
     moved_on: bool = False  # Superseded because its pods moved on (the fleet served it)
+    pods: frozenset[str] = frozenset()  # the pods its selector selects now
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any], fleet: str) -> Finished:
@@ -62,7 +70,7 @@ class Finished:
         ttl = spec.get("ttlSecondsAfterFinished")
         return cls(
             name=str(meta.get("name", "")),
-            created=str(meta.get("creationTimestamp") or ""),
+            created=times.order_of(meta),
             phase=str(status.get("phase") or "Pending"),
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
@@ -91,7 +99,7 @@ class Policy:
 
 
 def _order(r: Finished) -> tuple[str, str]:
-    return (r.created, r.name)
+    return times.order_key(r.created, r.name)
 
 
 def target(fleet: Sequence[Finished]) -> Finished | None:
@@ -107,17 +115,55 @@ def rollback_target(fleet: Sequence[Finished]) -> Finished | None:
     return max(served, key=_order) if served else None
 
 
+def fleets(refits: Sequence[Finished]) -> list[list[Finished]]:
+    """The refits grouped as the queue groups them: by the pods they share (chained), and by
+    equal selector text."""
+    parent = list(range(len(refits)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, r in enumerate(refits):
+        for key in (f"fleet {r.fleet}", *(f"pod {p}" for p in r.pods)):
+            j = first.setdefault(key, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[Finished]] = defaultdict(list)
+    for i, r in enumerate(refits):
+        groups[root(i)].append(r)
+    return list(groups.values())
+
+
+def kept(refits: Sequence[Finished]) -> set[str]:
+    """Names of the refits kept whatever the policy says: each pod's target and rollback
+    target, and those of each selector text that selects no pod now."""
+    # Pods that the same refits select have the same target: decide once per such set.
+    chosen_by: dict[str, list[Finished]] = defaultdict(list)
+    by_text: dict[str, list[Finished]] = defaultdict(list)
+    for r in refits:
+        for p in r.pods:
+            chosen_by[p].append(r)
+        if not r.pods:
+            by_text[r.fleet].append(r)
+    unique = {tuple(r.name for r in rs): rs for rs in chosen_by.values()}
+    keep = set()
+    for members in (*unique.values(), *by_text.values()):
+        keep |= {r.name for r in (target(members), rollback_target(members)) if r is not None}
+    return keep
+
+
 def to_delete(refits: Sequence[Finished], policy: Policy, now: float) -> list[str]:
-    """Names of the refits to delete now, oldest first (by creationTimestamp, then name).
+    """Names of the refits to delete now, oldest first (in creation order).
 
     refits: every WeightRefit the operator knows, of any phase and fleet; now: Unix seconds.
     """
-    fleets: dict[str, list[Finished]] = defaultdict(list)
-    for r in refits:
-        fleets[r.fleet].append(r)
+    kept_all = kept(refits)
     doomed: list[Finished] = []
-    for members in fleets.values():
-        keep = {r.name for r in (target(members), rollback_target(members)) if r is not None}
+    for members in fleets(refits):
+        keep = {r.name for r in members if r.name in kept_all}
         finished = sorted(
             (r for r in members if r.phase in TERMINAL_PHASES), key=_order, reverse=True
         )

@@ -20,7 +20,7 @@ class Known:
     namespace: str
     name: str
     uid: str
-    created: str
+    created: str  # creation order (times.creation_order), the stamp included
     phase: str
     spec: WeightRefitSpec
     completed: float | None
@@ -28,6 +28,8 @@ class Known:
     # Superseded because every pod moved on to a newer refit that Succeeded: the fleet served
     # this one's version, probed (unlike a refit LatestWins superseded before it ran).
     moved_on: bool = False
+    stamp: str = ""  # the creation stamp (times.CREATED_ANNOTATION); "" while it has none
+    stamped: bool = True  # the object carries ``stamp``: False while the operator's is unwritten
 
     @property
     def served(self) -> bool:
@@ -41,11 +43,13 @@ class Known:
             spec = WeightRefitSpec.model_validate(doc.get("spec") or {})
         except ValueError:
             return None  # the CRD's schema keeps these out; nothing to queue against
+        stamp = times.stamp_of(meta)
         return cls(
-            meta.get("namespace", ""), meta["name"], meta["uid"], meta["creationTimestamp"],
+            meta.get("namespace", ""), meta["name"], meta["uid"], times.order_of(meta),
             status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
             bool(meta.get("deletionTimestamp")),
             status.get("phase") == "Superseded" and _ready_reason(status) == MOVED_ON,
+            stamp, bool(stamp),
         )  # fmt: skip
 
     def ref(self, phase: str | None = None) -> plan.RefitRef:
@@ -64,16 +68,69 @@ def _ready_reason(status: dict[str, Any]) -> str:
 class RefitIndex:
     def __init__(self) -> None:
         self.known: dict[str, Known] = {}  # by uid
+        # uid -> ``seq`` when the refit was first folded in: a read of the API server that
+        # began after it and does not show the refit proves it gone (a missed DELETED event).
+        self.first_seen: dict[str, int] = {}
+        self.seq = 0  # counts the refits folded in
 
-    def observe(self, doc: dict[str, Any], deleted: bool = False) -> Known | None:
+    def observe(self, doc: dict[str, Any], deleted: bool = False, stamp: str = "") -> Known | None:
         """Fold a watched (or just read) WeightRefit in; a deleted one is dropped and
-        returned, so the caller forgets what it kept for it."""
+        returned, so the caller forgets what it kept for it.
+
+        A refit seen without a creation stamp gets ``stamp`` (the operator's clock, at first
+        sight: watch order), kept from then on until the object carries it (``stamped``): its
+        place in the order never changes once a decision used it."""
         uid = doc["metadata"]["uid"]
         known = None if deleted else Known.from_doc(doc)
         if known is None:
+            self.first_seen.pop(uid, None)
             return self.known.pop(uid, None)
+        if uid not in self.first_seen:
+            self.seq += 1
+            self.first_seen[uid] = self.seq
+        if not known.stamped:
+            before = self.known.get(uid)
+            given = before.stamp if before is not None and before.stamp else stamp
+            if given:
+                created = times.creation_order(doc["metadata"]["creationTimestamp"], given)
+                known = replace(known, created=created, stamp=given)
         self.known[uid] = known
         return None
+
+    def drop_missing(
+        self, namespace: str, present: set[str], since: int, name: str | None = None
+    ) -> list[Known]:
+        """Drop the refits of ``namespace`` (named ``name``, when given) that a read of the
+        API server begun when ``seq`` was ``since`` did not return (``present``: the uids it
+        returned) and that were known before it began: deleted, with the DELETED event lost
+        to a watch that relisted. A refit first seen after the read began may be newer than
+        what it returned: it stays. Returns the dropped ones, so the caller forgets them."""
+        gone = [
+            k for k in self.known.values()
+            if k.namespace == namespace and (name is None or k.name == name)
+            and k.uid not in present and self.first_seen.get(k.uid, since + 1) <= since
+        ]  # fmt: skip
+        for k in gone:
+            del self.known[k.uid]
+            self.first_seen.pop(k.uid, None)
+        return gone
+
+    def order(self, uid: str, meta: dict[str, Any]) -> str:
+        """The creation order of refit ``uid``: the index's (with the stamp it was given at
+        first sight), else the one its metadata says."""
+        k = self.known.get(uid)
+        return k.created if k is not None else times.order_of(meta)
+
+    def unstamped(self, uid: str) -> Known | None:
+        """Refit ``uid`` when the operator's creation stamp is still to be written on it."""
+        k = self.known.get(uid)
+        return k if k is not None and not k.stamped and k.stamp else None
+
+    def stamped(self, uid: str, stamp: str) -> None:
+        """The object carries ``stamp`` now."""
+        k = self.known.get(uid)
+        if k is not None and k.stamp == stamp:
+            self.known[uid] = replace(k, stamped=True)
 
     def names(self, namespace: str) -> dict[str, str]:
         """uid -> name of every refit of the namespace (a claim of a refit not here is stale)."""
@@ -87,6 +144,8 @@ class RefitIndex:
         before it: the rollback target. Fleets are compared by the pods they select, so two
         selectors written differently that pick the same pods are one fleet."""
         refs, succeeded = [], []
+        me = self.known.get(uid)
+        mine = times.order_key(created, me.name if me is not None else "")
         for k in self.known.values():
             if k.namespace != namespace:
                 continue
@@ -99,13 +158,13 @@ class RefitIndex:
             if (
                 (ref.phase == "Succeeded" or (k.uid != uid and k.moved_on))
                 and k.uid != uid
-                and ref.created <= created
+                and times.order_key(k.created, k.name) < mine
                 and k.spec.checkpoint is not None
             ):
                 succeeded.append(k)
         previous = None
         if succeeded:
-            last = max(succeeded, key=lambda k: (k.created, k.name))
+            last = max(succeeded, key=lambda k: times.order_key(k.created, k.name))
             c = last.spec.checkpoint
             assert c is not None
             previous = Previous(version=c.version, path=c.path, refit=last.name)
@@ -131,14 +190,19 @@ class RefitIndex:
         fleet = [k.ref() for k in self.known.values() if k.namespace == gone.namespace]
         return self.to_wake(gone.namespace, fleet, gone.uid)
 
-    def to_collect(self, namespace: str, policy: history.Policy, now: float) -> list[Known]:
+    def to_collect(
+        self, namespace: str, policy: history.Policy, now: float, pods: Sequence[PodView] = ()
+    ) -> list[Known]:
         """Refits of the namespace the history policy no longer keeps and whose deletion was
-        not asked yet; they are marked as being deleted."""
+        not asked yet; they are marked as being deleted. ``pods``: the namespace's pods, by
+        which refits are grouped into fleets as the queue groups them (history.fleets)."""
         mine = {k.name: k for k in self.known.values() if k.namespace == namespace}
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
-                             k.spec.checkpoint is not None, k.moved_on)
+                             k.spec.checkpoint is not None, k.moved_on,
+                             frozenset(p.name for p in pods
+                                       if k.spec.fleet.selector.matches(p.labels)))
             for k in mine.values()
         ]  # fmt: skip
         out = []

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from . import times
 from .api import TERMINAL_PHASES, LabelSelector, ProbeSpec, Strategy, max_unavailable_count
 
 # Where a pod stands for one refit. "blocked": another refit's pass, or another operator
@@ -91,7 +92,7 @@ class RefitRef:
     """What queueing needs to know about one WeightRefit of a fleet."""
 
     name: str
-    created: str  # RFC3339 creationTimestamp (sorts in time order)
+    created: str  # creation order (times.creation_order: sorts in creation order)
     phase: str
     queue_policy: str = "Queue"
     selector: LabelSelector | None = None
@@ -109,7 +110,7 @@ class QueueDecision:
 
 
 def _order(r: RefitRef) -> tuple[str, str]:
-    return (r.created, r.name)
+    return times.order_key(r.created, r.name)
 
 
 def queue_role(me: RefitRef, fleet: Sequence[RefitRef]) -> QueueDecision:
@@ -150,7 +151,7 @@ def queue_role(me: RefitRef, fleet: Sequence[RefitRef]) -> QueueDecision:
 
 
 def newer(a: RefitRef, b: RefitRef) -> bool:
-    """Whether ``a`` was created after ``b`` (ties broken by name, as the queue does)."""
+    """Whether ``a`` was created after ``b``, in the one creation order (times.order_key)."""
     return _order(a) > _order(b)
 
 

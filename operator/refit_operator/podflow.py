@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
+from . import times
+
 # Where a pod's record lives on the pod (docs/operator.md).
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
 CLAIM_ANNOTATION = f"{API_GROUP}/claim"
@@ -89,7 +91,7 @@ class Progress:
     path: str
     rollback: bool = False
     source: Source = "checkpoint"  # where the weights come from: ``path``, or the trainer
-    created: str = ""  # the WeightRefit's creationTimestamp: which of two refits is newer
+    created: str = ""  # the WeightRefit's creation order (times.creation_order): which is newer
     restarts: int = 0  # the pod's container restarts when the pass began: a restart since
     # then means the container lost the weights this pass loaded
     step: str = STEPS[0]  # the first step not yet done ("" once the pass is over)
@@ -139,9 +141,9 @@ class Progress:
             return None
 
     def newer_than(self, created: str, refit: str) -> bool:
-        """Whether this pass belongs to a refit created after (created, refit): ties on the
-        second-resolution timestamp are broken by name, as the queue orders refits."""
-        return (self.created, self.refit) > (created, refit)
+        """Whether this pass belongs to a refit created after (created, refit), in the one
+        creation order (times.order_key) the queue uses too."""
+        return times.order_key(self.created, self.refit) > times.order_key(created, refit)
 
 
 def start(

@@ -812,7 +812,7 @@ def _succeeded_message(st: WeightRefitStatus, spec: WeightRefitSpec, moved_on: l
 def _newest_driver(obs: Observed, names: list[str]) -> str:
     """The newest refit among those that last drove the named pods."""
     drivers = [p.progress for p in obs.pods if p.name in names and p.progress is not None]
-    newest = max(drivers, key=lambda p: (p.created, p.refit), default=None)
+    newest = max(drivers, key=lambda p: times.order_key(p.created, p.refit), default=None)
     return newest.refit if newest else ""
 
 

@@ -1,8 +1,20 @@
-"""Kubernetes timestamps (RFC 3339, UTC): the one place they are written and parsed. Pure."""
+"""Kubernetes timestamps (RFC 3339, UTC): the one place they are written and parsed, and the
+one order of WeightRefits by creation (which of two is newer). Pure."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any
+
+from refit_worker.contract import API_GROUP
+
+# When the WeightRefit was created, to the nanosecond (``stamp``): written by RefitClient in
+# the body it creates, else by the operator the first time it sees the refit. The API server's
+# creationTimestamp has one-second resolution, and a trainer creates refits faster than that.
+CREATED_ANNOTATION = f"{API_GROUP}/created"
+_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z")
 
 
 def rfc3339(ts: float) -> str:
@@ -32,3 +44,36 @@ def epoch(text: object) -> float | None:
     """Seconds since the epoch of an RFC 3339 timestamp; None when unset or unreadable."""
     parsed = parse(text)
     return parsed.timestamp() if parsed is not None else None
+
+
+def stamp(ns: int) -> str:
+    """Nanoseconds since the epoch as ``CREATED_ANNOTATION`` holds them:
+    ``…T13:36:27.123456789Z``, fixed width, so that text order is time order."""
+    seconds, fraction = divmod(ns, 1_000_000_000)
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{fraction:09d}Z"
+
+
+def stamp_of(meta: Mapping[str, Any]) -> str:
+    """The creation stamp a WeightRefit's metadata carries; "" when it has none, or none in
+    the one fixed-width form (anything else would not sort in time order)."""
+    text = (meta.get("annotations") or {}).get(CREATED_ANNOTATION)
+    return text if isinstance(text, str) and _STAMP.fullmatch(text) else ""
+
+
+def creation_order(created: str, stamp: str = "") -> str:
+    """A WeightRefit's place in creation order, as one text that sorts in that order: the API
+    server's creationTimestamp first (one clock for every creator; the stamps of two clients
+    are only compared within one second of it), then the creation stamp. A refit without a
+    stamp sorts before every stamped one of its second."""
+    return f"{created} {stamp}" if stamp else created
+
+
+def order_of(meta: Mapping[str, Any]) -> str:
+    """``creation_order`` of a WeightRefit's metadata."""
+    return creation_order(str(meta.get("creationTimestamp") or ""), stamp_of(meta))
+
+
+def order_key(order: str, name: str) -> tuple[str, str]:
+    """The one key every comparison of WeightRefits by age uses: creation order, then the
+    name, only for two refits whose stamps tie (or that have none in the same second)."""
+    return (order, name)

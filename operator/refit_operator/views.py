@@ -239,7 +239,7 @@ def plan_report(
     status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
     view = reconcile.RefitView(
         name=meta.get("name", ""), uid=meta.get("uid", ""), generation=1,
-        created=meta.get("creationTimestamp") or "9999", spec=spec, status=status,
+        created=times.order_of(meta) or "9999", spec=spec, status=status,
     )  # fmt: skip
     pods = sorted((PodView.from_pod(p) for p in pod_docs), key=lambda p: p.name)
     strat = spec.strategy
@@ -275,7 +275,7 @@ def plan_report(
     if not pods:
         problems.append("the selector matches no pods (preflight fails: NoPodsSelected)")
     refs = [
-        plan.RefitRef(r["metadata"]["name"], r["metadata"]["creationTimestamp"],
+        plan.RefitRef(r["metadata"]["name"], times.order_of(r["metadata"]),
                       (r.get("status") or {}).get("phase", "Pending"),
                       r["spec"].get("queuePolicy", "Queue"))
         for r in fleet_refits if r["metadata"]["name"] != meta.get("name")
@@ -316,7 +316,7 @@ def plan_report(
 # ------------------------------------------------------------------------------- history
 def history_rows(docs: Sequence[Mapping[str, Any]]) -> list[list[object]]:
     refs = [
-        plan.RefitRef(d["metadata"]["name"], d["metadata"]["creationTimestamp"],
+        plan.RefitRef(d["metadata"]["name"], times.order_of(d["metadata"]),
                       (d.get("status") or {}).get("phase", "Pending"))
         for d in docs
     ]  # fmt: skip

@@ -52,3 +52,23 @@ def test_ttl_after_finished_collects_but_never_the_target(harness, sim_fleet, tm
     assert fleet.wait_phase("b", {"Succeeded"}, 60, op)["status"]["phase"] == "Succeeded"
     # "a" expired and is not the target any more; "b" is the target: kept despite its TTL.
     fleet.wait_for(lambda: _names(fleet) == ["b"], 30, "the expired refit to be collected")
+
+
+def test_a_selector_that_varies_by_step_keeps_a_bounded_history(harness, sim_fleet, tmp_path):
+    """The refits select the same pods, each with a selector written its own way: they are
+    one fleet (as the queue sees them), so history keeps the limit, not one target per text."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    versions = [f"s{i}" for i in range(5)]
+    ckpt = make_checkpoints(tmp_path, *versions)
+    op.start("--history-limit", "2")
+    for i, v in enumerate(versions):
+        other = {"key": "app", "operator": "NotIn", "values": [f"x{i}"]}
+        selector = {"matchLabels": {"app": "rollout"}, "matchExpressions": [other]}
+        fleet.apply_refit(f"step-{i}", v, ckpt[v], sims[0].port, fleet={"selector": selector})
+        st = fleet.wait_phase(f"step-{i}", {"Succeeded", "Failed", "Halted"}, 60, op)["status"]
+        assert st["phase"] == "Succeeded"
+        if i:
+            assert st["previous"]["refit"] == f"step-{i - 1}"
+    fleet.wait_for(lambda: _names(fleet) == ["step-3", "step-4"], 30, "history collected")
+    assert all(s.state()["weight_version"] == "s4" for s in sims)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from refit_operator import api, history
+from refit_operator import api, history, times
 from refit_operator.history import Finished, Policy, to_delete
 
 NOW = 1_000_000.0
@@ -19,6 +19,7 @@ def wr(
     ttl: int | None = None,
     name: str | None = None,
     checkpoint: bool = True,
+    pods: tuple[str, ...] = (),
 ) -> Finished:
     """Refit of training step `step`, created `step` minutes into the run (a broadcast with
     checkpoint=False)."""
@@ -31,6 +32,7 @@ def wr(
         ttl=ttl,
         fleet=fleet,
         checkpoint=checkpoint,
+        pods=frozenset(pods),
     )
 
 
@@ -250,6 +252,21 @@ def test_from_object_reads_a_weightrefit_as_the_api_server_returns_it() -> None:
     assert not Finished.from_object(broadcast, FLEET).checkpoint
 
 
+def test_refits_of_one_second_are_kept_by_their_creation_stamps_not_their_names() -> None:
+    second = "2025-01-01T00:07:00Z"
+
+    def obj(name: str, ns: int) -> dict:
+        meta = {"name": name, "creationTimestamp": second,
+                "annotations": {times.CREATED_ANNOTATION: times.stamp(ns)}}  # fmt: skip
+        return {"metadata": meta, "spec": {}, "status": {"phase": "Succeeded"}}
+
+    ns = 1_735_690_020_000000000
+    refits = [Finished.from_object(obj("refit-step-9", ns + 1), FLEET),
+              Finished.from_object(obj("refit-step-10", ns + 2), FLEET)]  # fmt: skip
+    assert history.target(refits) == refits[1]
+    assert to_delete(refits, Policy(history_limit=1), NOW) == ["refit-step-9"]
+
+
 def test_cost_stays_flat_for_a_long_run() -> None:
     """Applied after every step, the collector keeps a long run at limit + active refits."""
     policy = Policy(history_limit=10)
@@ -261,6 +278,55 @@ def test_cost_stays_flat_for_a_long_run() -> None:
         alive = [r for r in alive if r.name not in doomed and r.phase != "Progressing"]
         assert len(alive) <= 10
     assert [r.name for r in alive] == names(*range(1991, 2001))
+
+
+# --- fleets are the pods refits share, not their selector text ------------------------------
+
+POD_FLEET = ("pod-0", "pod-1")
+
+
+def test_a_selector_that_varies_from_step_to_step_keeps_a_bounded_history() -> None:
+    """One refit per step over the same pods, each with its own selector text (an extra
+    matchExpression, another label of the same pods): one fleet, so the run stays at the
+    limit instead of keeping one target per text."""
+    policy = Policy(history_limit=3)
+    alive: list[Finished] = []
+    for step in range(1, 501):
+        phase = "Failed" if step % 5 == 0 else "Succeeded"
+        alive.append(wr(step, phase, fleet=f"rl/app=rollout,step notin (x{step})", pods=POD_FLEET))
+        doomed = set(to_delete(alive, policy, NOW))
+        alive = [r for r in alive if r.name not in doomed]
+        assert len(alive) <= 3
+    assert [r.name for r in alive] == names(498, 499, 500)
+    # The target (499: 500 failed) is kept, whatever text a newer refit has.
+    alive.append(wr(501, "Failed", fleet="rl/other-text", pods=POD_FLEET))
+    assert to_delete(alive, Policy(history_limit=0), NOW) == names(498, 500, 501)
+
+
+def test_each_pods_target_is_kept_when_selectors_overlap_in_part() -> None:
+    # a: pod-0 and pod-1; b (newer): pod-1 only. pod-0's target is still a.
+    a = wr(1, fleet="rl/app=rollout", pods=("pod-0", "pod-1"))
+    b = wr(2, fleet="rl/tier=gen", pods=("pod-1",))
+    older = wr(0, fleet="rl/zone=z", pods=("pod-0",))  # pod-0's old target
+    assert to_delete([older, a, b], Policy(history_limit=0), NOW) == names(0)
+    # Chained through pod-1, a, b and c are one fleet: the limit counts them together.
+    c = wr(3, "Failed", fleet="rl/zone=y", pods=("pod-1", "pod-2"))
+    d = wr(4, "Failed", fleet="rl/zone=x", pods=("pod-2",))
+    assert to_delete([older, a, b, c, d], Policy(history_limit=3), NOW) == names(0, 3)
+
+
+def test_a_broadcast_target_of_a_pod_keeps_that_pods_checkpoint_behind_it() -> None:
+    ckpt = wr(1, fleet="rl/app=rollout", pods=POD_FLEET)
+    older = wr(0, fleet="rl/app=rollout", pods=POD_FLEET)
+    bcast = wr(2, fleet="rl/tier=gen", pods=POD_FLEET, checkpoint=False)
+    assert to_delete([older, ckpt, bcast], Policy(history_limit=0), NOW) == names(0)
+
+
+def test_a_selector_that_selects_no_pod_keeps_its_own_target() -> None:
+    """A fleet scaled to zero: its target is what its pods converge to when they return."""
+    gone = [wr(s, fleet="rl/app=scaled-to-zero") for s in (1, 2, 3)]
+    live = [wr(s, fleet="rl/app=rollout", pods=POD_FLEET) for s in (4, 5)]
+    assert to_delete([*gone, *live], Policy(history_limit=1), NOW) == names(1, 2, 4)
 
 
 def test_the_spec_carries_the_ttl() -> None:

@@ -2,7 +2,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from refit_operator import podflow
+from refit_operator import podflow, times
 from refit_operator.podflow import STEPS, Finished, Progress, RunStep, WaitUntil
 from refit_worker.fence import MAX_FENCE, format_fence
 
@@ -190,6 +190,19 @@ def test_newer_than_breaks_timestamp_ties_by_name():
     assert p.newer_than("2026-01-01T00:00:00Z", "a")
     assert not p.newer_than("2026-01-01T00:00:00Z", "c")
     assert not p.newer_than("2026-01-02T00:00:00Z", "a")
+
+
+def test_newer_than_follows_the_creation_stamps_of_one_second_not_the_names():
+    second = "2026-01-01T00:00:00Z"
+    nine = times.creation_order(second, times.stamp(1_767_225_600_100000000))
+    ten = times.creation_order(second, times.stamp(1_767_225_600_200000000))
+    p = podflow.start("refit-step-10", "u10", "v10", "/p", 0.0, created=ten)
+    assert p.newer_than(nine, "refit-step-9")
+    q = podflow.start("refit-step-9", "u9", "v9", "/p", 0.0, created=nine)
+    assert not q.newer_than(ten, "refit-step-10")
+    # A record written before stamps existed (the bare second) is the older one of its second.
+    old = podflow.start("refit-step-99", "u", "v", "/p", 0.0, created=second)
+    assert not old.newer_than(nine, "refit-step-9") and p.newer_than(second, "refit-step-99")
 
 
 def serving_pass() -> Progress:
