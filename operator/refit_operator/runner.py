@@ -135,7 +135,9 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         )
     else:
         # Resumed after an operator restart (or a takeover from a frozen leader): the claim
-        # moves to this pass, whose newer fencing token the pod then requires.
+        # moves to this pass, whose newer fencing token the pod then requires; the record it
+        # writes says whether the last driver may have been inside the load.
+        progress = podflow.resumed(progress)
         handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
     ctx.live[pod.name] = progress
     while True:
