@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from . import history, metrics, plan, reconcile, times
+from . import history, metrics, plan, probe, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
 from .index import RefitIndex
@@ -318,6 +318,8 @@ class Engine:
         client = self._client(view, st, pod)
         try:
             reference = await self._reference(view, st, view.spec.path, client)
+        except probe.ReferenceMismatch as e:
+            return e.reason, str(e)
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return "ReferenceInvalid", f"probe reference unusable: {e}"
         try:
@@ -353,6 +355,11 @@ class Engine:
             if text is None:
                 raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
             reference = ProbeReference.from_json_dict(json.loads(text))
+            # Before it is kept: every read of it is checked, the preflight's and a pass's
+            # after an operator restart (the ConfigMap may have been rewritten meanwhile).
+            probe.check_reference_version(
+                reference, view.spec.version, f"ConfigMap {cm.name} key {cm.key!r}"
+            )
         else:
             reference = await client.probe_reference(
                 path, timeout=float(view.spec.sequence.step_timeout_seconds)

@@ -187,6 +187,32 @@ def test_reference_the_model_cannot_score(harness, sim_fleet, tmp_path):
     assert _untouched(sims)
 
 
+def test_reference_of_another_version_is_refused_before_any_pod_is_touched(
+    harness, sim_fleet, tmp_path
+):
+    """A ConfigMap reference still holding step v1's reference (a scorable one: it passed
+    every check but its version) for a refit to v2: without the check every pod would be
+    drained, reloaded and fail its probe, and the fleet be left out of traffic."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    stale = (ckpt["v1"] / "refit-probe.json").read_text()
+    cm = {"metadata": {"name": "ref"}, "data": {"refit-probe.json": stale}}
+    fleet.core.create_namespaced_config_map(fleet.ns, cm)
+    op.start()
+    probe = {"reference": {"source": "ConfigMap", "configMapRef": {"name": "ref"}}}
+    fleet.apply_refit("wr", "v2", ckpt["v2"], sims[0].port, probe=probe)
+    st = _expect_refused(fleet, op, "ReferenceVersionMismatch")
+    assert "'v1'" in st["message"] and "'v2'" in st["message"], st["message"]
+    assert _untouched(sims)
+    assert all(fleet.ready(fleet.pod(f"pod-{i}")) is not False for i in range(2))
+    # The reference of v2 in the same ConfigMap: the refit goes through.
+    cm["data"]["refit-probe.json"] = (ckpt["v2"] / "refit-probe.json").read_text()
+    fleet.core.replace_namespaced_config_map("ref", fleet.ns, cm)
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port, probe=probe)
+    assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
+
+
 def test_late_pod_without_gate_or_safe_backend_is_refused(harness, sim_fleet, tmp_path):
     fleet, op = harness
     sims = sim_fleet(3, allowed_root=tmp_path)
