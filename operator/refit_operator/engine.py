@@ -272,10 +272,14 @@ class Engine:
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
         spec = view.spec
+        if reconcile.fleet_problem(st.pods) is not None:
+            # decide() reports it. Nothing is sent to any pod: the admin token goes in clear
+            # to a pod's IP, and only to pods the Pod objects vouch for (PodView.vetted).
+            return PreflightResult()
         problem = await self._load_secrets(view, st)
         if problem is not None:
             return PreflightResult(problem=problem)
-        reachable = [p for p in st.pods if p.ip]
+        reachable = sorted(st.pods, key=lambda p: p.name)
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
 
         async def info(pod: PodView) -> RefitInfo | str:
@@ -294,11 +298,6 @@ class Engine:
                 strict=True,
             )
         )
-        problem = None
-        if reachable and all(not isinstance(i, str) for i in infos.values()):
-            problem = await self._check_reference(view, st, reachable[0])
-        if problem is None and spec.broadcast is not None:
-            problem = await self._load_broadcast(view, st)
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         st.admitted = {
             name: identity[name]
@@ -308,6 +307,11 @@ class Engine:
             )
             is None
         }
+        problem = None
+        if len(st.admitted) == len(reachable):  # else decide() refuses a pod already
+            problem = await self._check_reference(view, st, reachable[0])
+        if problem is None and spec.broadcast is not None:
+            problem = await self._load_broadcast(view, st)
         return PreflightResult(infos=infos, problem=problem)
 
     async def _check_reference(
@@ -422,7 +426,10 @@ class Engine:
         self, view: RefitView, st: _RefitState, pod: PodView, fence: int | None = None
     ) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
+        # The one place a pod's client gets the token: never for a pod the Pod object does
+        # not vouch for (the decisions call none; this holds if one ever did).
+        token = st.token if pod.vetted else None
+        return WorkerClient(url, http=self.http, admin_token=token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds),
                             fence=fence, before_call=self.check)  # fmt: skip
 

@@ -447,6 +447,14 @@ class PodView:
         (a pass begun while vLLM starts would spend its retries on refused connections)."""
         return self.running and bool(self.ip) and self.containers_up and not self.deleting
 
+    @property
+    def vetted(self) -> bool:
+        """The pod may be sent the admin token (it travels in clear to the pod's IP): it is
+        listed by the fleet's selector, Running, with a pod IP, and declares the readiness
+        gate. A pod in another phase may still show an IP that is no longer its own (a
+        finished pod keeps its status.podIP while the address goes to another pod)."""
+        return self.running and bool(self.ip) and self.has_gate
+
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""
         p = self.progress

@@ -134,16 +134,11 @@ def admission_problem(
     return None
 
 
-def preflight_problem(
-    pods: Sequence[PodView],
-    result: PreflightResult,
-    allow_unsafe: bool,
-    sleep_level: int,
-) -> tuple[str, str] | None:
+def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
+    """What the Pod objects alone hold against the fleet. Judged before the preflight calls
+    any pod: the admin token goes only to pods that pass (PodView.vetted)."""
     if not pods:
         return "NoPodsSelected", "the fleet selector matches no pods"
-    if result.problem is not None:
-        return result.problem
     for pod in sorted(pods, key=lambda p: p.name):
         if not pod.has_gate:
             return (
@@ -152,6 +147,21 @@ def preflight_problem(
             )
         if not pod.running or not pod.ip:
             return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
+    return None
+
+
+def preflight_problem(
+    pods: Sequence[PodView],
+    result: PreflightResult,
+    allow_unsafe: bool,
+    sleep_level: int,
+) -> tuple[str, str] | None:
+    problem = fleet_problem(pods)
+    if problem is not None:
+        return problem
+    if result.problem is not None:
+        return result.problem
+    for pod in sorted(pods, key=lambda p: p.name):
         info = result.infos.get(pod.name, "no refit_info answer")
         problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
@@ -667,7 +677,10 @@ def _progress(
         ready = _startable(obs)
         d.start = resumes + [_fresh(n, spec) for n in starts if n in ready]
         if spec.checkpoint is not None:  # a broadcast has nothing to stage
-            d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
+            vetted = {p.name for p in obs.pods if p.vetted}  # staging sends the admin token
+            d.stage_ahead = [
+                n for n in plan.stage_ahead(states, spec.strategy, starts) if n in vetted
+            ]
         if plan.all_settled(states) and not obs.in_flight and not d.start:
             transition("Succeeded", "Succeeded", _succeeded_message(st, spec, moved_on))
             d.watching = True  # the next tick decides whether it is the fleet's target

@@ -145,6 +145,40 @@ def test_pod_without_readiness_gate(harness, sim_fleet, tmp_path):
     assert _untouched(sims)
 
 
+@pytest.mark.parametrize("flaw", ["no-gate", "finished"])
+def test_the_admin_token_reaches_only_vetted_pods(harness, sim_fleet, tmp_path, flaw):
+    """The admin token travels in clear to a pod's IP. A selected pod without the readiness
+    gate, or one no longer Running whose IP may now be another pod's, makes the preflight
+    refuse the fleet before ANY pod is called; once the fleet is fit, the token goes only on
+    the calls the guard requires it for (not on a drain's /metrics)."""
+    fleet, op = harness
+    sims = sim_fleet(2, allowed_root=tmp_path, admin_token="s3cret")
+    secret = {"metadata": {"name": "vllm-admin"},
+              "data": {"token": base64.b64encode(b"s3cret").decode()}}  # fmt: skip
+    fleet.core.create_namespaced_secret(fleet.ns, secret)
+    fleet.add_pod("pod-0", sims[0])
+    fleet.add_pod("pod-1", sims[1], gate=flaw != "no-gate")
+    if flaw == "finished":  # its IP stays in status.podIP; the address may be reused
+        fleet.core.patch_namespaced_pod_status("pod-1", fleet.ns, {"status": {"phase": "Failed"}})
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    op.start()
+    admin = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=admin)
+    reason = "MissingReadinessGate" if flaw == "no-gate" else "PodNotRunning"
+    st = _expect_refused(fleet, op, reason)
+    assert "pod-1" in st["message"], st["message"]
+    assert [s.call_log() for s in sims] == [[], []]  # not even a token-free call
+    # The same fleet, fit: every admin call carries the token, no open read does.
+    fleet.core.delete_namespaced_pod("pod-1", fleet.ns, grace_period_seconds=0)
+    fleet.wait_for(lambda: len(fleet.pods()) == 1, 30, "pod-1 gone")
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port, fleet=admin)
+    assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
+    calls = [c for c in sims[0].call_log() if c["step"] not in ("models", "completions")]  # /v1
+    assert {c["step"] for c in calls if not c["auth"]} == {"metrics"}, calls
+    assert all(c["status"] != 401 for c in calls), calls
+    assert sims[1].call_log() == []
+
+
 def test_unreachable_pod(harness, sim_fleet, tmp_path):
     fleet, op = harness
     sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
