@@ -59,6 +59,7 @@ class _RefitState:
     peers: dict[str, list[float]] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
+    sequence_ignored: bool = False  # a changed spec.sequence was logged (once)
 
     def listed(self, pods: list[PodView]) -> None:
         """This tick's pods: what the tick's decisions and the passes it starts act on."""
@@ -159,8 +160,9 @@ class Engine:
             return None
         self.observe(doc)
         meta = doc["metadata"]
-        spec = WeightRefitSpec.model_validate(doc["spec"])
+        asked = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
+        spec = reconcile.admitted_spec(asked, status)
         view = RefitView(
             name=name,
             uid=meta["uid"],
@@ -172,6 +174,13 @@ class Engine:
             namespace=namespace,
         )
         st = self.state(view.uid)
+        if spec is not asked and not st.sequence_ignored:
+            st.sequence_ignored = True
+            log.warning(
+                "%s/%s: spec.sequence changed after the preflight (an API server with an older "
+                "CRD accepted it): the refit keeps the sequence it admitted: %s",
+                namespace, name, spec.sequence.model_dump(by_alias=True),
+            )  # fmt: skip
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         selector = spec.fleet.selector.canonical()
         before = {p.name for p in st.pods} | {p.name for p in view.status.pods}

@@ -134,6 +134,17 @@ def admission_problem(
     return None
 
 
+def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRefitSpec:
+    """The spec every decision and pass of a started refit acts on: spec.sequence as its
+    preflight admitted it (status.sequence). The CRD refuses a change of spec.sequence, but an
+    API server with an older CRD accepts one (e.g. sleepLevel 2 after level 1 was admitted):
+    acting on it would skip the level-2 refusals and run another step set on pods slept at
+    the old level. A refit not started yet (no record) is admitted with what it says then."""
+    if status.sequence is None or status.sequence == spec.sequence:
+        return spec
+    return spec.model_copy(update={"sequence": status.sequence})
+
+
 def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
     """What the Pod objects alone hold against the fleet. Judged before the preflight calls
     any pod: the admin token goes only to pods that pass (PodView.vetted)."""
@@ -583,6 +594,7 @@ def _decide(obs: Observed) -> Decision:
             transition("Failed", problem[0], problem[1], "Warning")
             d.idle = True
             return d
+        st.sequence = spec.sequence.model_copy()  # what this preflight admitted the pods for
         transition(
             "Progressing",
             "Progressing",

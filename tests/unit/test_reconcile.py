@@ -10,6 +10,7 @@ from refit_operator.reconcile import (
     Observed,
     PreflightResult,
     RefitView,
+    admitted_spec,
     decide,
     fleet_problem,
 )
@@ -135,6 +136,30 @@ def test_staging_ahead_asks_only_vetted_pods():
                        (pod("p1", running=False), [])):  # fmt: skip
         d = decide(observe(refit(spec(strategy=rolling), st), [pod("p0"), nxt, pod("p2")]))
         assert [x.pod for x in d.start] == ["p0"] and d.stage_ahead == ahead, nxt
+
+
+def test_a_started_refit_keeps_the_sequence_its_preflight_admitted():
+    """spec.sequence changed after the preflight (an API server with an older CRD accepts
+    it): every decision and pass acts on the sequence the preflight admitted, recorded in
+    the status (so it survives an operator restart)."""
+    s = spec(sequence={"sleepLevel": 1})
+    pods = [pod("p0"), pod("p1")]
+    pre = PreflightResult(infos={"p0": info(), "p1": info(kv_cache_scales="compressed-tensors")})
+    d = decide(observe(refit(s, WeightRefitStatus(phase="Preflight")), pods, preflight=pre))
+    assert d.status.phase == "Progressing" and d.status.sequence == s.sequence
+    st = WeightRefitStatus.model_validate(d.status.dump())  # as read back from the server
+    assert st.sequence == s.sequence
+    # Level 2 would have been refused at the preflight (p1's KV scales), and a 1 s total
+    # timeout would trip the gate at once: neither reaches the refit.
+    changed = spec(sequence={"sleepLevel": 2, "totalTimeoutSeconds": 1})
+    kept = admitted_spec(changed, st)
+    assert kept.sequence == s.sequence and kept.checkpoint == changed.checkpoint
+    st.start_time = STARTED
+    assert decide(observe(refit(kept, st), pods)).status.phase == "Progressing"
+    assert decide(observe(refit(changed, st), pods)).status.phase == "Halted"  # had it acted
+    # Unchanged, or not started yet (nothing recorded): the spec as it is.
+    assert admitted_spec(s, st) is s
+    assert admitted_spec(changed, WeightRefitStatus(phase="Queued")) is changed
 
 
 def test_unsafe_allowed_explicitly():
