@@ -213,7 +213,7 @@ def ready_violation(pod: dict[str, Any]) -> str | None:
     right when the pod's record is a pass that Succeeded with a passed probe; or a pass that
     keeps it serving (staging, refused while staging) under the condition that pass left
     untouched, the one the passed probe of the version it serves wrote; or a pass that
-    restored it to that version."""
+    restored it to that version with the model untouched."""
     if not Fleet.ready(pod):
         return None
     p = Fleet.progress(pod) or {}
@@ -226,7 +226,8 @@ def ready_violation(pod: dict[str, Any]) -> str | None:
     written = (cond.get("reason"), cond.get("message"))
     if staging and written == ("ProbePassed", f"weights {served} probed"):
         return None
-    if p.get("restored") and cond.get("reason") == "PreviousWeights":
+    # Restored only while no try of the pass may have changed the model (podflow.touched).
+    if p.get("restored") and not p.get("touched") and cond.get("reason") == "PreviousWeights":
         return None
     return f"{pod['metadata']['name']} Ready without a passed probe: {cond} {p}"
 

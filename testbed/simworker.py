@@ -75,7 +75,8 @@ Steps and faults
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
     ``unsafe_reasons``, ``staging_budget``; ``calls()`` lists the steps a pod served, in
-    order (``call_log()`` with parameters, RPC bodies, fencing tokens and status codes;
+    order (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
+    ``Authorization`` header came (``auth``) and status codes;
     ``counts()`` per step); ``state()`` shows a pod's state (``staged``: the path and mode
     refit_stage holds, or None). The same methods on ``pods[0].fleet`` (the SimFleet) take
     ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
@@ -130,7 +131,7 @@ from refit_worker.checkpoint import (
     verify_params,
     write_manifest,
 )
-from refit_worker.guard import API_KEY_PREFIXES, needs_admin
+from refit_worker.contract import API_KEY_PREFIXES, needs_admin
 from refit_worker.reference import write_reference
 
 SIM_VOCAB = 512
@@ -478,6 +479,9 @@ class SimServer:
             "params": dict(request.query),
             "status": None,
             "fence": token if malformed is None else ", ".join(given),
+            # Which credential came along (not its value): the tests hold the operator to
+            # sending the admin token only where it is needed, and only to vetted pods.
+            "auth": "Authorization" in request.headers,
         }
         if isinstance(body, dict) and step != "completions":
             record["body"] = body

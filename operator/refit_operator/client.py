@@ -414,7 +414,9 @@ class RefitClient:
         ns = namespace or self.namespace
         name = name or default_name(version)
         manifest = wire.build_manifest(tensors)
-        doc = _reference_doc(reference)
+        # The reference of the tensors this call sends, so of ``version``: the operator
+        # refuses a ConfigMap reference of any other version (a stale one).
+        doc = {**_reference_doc(reference), "version": version}
         source: dict[str, Any] = {
             "rendezvous": {"host": rendezvous[0], "port": rendezvous[1]},
             "manifest": {"configMapRef": {"name": f"{name}-weights"}, "digest": manifest.digest},

@@ -19,7 +19,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from . import history, metrics, plan, reconcile, times
+from . import history, metrics, plan, probe, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
 from .index import Known, RefitIndex
@@ -67,6 +67,7 @@ class _RefitState:
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
     waiting: bool = False  # another refit shares its pods and is not finished, or holds one
+    sequence_ignored: bool = False  # a changed spec.sequence was logged (once)
 
     def listed(self, pods: list[PodView]) -> None:
         """This tick's pods: what the tick's decisions and the passes it starts act on."""
@@ -247,8 +248,9 @@ class Engine:
         # Decide only with an order the object carries: the pods' progress records it, and the
         # next operator must compare them with the same one.
         await self._write_stamp(namespace, meta["uid"])
-        spec = WeightRefitSpec.model_validate(doc["spec"])
+        asked = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
+        spec = reconcile.admitted_spec(asked, status)
         view = RefitView(
             name=name,
             uid=meta["uid"],
@@ -261,6 +263,13 @@ class Engine:
         )
         st = self.state(view.uid)
         await self._resync(namespace, st.waiting)
+        if spec is not asked and not st.sequence_ignored:
+            st.sequence_ignored = True
+            log.warning(
+                "%s/%s: spec.sequence changed after the preflight (an API server with an older "
+                "CRD accepted it): the refit keeps the sequence it admitted: %s",
+                namespace, name, spec.sequence.model_dump(by_alias=True),
+            )  # fmt: skip
         st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
         st.driven = {n: p for n, p in st.driven.items() if n in st.tasks}
         selector = spec.fleet.selector.canonical()
@@ -407,10 +416,14 @@ class Engine:
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
         spec = view.spec
+        if reconcile.fleet_problem(st.pods) is not None:
+            # decide() reports it. Nothing is sent to any pod: the admin token goes in clear
+            # to a pod's IP, and only to pods the Pod objects vouch for (PodView.vetted).
+            return PreflightResult()
         problem = await self._load_secrets(view, st)
         if problem is not None:
             return PreflightResult(problem=problem)
-        reachable = [p for p in st.pods if p.ip]
+        reachable = sorted(st.pods, key=lambda p: p.name)
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
 
         async def info(pod: PodView) -> RefitInfo | str:
@@ -429,11 +442,6 @@ class Engine:
                 strict=True,
             )
         )
-        problem = None
-        if reachable and all(not isinstance(i, str) for i in infos.values()):
-            problem = await self._check_reference(view, st, reachable[0])
-        if problem is None and spec.broadcast is not None:
-            problem = await self._load_broadcast(view, st)
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         st.admitted = {
             name: identity[name]
@@ -443,6 +451,11 @@ class Engine:
             )
             is None
         }
+        problem = None
+        if len(st.admitted) == len(reachable):  # else decide() refuses a pod already
+            problem = await self._check_reference(view, st, reachable[0])
+        if problem is None and spec.broadcast is not None:
+            problem = await self._load_broadcast(view, st)
         return PreflightResult(infos=infos, problem=problem)
 
     async def _check_reference(
@@ -453,6 +466,8 @@ class Engine:
         client = self._client(view, st, pod)
         try:
             reference = await self._reference(view, st, view.spec.path, client)
+        except probe.ReferenceMismatch as e:
+            return e.reason, str(e)
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return "ReferenceInvalid", f"probe reference unusable: {e}"
         try:
@@ -488,6 +503,11 @@ class Engine:
             if text is None:
                 raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
             reference = ProbeReference.from_json_dict(json.loads(text))
+            # Before it is kept: every read of it is checked, the preflight's and a pass's
+            # after an operator restart (the ConfigMap may have been rewritten meanwhile).
+            probe.check_reference_version(
+                reference, view.spec.version, f"ConfigMap {cm.name} key {cm.key!r}"
+            )
         else:
             reference = await client.probe_reference(
                 path, timeout=float(view.spec.sequence.step_timeout_seconds)
@@ -550,7 +570,10 @@ class Engine:
         self, view: RefitView, st: _RefitState, pod: PodView, fence: int | None = None
     ) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
+        # The one place a pod's client gets the token: never for a pod the Pod object does
+        # not vouch for (the decisions call none; this holds if one ever did).
+        token = st.token if pod.vetted else None
+        return WorkerClient(url, http=self.http, admin_token=token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds),
                             fence=fence, before_call=self.check)  # fmt: skip
 

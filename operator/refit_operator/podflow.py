@@ -114,6 +114,11 @@ class Progress:
     left_traffic: float = 0.0  # epoch seconds this pass took the pod out of traffic (0: never)
     restored: bool = False  # the pass failed and the pod serves ``serving`` again
     staging: str = ""  # how the worker staged the checkpoint (memory, or why not)
+    # A try of this pass's load (or receive) may have changed the model: it failed after the
+    # worker may have begun (LoadFailed, a timeout, a lost connection), or it may have run
+    # under an operator that stopped. From then on only a probe can say what the pod serves,
+    # so the pass never restores it to ``serving``. Recorded, so it survives a restart.
+    touched: bool = False
 
     @property
     def finished_pass(self) -> bool:
@@ -315,10 +320,19 @@ def step_failed(
     the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
     attempts = progress.attempts + 1
     ends = final or reason in _FINAL_CODES or attempts > retries
+    if step in LOAD_STEPS and reason not in UNTOUCHED_LOAD_CODES:
+        progress = replace(progress, touched=True)
     if ends and step in LOAD_STEPS and reason in UNTOUCHED_LOAD_CODES and progress.serving:
-        # Refused before the model was touched: put the pod back to serving what it served.
-        return replace(
-            progress, step=RESTORE, attempts=0, reason=reason, message=message, not_before=0.0
+        if not progress.touched:
+            # Refused before the model was touched, and no earlier try touched it either:
+            # put the pod back to serving what it served.
+            return replace(
+                progress, step=RESTORE, attempts=0, reason=reason, message=message,
+                not_before=0.0,
+            )  # fmt: skip
+        message = (
+            f"{message}; an earlier try of this pass may have changed the model, so the pod "
+            f"does not go back to serving {progress.serving} unprobed"
         )
     if ends:
         return replace(
@@ -339,11 +353,24 @@ def step_failed(
     )
 
 
+def resumed(progress: Progress) -> Progress:
+    """A pass taken up from its record (an operator restart, or a takeover from a frozen
+    leader). Past the stage's record the last driver may have been inside the load when it
+    stopped (the load's start is not recorded: that would be a write per pod and pass), so
+    the model counts as touched: the pass can still succeed through its probe, but never
+    restores the pod unprobed."""
+    if progress.finished_pass or progress.step == STEPS[0]:
+        return progress
+    return replace(progress, touched=True)
+
+
 def restored(progress: Progress, now: float) -> Progress:
     """The restore step worked: the pass ends Failed (with the load's refusal as its reason),
     and the pod serves ``serving`` again."""
     if progress.step != RESTORE:
         raise ValueError(f"step {progress.step!r} is not {RESTORE!r}")
+    if progress.touched:
+        raise ValueError("a pass whose load may have changed the model is never restored")
     return replace(progress, outcome="Failed", restored=True, finished=now, not_before=0.0)
 
 
@@ -459,6 +486,14 @@ class PodView:
         """A new pass may begin: the pod runs, has an address and its containers are up
         (a pass begun while vLLM starts would spend its retries on refused connections)."""
         return self.running and bool(self.ip) and self.containers_up and not self.deleting
+
+    @property
+    def vetted(self) -> bool:
+        """The pod may be sent the admin token (it travels in clear to the pod's IP): it is
+        listed by the fleet's selector, Running, with a pod IP, and declares the readiness
+        gate. A pod in another phase may still show an IP that is no longer its own (a
+        finished pod keeps its status.podIP while the address goes to another pod)."""
+        return self.running and bool(self.ip) and self.has_gate
 
     def verified(self, version: str) -> bool:
         """At ``version`` with a passed probe and no container restart since."""

@@ -56,6 +56,26 @@ def inconclusive(reason: str, message: str) -> ProbeOutcome:
     return ProbeOutcome("Inconclusive", reason, message)
 
 
+class ReferenceMismatch(Exception):
+    """A probe reference computed for another version than the one the refit brings."""
+
+    reason = "ReferenceVersionMismatch"
+
+
+def check_reference_version(reference: ProbeReference, version: str, where: str) -> None:
+    """A reference held apart from the weights (a ConfigMap) is tied to them by its version
+    alone: one of another version (a ConfigMap still holding the last step's) would fail
+    every pod's probe after the pod was reloaded, so it is refused before (ReferenceMismatch).
+    """
+    if reference.version != version:
+        raise ReferenceMismatch(
+            f"{where} holds the probe reference of version {reference.version!r}, not of "
+            f"{version!r}, the version this refit loads: write the reference computed for "
+            f'{version!r} there (its "version" field says which), or point '
+            "spec.probe.reference at the one that is"
+        )
+
+
 def evaluate(
     reference: ProbeReference,
     scored: Sequence[Sequence[float | None]] | None,

@@ -143,16 +143,22 @@ def admission_problem(
     return None
 
 
-def preflight_problem(
-    pods: Sequence[PodView],
-    result: PreflightResult,
-    allow_unsafe: bool,
-    sleep_level: int,
-) -> tuple[str, str] | None:
+def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRefitSpec:
+    """The spec every decision and pass of a started refit acts on: spec.sequence as its
+    preflight admitted it (status.sequence). The CRD refuses a change of spec.sequence, but an
+    API server with an older CRD accepts one (e.g. sleepLevel 2 after level 1 was admitted):
+    acting on it would skip the level-2 refusals and run another step set on pods slept at
+    the old level. A refit not started yet (no record) is admitted with what it says then."""
+    if status.sequence is None or status.sequence == spec.sequence:
+        return spec
+    return spec.model_copy(update={"sequence": status.sequence})
+
+
+def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
+    """What the Pod objects alone hold against the fleet. Judged before the preflight calls
+    any pod: the admin token goes only to pods that pass (PodView.vetted)."""
     if not pods:
         return "NoPodsSelected", "the fleet selector matches no pods"
-    if result.problem is not None:
-        return result.problem
     for pod in sorted(pods, key=lambda p: p.name):
         if not pod.has_gate:
             return (
@@ -161,6 +167,21 @@ def preflight_problem(
             )
         if not pod.running or not pod.ip:
             return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
+    return None
+
+
+def preflight_problem(
+    pods: Sequence[PodView],
+    result: PreflightResult,
+    allow_unsafe: bool,
+    sleep_level: int,
+) -> tuple[str, str] | None:
+    problem = fleet_problem(pods)
+    if problem is not None:
+        return problem
+    if result.problem is not None:
+        return result.problem
+    for pod in sorted(pods, key=lambda p: p.name):
         info = result.infos.get(pod.name, "no refit_info answer")
         problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
@@ -655,6 +676,7 @@ def _decide(obs: Observed) -> Decision:
             transition("Failed", problem[0], problem[1], "Warning")
             d.idle = True
             return d
+        st.sequence = spec.sequence.model_copy()  # what this preflight admitted the pods for
         transition(
             "Progressing",
             "Progressing",
@@ -780,7 +802,10 @@ def _progress(
         moved = _foreign(obs)
         d.start = resumes + [_fresh(n, spec, n not in moved) for n in starts if n in ready]
         if spec.checkpoint is not None:  # a broadcast has nothing to stage
-            d.stage_ahead = plan.stage_ahead(states, spec.strategy, starts)
+            vetted = {p.name for p in obs.pods if p.vetted}  # staging sends the admin token
+            d.stage_ahead = [
+                n for n in plan.stage_ahead(states, spec.strategy, starts) if n in vetted
+            ]
         if plan.all_settled(states) and not obs.in_flight and not d.start:
             transition("Succeeded", "Succeeded", _succeeded_message(st, spec, moved_on))
             d.watching = True  # the next tick decides whether it is the fleet's target

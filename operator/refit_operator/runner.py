@@ -146,7 +146,9 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         )
     else:
         # Resumed after an operator restart (or a takeover from a frozen leader): the claim
-        # moves to this pass, whose newer fencing token the pod then requires.
+        # moves to this pass, whose newer fencing token the pod then requires; the record it
+        # writes says whether the last driver may have been inside the load.
+        progress = podflow.resumed(progress)
         handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
     ctx.live[pod.name] = progress
     while True:
@@ -432,6 +434,10 @@ async def _probe(
         # One request for every prompt: the probe's cost is then one forward pass's overhead.
         prompts = [list(p.token_ids) for p in reference.prompts]
         scored = await worker.score_prompts(prompts, timeout=timeout)
+    except probe.ReferenceMismatch as e:
+        # Rewritten since the preflight admitted it (read again after an operator restart):
+        # the weights cannot be judged, so the pod stays out of traffic and the gate decides.
+        outcome = probe.inconclusive(e.reason, str(e))
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:
             raise ClaimLost(f"pod {pod.name}: probe: {e.message}") from e

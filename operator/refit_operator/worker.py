@@ -17,8 +17,10 @@ the caller what it may assume:
   pod has already seen, so a newer pass owns the pod and this caller must stop driving it.
 - ``protocol``: the answer does not have the shape this client and the contract expect.
 
-Authentication: the admin bearer token goes on every path outside ``/v1`` (vLLM's dev/RL
-endpoints are guarded by refit_worker's admin guard), vLLM's ``--api-key`` on ``/v1``.
+Authentication: the admin bearer token goes only on the requests the admin guard requires it
+for (``contract.needs_admin``: vLLM's dev/RL endpoints, not the open reads ``/health``,
+``/metrics``, ``/refit/ready``), vLLM's ``--api-key`` on ``/v1``. It travels in clear to the
+pod's IP: a token sent where none is needed is exposure for nothing.
 
 Fencing (one driver per pod): a client made with ``fence=N`` sends ``X-Refit-Fence: N``
 on every path outside ``/v1`` (refit_worker.fence has the pod's rules), and ``before_call``
@@ -218,7 +220,10 @@ class WorkerClient:
         if self._before_call is not None:
             self._before_call()  # may raise: the caller must not act; nothing is sent
         api = path.startswith("/v1/")
-        token = self._api_key if api else self._admin_token
+        if api:
+            token = self._api_key
+        else:
+            token = self._admin_token if contract.needs_admin(method, path) else None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if self._fence is not None and not api:
             headers[contract.FENCE_HEADER] = self._fence

@@ -319,6 +319,11 @@ def stored(control_plane: ControlPlane, ns: str) -> Iterator[Manifest]:
         ("spec.fleet.selector.matchLabels", {"app": "other"}, "spec.fleet is immutable"),
         ("spec.fleet.port", 9000, "spec.fleet is immutable"),
         ("spec.fleet.adminTokenSecretRef.name", "other", "spec.fleet is immutable"),
+        # The preflight admitted the pods for this sequence (sleepLevel 2 is refused where
+        # it is unsafe); a pass slept at one level must not be woken by another's steps.
+        ("spec.sequence.sleepLevel", 2, "spec.sequence is immutable"),
+        ("spec.sequence.drainMode", "abort", "spec.sequence is immutable"),
+        ("spec.sequence.retries", 5, "spec.sequence is immutable"),
     ],
 )
 def test_fleet_and_checkpoint_are_immutable(
@@ -396,6 +401,16 @@ FULL_STATUS: Manifest = {
         "nllSpread": 0.003,
     },
     "outOfTraffic": {"pods": 1, "worstSeconds": 13.5, "medianSeconds": 13.5, "worstPod": "pod-0"},
+    "sequence": {
+        "drainMode": "wait",
+        "sleepLevel": 1,
+        "stepTimeoutSeconds": 120,
+        "drainTimeoutSeconds": 60,
+        "loadTimeoutSeconds": 600,
+        "probeTimeoutSeconds": 60,
+        "totalTimeoutSeconds": 3600,
+        "retries": 2,
+    },
     "pods": [
         {
             "name": "pod-0",

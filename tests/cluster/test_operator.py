@@ -3,8 +3,13 @@ queueing, convergence, rollback. The operator runs as the real `refit-operator` 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+
 import pytest
 
+from testbed.controlplane import CRD_DIR, WEIGHTREFIT_CRD
 from testbed.fleet import make_checkpoints, start_fleet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -236,3 +241,74 @@ def test_pod_deleted_mid_refit_is_dropped(harness, sim_fleet, tmp_path):
     assert st["phase"] == "Succeeded" and st["targetPods"] == 2, st
     dropped = next(p for p in st["pods"] if p["name"] == "pod-2")
     assert (dropped["phase"], dropped["reason"]) == ("Dropped", "PodDeleted")
+
+
+@contextlib.contextmanager
+def _crd_without_sequence_rule(control_plane, ns: str, name: str):
+    """The CRD as an older installation had it: spec.sequence without its immutability rule
+    (an API server that accepts a change). crds/ is applied again at the end, and the rule
+    is back in force before the next test."""
+    crd = json.loads(control_plane.kubectl("get", "crd", WEIGHTREFIT_CRD, "-o", "json").stdout)
+    seq = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["sequence"]  # fmt: skip
+    seq.pop("x-kubernetes-validations")
+    control_plane.kubectl("replace", "-f", "-", input=json.dumps(crd))
+    try:
+        yield
+    finally:
+        control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
+
+        def refused() -> bool:
+            patch = json.dumps({"spec": {"sequence": {"retries": 7}}})
+            proc = control_plane.kubectl("patch", "-n", ns, "wr", name, "--type=merge",
+                                         "--dry-run=server", "-p", patch, check=False)  # fmt: skip
+            return proc.returncode != 0 and "spec.sequence is immutable" in proc.stderr
+
+        deadline = time.monotonic() + 30
+        while not refused():
+            assert time.monotonic() < deadline, "the CRD's sequence rule did not come back"
+            time.sleep(0.5)
+
+
+def test_a_sequence_changed_past_an_older_crd_never_reaches_the_passes(
+    harness, sim_fleet, tmp_path, control_plane
+):
+    """spec.sequence changed mid-refit to sleepLevel 0 (accepted by a CRD without the rule),
+    then the operator restarted: the passes keep the sleep level the preflight admitted.
+    Acting on the change would skip the wakes on a pod slept at level 1 (its probe would
+    wait on a sleeping engine) and skip sleep on the next pods."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[0].fleet.set_fault("refit_load", "delay", 2.0)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    first = op.start()
+    rolling = {"type": "Rolling", "maxUnavailable": 1}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, strategy=rolling,
+                      sequence={"probeTimeoutSeconds": 5})  # fmt: skip
+    fleet.wait_serving(sims[0], "refit_load")  # pod-0 asleep at level 1, loading
+    admitted = fleet.refit("wr")["status"]["sequence"]
+    assert admitted["sleepLevel"] == 1, admitted
+    with _crd_without_sequence_rule(control_plane, fleet.ns, "wr"):
+        changed = json.dumps({"spec": {"sequence": {"sleepLevel": 0}}})
+        deadline = time.monotonic() + 30  # until the API server serves the older schema
+        while control_plane.kubectl("patch", "-n", fleet.ns, "wr", "wr", "--type=merge", "-p",
+                                    changed, check=False).returncode:  # fmt: skip
+            assert time.monotonic() < deadline, "the API server kept refusing the change"
+            time.sleep(0.3)
+        op.kill(first)  # the record, not the operator's memory, must carry it
+        sims[0].fleet.clear_faults()
+        op.start()
+        st = fleet.wait_phase("wr", {"Succeeded", "Failed", "Halted"}, 90, op)["status"]
+    doc = fleet.refit("wr")
+    assert doc["spec"]["sequence"]["sleepLevel"] == 0  # the server did accept it
+    assert st["phase"] == "Succeeded", st
+    assert st["sequence"] == admitted
+    for sim in sims:
+        calls = sim.call_log()
+        # (pod-0's resumed pass repeats its sleep: idempotent, at the same level)
+        levels = [c["params"].get("level") for c in calls if c["step"] == "sleep"]
+        assert levels and set(levels) == {"1"}, levels
+        tags = [c["params"].get("tags") for c in calls if c["step"] == "wake_up"]
+        assert tags[-2:] == ["weights", "kv_cache"], tags
+        assert sim.state()["weight_version"] == "v1" and not sim.state()["asleep"]
+    assert "keeps the sequence it admitted" in op.logs()

@@ -145,6 +145,40 @@ def test_pod_without_readiness_gate(harness, sim_fleet, tmp_path):
     assert _untouched(sims)
 
 
+@pytest.mark.parametrize("flaw", ["no-gate", "finished"])
+def test_the_admin_token_reaches_only_vetted_pods(harness, sim_fleet, tmp_path, flaw):
+    """The admin token travels in clear to a pod's IP. A selected pod without the readiness
+    gate, or one no longer Running whose IP may now be another pod's, makes the preflight
+    refuse the fleet before ANY pod is called; once the fleet is fit, the token goes only on
+    the calls the guard requires it for (not on a drain's /metrics)."""
+    fleet, op = harness
+    sims = sim_fleet(2, allowed_root=tmp_path, admin_token="s3cret")
+    secret = {"metadata": {"name": "vllm-admin"},
+              "data": {"token": base64.b64encode(b"s3cret").decode()}}  # fmt: skip
+    fleet.core.create_namespaced_secret(fleet.ns, secret)
+    fleet.add_pod("pod-0", sims[0])
+    fleet.add_pod("pod-1", sims[1], gate=flaw != "no-gate")
+    if flaw == "finished":  # its IP stays in status.podIP; the address may be reused
+        fleet.core.patch_namespaced_pod_status("pod-1", fleet.ns, {"status": {"phase": "Failed"}})
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    op.start()
+    admin = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, fleet=admin)
+    reason = "MissingReadinessGate" if flaw == "no-gate" else "PodNotRunning"
+    st = _expect_refused(fleet, op, reason)
+    assert "pod-1" in st["message"], st["message"]
+    assert [s.call_log() for s in sims] == [[], []]  # not even a token-free call
+    # The same fleet, fit: every admin call carries the token, no open read does.
+    fleet.core.delete_namespaced_pod("pod-1", fleet.ns, grace_period_seconds=0)
+    fleet.wait_for(lambda: len(fleet.pods()) == 1, 30, "pod-1 gone")
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port, fleet=admin)
+    assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
+    calls = [c for c in sims[0].call_log() if c["step"] not in ("models", "completions")]  # /v1
+    assert {c["step"] for c in calls if not c["auth"]} == {"metrics"}, calls
+    assert all(c["status"] != 401 for c in calls), calls
+    assert sims[1].call_log() == []
+
+
 def test_unreachable_pod(harness, sim_fleet, tmp_path):
     fleet, op = harness
     sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
@@ -185,6 +219,32 @@ def test_reference_the_model_cannot_score(harness, sim_fleet, tmp_path):
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port, probe=probe)
     _expect_refused(fleet, op, "ReferenceUnscorable")
     assert _untouched(sims)
+
+
+def test_reference_of_another_version_is_refused_before_any_pod_is_touched(
+    harness, sim_fleet, tmp_path
+):
+    """A ConfigMap reference still holding step v1's reference (a scorable one: it passed
+    every check but its version) for a refit to v2: without the check every pod would be
+    drained, reloaded and fail its probe, and the fleet be left out of traffic."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
+    stale = (ckpt["v1"] / "refit-probe.json").read_text()
+    cm = {"metadata": {"name": "ref"}, "data": {"refit-probe.json": stale}}
+    fleet.core.create_namespaced_config_map(fleet.ns, cm)
+    op.start()
+    probe = {"reference": {"source": "ConfigMap", "configMapRef": {"name": "ref"}}}
+    fleet.apply_refit("wr", "v2", ckpt["v2"], sims[0].port, probe=probe)
+    st = _expect_refused(fleet, op, "ReferenceVersionMismatch")
+    assert "'v1'" in st["message"] and "'v2'" in st["message"], st["message"]
+    assert _untouched(sims)
+    assert all(fleet.ready(fleet.pod(f"pod-{i}")) is not False for i in range(2))
+    # The reference of v2 in the same ConfigMap: the refit goes through.
+    cm["data"]["refit-probe.json"] = (ckpt["v2"] / "refit-probe.json").read_text()
+    fleet.core.replace_namespaced_config_map("ref", fleet.ns, cm)
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port, probe=probe)
+    assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
 
 
 def test_late_pod_without_gate_or_safe_backend_is_refused(harness, sim_fleet, tmp_path):

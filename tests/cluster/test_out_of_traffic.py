@@ -103,6 +103,41 @@ def test_checkpoint_changed_after_staging_is_refused_and_the_pod_serves_v1_again
     assert [c for c in after if c in restore] == restore, calls
 
 
+@pytest.mark.parametrize(
+    ("kind", "code", "first"),
+    [("error", "LoadFailed", "LoadFailed"), ("hang", None, "LoadTimeout")],
+)
+def test_a_refusal_after_a_load_that_may_have_touched_the_model_never_restores(
+    harness, sim_fleet, tmp_path, kind, code, first
+):
+    """The first load fails after the worker may have begun (LoadFailed; or it hangs past the
+    client's timeout, as a real vLLM load that keeps running); the retry is refused before
+    the model is touched (a shard rewritten in place meanwhile). The pod must not go back to
+    traffic on whatever the first try left in the model: it stays out, with the reason."""
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
+    sims[1].set_fault("pause", "delay", 2.0)
+    sims[1].set_fault("refit_load", kind, 500 if kind == "error" else None, code=code, times=1)
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port,
+                      sequence={"loadTimeoutSeconds": 3, "retries": 1})  # fmt: skip
+    fleet.wait_serving(sims[1], "pause")  # staged, draining: rewrite a shard in place
+    shard = ckpt["v2"] / SIM_WEIGHTS_FILE
+    shard.write_bytes(shard.read_bytes())
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] == "Halted", st
+    bad = next(p for p in st["pods"] if p["name"] == "pod-1")
+    assert (bad["phase"], bad["reason"]) == ("Failed", "CheckpointChanged"), bad
+    assert "may have changed the model" in bad["message"], bad
+    retried = [e["message"] for e in fleet.events("PodStepRetry")]
+    assert any(f"load: {first}" in m for m in retried), retried  # the first try's failure
+    assert sims[1].counts()["refit_load"] == 3  # v1's load, and two tries of v2
+    cond = _condition(fleet, "pod-1")
+    assert cond["status"] == "False" and cond["reason"] == "CheckpointChanged", cond
+    record = fleet.progress(fleet.pod("pod-1"))
+    assert record["touched"] and not record["restored"], record
+    assert "resume" not in [c["step"] for c in sims[1].call_log()][-4:]  # never unpaused
+    assert fleet.ready(fleet.pod("pod-0")) is True
+
+
 def test_sleep_level_2_cannot_restore_and_fails_closed(harness, sim_fleet, tmp_path):
     fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
     sims[1].set_fault("pause", "delay", 2.0)

@@ -353,3 +353,96 @@ def test_a_broadcast_pass_is_recorded_where_a_checkpoint_pass_is():
     # The skipped stage still ends the time in traffic, in the record it writes.
     assert recorded == ["stage", "ready"]
     assert p.outcome == "Succeeded" and p.left_traffic == 101.0
+
+
+# Load refusals the worker raises before it touches the model, and failures after which the
+# model may have been touched (the worker may have begun, or still be running, the load).
+UNTOUCHED = sorted(podflow.UNTOUCHED_LOAD_CODES)
+TOUCHING = ["LoadFailed", "LoadTimeout", "PodUnreachable", "WorkerHttpError",
+            "WorkerProtocolError"]  # fmt: skip
+
+
+def _tries(p: Progress, reasons: list[str], *, retries: int, restart: bool) -> Progress:
+    """The load failing with ``reasons`` in turn (each try as the runner records it: final
+    for a coded refusal other than LoadFailed), the record round-tripped through the
+    annotation between tries and, with ``restart``, taken up by a new operator each time."""
+    for i, reason in enumerate(reasons):
+        assert p.step == "load" and not p.finished_pass, (reasons, i, p)
+        final = reason in podflow.UNTOUCHED_LOAD_CODES
+        p = podflow.step_failed(p, "load", reason, f"try {i}", 111.0 + i, retries=retries,
+                                final=final)  # fmt: skip
+        if p.finished_pass or p.step == podflow.RESTORE:
+            break
+        assert podflow.must_record(_at_load(serving_pass()), p)  # the fact is on the pod
+        p = Progress.from_annotation(p.to_annotation())
+        assert p is not None
+        if restart:
+            p = podflow.resumed(p)
+    return p
+
+
+@pytest.mark.parametrize("restart", [False, True])
+@pytest.mark.parametrize("first", TOUCHING)
+@pytest.mark.parametrize("last", UNTOUCHED)
+def test_a_refusal_after_a_try_that_may_have_touched_the_model_never_restores(
+    first: str, last: str, restart: bool
+):
+    p = _tries(_at_load(serving_pass()), [first, last], retries=2, restart=restart)
+    assert p.touched and p.outcome == "Failed" and p.step == "load" and not p.restored, p
+    assert p.reason == last and "may have changed the model" in p.message
+    ready = podflow.readiness(p)
+    assert ready is not None and ready.ready is False and ready.reason == last
+    with pytest.raises(ValueError):
+        podflow.restored(replace(p, step=podflow.RESTORE, outcome=""), 120.0)
+
+
+def test_every_order_of_load_failures_keeps_an_untouched_restore_only():
+    """Every sequence of up to three failures of the load, with and without an operator
+    restart between tries: the pod goes back to what it served only when the first try was
+    refused before the model was touched; otherwise the pass ends with the pod out of
+    traffic, or goes on to a load (and its probe)."""
+    import itertools
+
+    for restart in (False, True):
+        for n in (1, 2, 3):
+            for reasons in itertools.product(TOUCHING[:2] + UNTOUCHED[:2], repeat=n):
+                p = _tries(_at_load(serving_pass()), list(reasons), retries=2, restart=restart)
+                if reasons[0] in UNTOUCHED:
+                    assert p.step == podflow.RESTORE and not p.touched, reasons
+                    assert podflow.readiness(podflow.restored(p, 120.0)).ready
+                else:
+                    assert p.touched and p.step != podflow.RESTORE, reasons
+                    assert podflow.readiness(p).ready is False, reasons
+
+
+def test_a_pass_resumed_past_its_stage_counts_the_model_as_touched():
+    staged = podflow.step_done(serving_pass(), "stage", 1.0, 104.0)
+    for p in (staged, _at_load(serving_pass())):
+        # The last operator may have been inside the load when it stopped.
+        back = podflow.resumed(Progress.from_annotation(p.to_annotation()))
+        assert back.touched
+        refused = podflow.step_failed(back if back.step == "load" else _at_load_from(back),
+                                      "load", "CheckpointChanged", "x", 120.0, retries=2,
+                                      final=True)  # fmt: skip
+        assert refused.outcome == "Failed" and not refused.restored
+    # Still staging (the pod serves): no load can have run, a refusal restores as before.
+    assert not podflow.resumed(serving_pass()).touched
+    done = _at_load(serving_pass())
+    done = podflow.step_failed(done, "load", "CheckpointChanged", "x", 1.0, retries=0)
+    assert podflow.resumed(podflow.restored(done, 2.0)).touched is False  # over: unchanged
+    # A record written before the field existed reads as untouched.
+    doc = json.loads(serving_pass().to_annotation())
+    del doc["touched"]
+    assert Progress.from_annotation(json.dumps(doc)) == serving_pass()
+
+
+def _at_load_from(p: Progress) -> Progress:
+    for step in ("drain", "sleep", "wakeWeights"):
+        p = podflow.step_done(p, step, 1.0, 110.0)
+    return p
+
+
+def test_a_receive_after_a_try_that_may_have_touched_the_model_never_restores():
+    p = podflow.resumed(broadcast_pass())  # a restart while the receive was running
+    p = podflow.step_failed(p, "receive", "TransferMismatch", "x", 111.0, retries=3, final=True)
+    assert p.outcome == "Failed" and not p.restored and podflow.readiness(p).ready is False

@@ -68,3 +68,18 @@ def test_pod_agreement_against_peers():
 def test_status_form_is_finite():
     out = evaluate(REF, EXACT, Thresholds()).to_status()
     assert out.verdict == "Pass" and out.tokens == 5
+
+
+def test_a_reference_of_another_version_is_refused():
+    import pytest
+    from refit_operator.probe import ReferenceMismatch, check_reference_version
+
+    check_reference_version(REF, "v1", "ConfigMap ref")
+    with pytest.raises(ReferenceMismatch) as e:
+        check_reference_version(REF, "v2", "ConfigMap ref key 'refit-probe.json'")
+    assert e.value.reason == "ReferenceVersionMismatch"
+    assert "'v1'" in str(e.value) and "'v2'" in str(e.value) and "ConfigMap ref" in str(e.value)
+    # Versions are names: no normalising, a prefix or a case difference is another version.
+    for other in ("V1", "v1 ", "v10", ""):
+        with pytest.raises(ReferenceMismatch):
+            check_reference_version(REF, other, "x")

@@ -67,6 +67,17 @@ def test_legitimately_ready_or_out(case: dict[str, Any]) -> None:
             restored=False,
             left_traffic=5.0,
         ),
+        # "restored" after a try of the load that may have changed the model
+        pod(
+            True,
+            "PreviousWeights",
+            "serving v1 again: ...",
+            outcome="Failed",
+            serving="v1",
+            left_traffic=5.0,
+            restored=True,
+            touched=True,
+        ),
     ],
 )
 def test_ready_without_a_passed_probe(case: dict[str, Any]) -> None:

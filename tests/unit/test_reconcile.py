@@ -10,7 +10,9 @@ from refit_operator.reconcile import (
     Observed,
     PreflightResult,
     RefitView,
+    admitted_spec,
     decide,
+    fleet_problem,
 )
 from refit_operator.times import rfc3339
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
@@ -101,6 +103,63 @@ def test_bad_input_fails_preflight_and_touches_nothing():
         ready = next(c for c in d.status.conditions if c.type == "Ready")
         assert ready.status == "False" and ready.reason == reason
         assert d.events and d.events[0].type == "Warning"
+
+
+def test_what_the_pod_objects_say_is_judged_before_any_pod_answered():
+    """The engine calls no pod (and sends no admin token) unless fleet_problem is None; the
+    decision then names the pod from the Pod objects alone, whichever pod sorts first and
+    whatever else the preflight could not learn."""
+    s = spec()
+    st = WeightRefitStatus(phase="Preflight")
+    fit = [pod("a0"), pod("a1")]
+    for flawed, reason in ((pod("p9", has_gate=False), "MissingReadinessGate"),
+                           (pod("p9", running=False), "PodNotRunning"),
+                           (pod("p9", ip=""), "PodNotRunning")):  # fmt: skip
+        assert not flawed.vetted and all(p.vetted for p in fit)
+        pods = [*fit, flawed]
+        assert fleet_problem(pods) is not None and fleet_problem(pods)[0] == reason
+        # Nothing asked (no infos, no secret read): still that reason, for that pod.
+        d = decide(observe(refit(s, st), pods, preflight=PreflightResult()))
+        assert d.status.phase == "Failed" and d.start == []
+        assert d.status.message.startswith("pod p9"), d.status.message
+        assert next(c for c in d.status.conditions if c.type == "Ready").reason == reason
+    assert fleet_problem(fit) is None
+    assert fleet_problem([])[0] == "NoPodsSelected"
+
+
+def test_staging_ahead_asks_only_vetted_pods():
+    """Staging ahead sends the admin token: never to a next-in-line pod without the gate or
+    not Running (a late pod that the fleet preflight never saw)."""
+    rolling = {"type": "Rolling", "maxUnavailable": 1}
+    st = WeightRefitStatus(phase="Progressing", start_time=STARTED)
+    for nxt, ahead in ((pod("p1"), ["p1"]), (pod("p1", has_gate=False), []),
+                       (pod("p1", running=False), [])):  # fmt: skip
+        d = decide(observe(refit(spec(strategy=rolling), st), [pod("p0"), nxt, pod("p2")]))
+        assert [x.pod for x in d.start] == ["p0"] and d.stage_ahead == ahead, nxt
+
+
+def test_a_started_refit_keeps_the_sequence_its_preflight_admitted():
+    """spec.sequence changed after the preflight (an API server with an older CRD accepts
+    it): every decision and pass acts on the sequence the preflight admitted, recorded in
+    the status (so it survives an operator restart)."""
+    s = spec(sequence={"sleepLevel": 1})
+    pods = [pod("p0"), pod("p1")]
+    pre = PreflightResult(infos={"p0": info(), "p1": info(kv_cache_scales="compressed-tensors")})
+    d = decide(observe(refit(s, WeightRefitStatus(phase="Preflight")), pods, preflight=pre))
+    assert d.status.phase == "Progressing" and d.status.sequence == s.sequence
+    st = WeightRefitStatus.model_validate(d.status.dump())  # as read back from the server
+    assert st.sequence == s.sequence
+    # Level 2 would have been refused at the preflight (p1's KV scales), and a 1 s total
+    # timeout would trip the gate at once: neither reaches the refit.
+    changed = spec(sequence={"sleepLevel": 2, "totalTimeoutSeconds": 1})
+    kept = admitted_spec(changed, st)
+    assert kept.sequence == s.sequence and kept.checkpoint == changed.checkpoint
+    st.start_time = STARTED
+    assert decide(observe(refit(kept, st), pods)).status.phase == "Progressing"
+    assert decide(observe(refit(changed, st), pods)).status.phase == "Halted"  # had it acted
+    # Unchanged, or not started yet (nothing recorded): the spec as it is.
+    assert admitted_spec(s, st) is s
+    assert admitted_spec(changed, WeightRefitStatus(phase="Queued")) is changed
 
 
 def test_unsafe_allowed_explicitly():

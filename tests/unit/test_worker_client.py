@@ -390,6 +390,32 @@ async def test_authentication(
     assert await client(pod, http).is_paused() is False  # nothing changed
 
 
+async def test_the_admin_token_goes_only_where_the_guard_requires_it(
+    pod: SimPod, http: aiohttp.ClientSession
+) -> None:
+    """The token travels in clear to the pod's IP: the open reads (a drain's /metrics, the
+    readiness probe's GET /refit/ready, /health) never carry it; every admin call, reads
+    of admin paths included, does; /v1 carries vLLM's API key instead."""
+    c = client(pod, http, fence=7)
+    pod.call_log(clear=True)
+    await c.requests_in_flight()
+    await c._request("GET", "/health", timeout=5.0)
+    with pytest.raises(WorkerError):  # 503: not vouched yet
+        await c._request("GET", contract.READY_PATH, timeout=5.0)
+    await c.refit_info()
+    await c.weight_version()
+    await c.score([1, 2])
+    await c.pause("wait")
+    await c.mark_ready("default")
+    sent = [(x["step"], x["auth"]) for x in pod.call_log()]
+    assert sent == [
+        ("metrics", False), ("health", False), ("refit_ready", False),
+        (contract.RPC_INFO, True), ("weight_info", True), ("models", True),
+        ("completions", True), ("pause", True), ("refit_ready", True),
+    ], sent  # fmt: skip
+    assert [x["status"] for x in pod.call_log()] == [200, 200, 503] + [200] * 6
+
+
 async def test_nothing_listening_is_a_connect_error(http: aiohttp.ClientSession) -> None:
     with pytest.raises(WorkerError) as err:
         await WorkerClient("http://127.0.0.1:9", http=http).weight_version()

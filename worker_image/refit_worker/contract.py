@@ -22,6 +22,27 @@ READINESS_GATE = f"{API_GROUP}/weights-ready"
 READY_PATH = "/refit/ready"
 
 
+# --- Which requests need which credential (refit_worker.guard enforces it in the pod; the
+# operator's client sends a credential only where it is needed) ---
+# vLLM's own --api-key middleware guards exactly these prefixes (vllm/entrypoints/serve/
+# middleware/authenticate.py); the guard leaves them to it.
+API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+# Read-only probes that must work without credentials (kubelet, Prometheus, load balancers).
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz", READY_PATH}
+)
+OPEN_METHODS = frozenset({"GET", "HEAD"})
+
+
+def needs_admin(method: str, path: str) -> bool:
+    """Whether a request must carry the admin token (pure; the whole routing policy)."""
+    if path.startswith(API_KEY_PREFIXES):
+        return False
+    if path in OPEN_PATHS or path.rstrip("/") in OPEN_PATHS:
+        return method.upper() not in OPEN_METHODS
+    return True
+
+
 def bad_request_body(message: str, param: str) -> dict[str, Any]:
     """The JSON body of a 400 the worker plugin answers itself (a malformed fencing header, a
     malformed vouch), shaped like vLLM's own error answers."""

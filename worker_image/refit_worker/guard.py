@@ -36,17 +36,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from refit_worker import fence, readiness
-from refit_worker.contract import FENCE_HEADER, READY_PATH
+from refit_worker.contract import FENCE_HEADER, OPEN_METHODS, READY_PATH, needs_admin
 
 TOKEN_FILE_ENV = "REFIT_ADMIN_TOKEN_FILE"
-# vLLM's own --api-key middleware guards exactly these prefixes (vllm/entrypoints/serve/
-# middleware/authenticate.py); the guard leaves them to it.
-API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-# Read-only probes that must work without credentials (kubelet, Prometheus, load balancers).
-OPEN_PATHS = frozenset(
-    {"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz", READY_PATH}
-)
-OPEN_METHODS = frozenset({"GET", "HEAD"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -55,15 +47,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger("refit_worker.guard")
-
-
-def needs_admin(method: str, path: str) -> bool:
-    """Whether a request must carry the admin token (pure; the whole routing policy)."""
-    if path.startswith(API_KEY_PREFIXES):
-        return False
-    if path in OPEN_PATHS or path.rstrip("/") in OPEN_PATHS:
-        return method.upper() not in OPEN_METHODS
-    return True
 
 
 _FENCE_KEY = FENCE_HEADER.lower().encode("ascii")
