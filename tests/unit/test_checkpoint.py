@@ -23,9 +23,6 @@ from refit_worker.contract import (
 )
 from safetensors.numpy import save_file
 
-ExpectedParam = checkpoint.ExpectedParam
-
-
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
@@ -170,41 +167,6 @@ def test_build_manifest_needs_safetensors(tmp_path: Path) -> None:
         checkpoint.build_manifest(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         checkpoint.build_manifest(tmp_path / "nope")
-
-
-TENSORS = {
-    "w": ManifestTensor("f", "BF16", (4, 8)),
-    "s": ManifestTensor("f", "F8_E4M3", (4,)),
-    "inv_freq": ManifestTensor("f", "F32", (2,)),
-}
-
-
-def test_verify_params_accepts_compatible_tensors() -> None:
-    expected = {"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam(None, "F8_E4M3")}
-    checkpoint.verify_params(TENSORS, expected, ignored=lambda n: n == "inv_freq")
-
-
-@pytest.mark.parametrize(
-    ("expected", "needle"),
-    [
-        (
-            {
-                "w": ExpectedParam((4, 8), "F32"),
-                "s": ExpectedParam((4,), "F8_E4M3"),
-                "x": ExpectedParam((1,), "F32"),
-            },
-            "lacks x",
-        ),
-        ({"w": ExpectedParam((8, 4), "F32"), "s": ExpectedParam((4,), "F8_E4M3")}, "shape [4, 8]"),
-        ({"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam((4,), "BF16")}, "dtype F8_E4M3"),
-        ({"w": ExpectedParam((4, 8), "F32")}, "no parameter for s"),
-    ],
-)
-def test_verify_params_refuses(expected: dict[str, ExpectedParam], needle: str) -> None:
-    detail = rejected(
-        "TensorMismatch", checkpoint.verify_params, TENSORS, expected, lambda n: n == "inv_freq"
-    )
-    assert needle in detail
 
 
 def test_a_verified_file_is_hashed_once_until_it_changes(

@@ -34,6 +34,7 @@ import torch
 
 from refit_worker import checkpoint
 from refit_worker.contract import TransferManifest, TransferTensor
+from refit_worker.dtypes import dtype_name, torch_dtypes
 from refit_worker.transfer_digest import manifest_of, tensor_digest
 
 WIRE_VERSION = 1
@@ -46,33 +47,9 @@ DEFAULT_TIMEOUT_SECONDS = 600.0
 MAX_HEADER_BYTES = 64 * 2**20
 _STORE_PREFIX = "refit-gloo"
 
-# safetensors dtype names (what manifests and headers say) and the torch dtypes they mean.
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
 
 class TransportError(RuntimeError):
     """The round cannot continue: a malformed stream, a timeout, a peer gone."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} has no safetensors name this wire knows") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,7 +97,7 @@ class WireEntry:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * DTYPES[self.dtype].itemsize
+        return numel * torch_dtypes()[self.dtype].itemsize
 
 
 def encode_header(entries: list[WireEntry], bucket_bytes: int) -> bytes:
@@ -141,7 +118,7 @@ def decode_header(raw: bytes) -> tuple[list[WireEntry], int]:
         ]
     except (ValueError, TypeError, KeyError) as exc:
         raise TransportError(f"malformed round header: {exc}") from None
-    unknown = sorted({e.dtype for e in entries} - DTYPES.keys())
+    unknown = sorted({e.dtype for e in entries} - torch_dtypes().keys())
     if unknown or bucket_bytes <= 0 or any(d < 0 for e in entries for d in e.shape):
         raise TransportError(
             f"malformed round header (dtypes {unknown}, bucketBytes {bucket_bytes})"
@@ -366,7 +343,7 @@ def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
         for i in bucket:
             e = entries[i]
             chunk = data[at : at + e.nbytes]
-            dtype = DTYPES[e.dtype]
+            dtype = torch_dtypes()[e.dtype]
             if at % dtype.itemsize:  # a view must start on an element boundary
                 chunk = chunk.clone()
             at += e.nbytes

@@ -41,41 +41,16 @@ from refit_worker.contract import (
     ManifestTensor,
     RefitRejected,
 )
+from refit_worker.dtypes import DTYPE_BYTES
+
+# Re-exported: testbed/simworker.py checks its pretend model's tensors through these.
+from refit_worker.model_tensors import ExpectedParam as ExpectedParam
+from refit_worker.model_tensors import verify_params as verify_params
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # A header larger than this is not a checkpoint we wrote; refuse instead of reading it whole.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _MAX_HASH_WORKERS = 8
-
-# Bytes per element for each safetensors dtype (used to check a header's byte ranges).
-DTYPE_BYTES: dict[str, float] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "F4": 0.5,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
-
-
-@dataclass(frozen=True)
-class ExpectedParam:
-    """A tensor the model will load, as preflight compares it with the checkpoint."""
-
-    shape: tuple[int, ...] | None  # None: the shape cannot be derived, so it is not checked
-    dtype: str  # safetensors dtype name
 
 
 def _reject_manifest_mismatch(detail: str) -> RefitRejected:
@@ -357,48 +332,6 @@ def _check_tensors(on_disk: Mapping[str, ManifestTensor], manifest: Manifest) ->
 def _inside(path: Path, directory: Path) -> bool:
     real = Path(os.path.realpath(path))
     return Path(os.path.realpath(directory)) in real.parents
-
-
-def dtype_compatible(checkpoint: str, param: str) -> bool:
-    """vLLM casts floating checkpoints to the parameter dtype on load; anything else (FP8,
-    integer-packed quantized weights) must match exactly."""
-    if checkpoint in FLOAT_DTYPES and param in FLOAT_DTYPES:
-        return True
-    return checkpoint == param
-
-
-def verify_params(
-    tensors: Mapping[str, ManifestTensor],
-    expected: Mapping[str, ExpectedParam],
-    ignored: Callable[[str], bool] = lambda name: False,
-) -> None:
-    """Every expected tensor is in the checkpoint with the same shape and a compatible dtype,
-    and the checkpoint holds nothing the model would not know where to put (a name the
-    model's loader has no parameter for fails inside vLLM's reload, after the old weights
-    are gone). `ignored` names checkpoint tensors the model's loader skips on purpose."""
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise RefitRejected(
-            "TensorMismatch", f"the checkpoint lacks {', '.join(missing[:5])}{more}"
-        )
-    unknown = sorted(n for n in set(tensors) - set(expected) if not ignored(n))
-    if unknown:
-        raise RefitRejected(
-            "TensorMismatch", f"the model has no parameter for {', '.join(unknown[:5])}"
-        )
-    for name, want in sorted(expected.items()):
-        got = tensors[name]
-        if want.shape is not None and got.shape != want.shape:
-            raise RefitRejected(
-                "TensorMismatch",
-                f"{name}: checkpoint shape {list(got.shape)}, the model expects {list(want.shape)}",
-            )
-        if not dtype_compatible(got.dtype, want.dtype):
-            raise RefitRejected(
-                "TensorMismatch",
-                f"{name}: checkpoint dtype {got.dtype}, the model expects {want.dtype}",
-            )
 
 
 def verify_checkpoint(path: str, allowed_root: str) -> tuple[Path, Manifest]:

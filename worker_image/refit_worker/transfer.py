@@ -58,6 +58,7 @@ from refit_worker.contract import (
     RefitRejected,
     TransferManifest,
 )
+from refit_worker.model_tensors import LoadRules, verify_model_tensors
 from refit_worker.transfer_digest import parse_manifest
 
 log = logging.getLogger("refit_worker.transfer")
@@ -200,20 +201,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         except ContractError as exc:
             return None, ("ManifestInvalid", str(exc))
         current.promised = promise.digest
-        from refit_worker.extension import verify_model_tensors
-
-        cfg = self.vllm_config
         tensors = {
             n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in promise.tensors.items()
         }
         try:
-            verify_model_tensors(
-                self.model,
-                tensors,
-                exact_shapes=cfg.model_config.quantization is None,
-                tied=bool(getattr(cfg.model_config.hf_config, "tie_word_embeddings", False)),
-                partial=cfg.parallel_config.pipeline_parallel_size > 1,
-            )
+            verify_model_tensors(self.model, tensors, LoadRules.of(self.vllm_config))
         except RefitRejected as exc:
             return None, (exc.code, exc.detail)
         return promise, None
