@@ -39,7 +39,8 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
 # checked against the promised transfer manifest's digest; refit_received(digest, version).
 RPC_RECEIVED = "refit_received"
-# The vLLM weight transfer backend refit_worker.transfer registers: a server enables it with
+# The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
+# gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.
 TRANSFER_BACKEND = "refit-gloo"
 
@@ -185,7 +186,7 @@ class Manifest:
 # ---------------------------------------------------------------------------------------
 # Transfer manifest: what a trainer promises to broadcast (docs/formats.md, docs/broadcast.md)
 # ---------------------------------------------------------------------------------------
-# Digests are BLAKE3-256, written as 64 lowercase hex digits (refit_worker.transfer_digest
+# Digests are BLAKE3-256, written as 64 lowercase hex digits (refit_worker.transfer_manifest
 # computes them; any BLAKE3 implementation gives the same):
 #   tensor digest   = BLAKE3(name 0x00 dtype 0x00 dims 0x00 data)
 #       name: UTF-8; dtype: the safetensors dtype name (F32, BF16, ...); dims: the shape as
@@ -226,7 +227,7 @@ class TransferManifest:
     @classmethod
     def from_json_dict(cls, doc: Any) -> TransferManifest:
         """Parse and check the format; whether ``blake3`` is the digest of the tensors'
-        digests needs BLAKE3 (refit_worker.transfer_digest.parse_manifest checks it too)."""
+        digests needs BLAKE3 (refit_worker.transfer_manifest.parse_manifest checks it too)."""
         where = "transfer manifest"
         if not isinstance(doc, dict):
             raise ContractError(f"{where}: not a JSON object")

@@ -280,10 +280,10 @@ class RefitWorkerExtension:
         and TransferMismatch when the loaded digest is not `digest` (when given). `version`,
         once the check passes, becomes this worker's weight version (refit_info), as
         refit_load records its own."""
-        from refit_worker import transfer
+        from refit_worker.broadcast.gloo_engine import GlooWeightTransferEngine
 
         engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, transfer.GlooWeightTransferEngine):
+        if not isinstance(engine, GlooWeightTransferEngine):
             raise RefitRejected(
                 "TransferFailed",
                 "this server runs no refit-gloo weight transfer engine "
