@@ -333,8 +333,9 @@ class RefitInfo:
     kv_cache_dtype: str
     cudagraph_mode: str
     capabilities: tuple[str, ...]
-    # Reasons this pod's configuration is not reload-safe under full CUDA graphs (seed 000's
-    # "not covered" paths). Empty means safe.
+    # Reasons this pod's configuration is not reload-safe under full CUDA graphs (the paths
+    # vLLM's fix "Recompute FlashInfer BMM scales when a weight reload changes the KV scales"
+    # leaves not covered). Empty means safe.
     unsafe_reasons: tuple[str, ...]
     weight_version: str
     model: str
