@@ -170,7 +170,7 @@ def _payload(mib: int) -> dict[str, torch.Tensor]:
 
 def _receiver(port: int, manifest: dict[str, Any] | None, out: Any) -> None:
     """One receiving rank; checks every tensor against the promise unless it is None."""
-    from refit_worker.transfer_digest import parse_manifest
+    from refit_worker.transfer_manifest import parse_manifest
 
     group = wire.Group("127.0.0.1", port, 1, 2, 120)
     began = time.perf_counter()

@@ -163,7 +163,7 @@ class ProbeReferenceSource(_Model):
 
 class Thresholds(_Model):
     # Defaults suit bf16 serving against an fp32 reference: measured max |Δlogprob| of
-    # 0.02-0.03 on a tiny Llama (shared/notes/vllm-refit-facts.md), so 0.5 on the worst token
+    # 0.02-0.03 on a tiny Llama (measured on vLLM 0.32 CPU), so 0.5 on the worst token
     # and 0.05 on the mean leave headroom while a wrong checkpoint moves NLL by far more.
     mean_abs_logprob_diff: float = 0.05
     max_abs_logprob_diff: float = 0.5

@@ -1,4 +1,5 @@
-"""GPU check of the seed 000 backport on a real FlashInfer FP8-KV decode path.
+"""GPU check of the BMM scales backport (vLLM's "Recompute FlashInfer BMM scales when a weight
+reload changes the KV scales") on a real FlashInfer FP8-KV decode path.
 
 Run on a machine with an NVIDIA GPU, vLLM (0.32 or 0.33) with CUDA and flashinfer; no
 network and no model download are needed (the attention layer is built directly):
@@ -20,7 +21,7 @@ reload does. Checks, each printed as PASS / FAIL / SKIP / INFO:
   graph-device-scales   during capture the kernel got device tensors, not host floats
   graph-unpatched       the same graph with vLLM's own forward replays stale scales
   xqa-graph-reported    on XQA GPUs (SM90/SM12x; H100/H200) full-graph replay keeps
-                        capture-time scales (seed 000: not covered); the check passes when
+                        capture-time scales (the fix: not covered); the check passes when
                         refit_worker's unsafe_reasons reports exactly that configuration
 
 Exit status: 0 when nothing FAILED, 1 when a check FAILED, 2 when the environment cannot
@@ -294,7 +295,7 @@ def run_checks(report: Report) -> None:
         "eager-unpatched",
         "INFO",
         f"vLLM's own forward after the reload: rel. error vs new scales {fresh:.4f}, vs old "
-        f"scales {stale:.4f} ({'stale: seed 000 bug present' if stale < fresh else 'fresh'})",
+        f"scales {stale:.4f} ({'stale: the BMM scales bug present' if stale < fresh else 'fresh'})",
     )
 
     # --- CUDA graph captured before the reload -------------------------------------------
@@ -347,7 +348,7 @@ def run_checks(report: Report) -> None:
             "INFO",
             f"captured with {got}; replay after the reload: rel. error vs new scales "
             f"{replay_new:.4f}, vs old {replay_old:.4f} "
-            f"({'stale, as seed 000 documents' if replay_old < replay_new else 'followed'})",
+            f"({'stale, as the fix documents' if replay_old < replay_new else 'followed'})",
         )
         report.check(
             "xqa-graph-reported",

@@ -14,6 +14,8 @@ import blake3
 import numpy as np
 import pytest
 from refit_worker import checkpoint
+from refit_worker.checkpoint import digests
+from refit_worker.checkpoint import manifest as manifests
 from refit_worker.contract import (
     MANIFEST_FILE,
     MANIFEST_FORMAT_VERSION,
@@ -22,9 +24,6 @@ from refit_worker.contract import (
     RefitRejected,
 )
 from safetensors.numpy import save_file
-
-ExpectedParam = checkpoint.ExpectedParam
-
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
@@ -172,41 +171,6 @@ def test_build_manifest_needs_safetensors(tmp_path: Path) -> None:
         checkpoint.build_manifest(tmp_path / "nope")
 
 
-TENSORS = {
-    "w": ManifestTensor("f", "BF16", (4, 8)),
-    "s": ManifestTensor("f", "F8_E4M3", (4,)),
-    "inv_freq": ManifestTensor("f", "F32", (2,)),
-}
-
-
-def test_verify_params_accepts_compatible_tensors() -> None:
-    expected = {"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam(None, "F8_E4M3")}
-    checkpoint.verify_params(TENSORS, expected, ignored=lambda n: n == "inv_freq")
-
-
-@pytest.mark.parametrize(
-    ("expected", "needle"),
-    [
-        (
-            {
-                "w": ExpectedParam((4, 8), "F32"),
-                "s": ExpectedParam((4,), "F8_E4M3"),
-                "x": ExpectedParam((1,), "F32"),
-            },
-            "lacks x",
-        ),
-        ({"w": ExpectedParam((8, 4), "F32"), "s": ExpectedParam((4,), "F8_E4M3")}, "shape [4, 8]"),
-        ({"w": ExpectedParam((4, 8), "F32"), "s": ExpectedParam((4,), "BF16")}, "dtype F8_E4M3"),
-        ({"w": ExpectedParam((4, 8), "F32")}, "no parameter for s"),
-    ],
-)
-def test_verify_params_refuses(expected: dict[str, ExpectedParam], needle: str) -> None:
-    detail = rejected(
-        "TensorMismatch", checkpoint.verify_params, TENSORS, expected, lambda n: n == "inv_freq"
-    )
-    assert needle in detail
-
-
 def test_a_verified_file_is_hashed_once_until_it_changes(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,7 +183,7 @@ def test_a_verified_file_is_hashed_once_until_it_changes(
         hashed.append(path.name)
         return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "file_digest", counting)
+    monkeypatch.setattr(digests, "file_digest", counting)
     checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
     assert len(hashed) == 2
     checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
@@ -265,7 +229,7 @@ def test_shards_are_hashed_concurrently_and_a_bad_last_byte_is_still_refused(
             both.wait()
         return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "file_digest", recording)
+    monkeypatch.setattr(digests, "file_digest", recording)
     checkpoint.verify_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))
     assert sorted(name for name, _ in hashed) == [p.name for p in shards]
     assert checkpoint.hash_workers(len(shards)) >= 2
@@ -304,8 +268,8 @@ def test_sizes_are_checked_before_any_hashing_and_a_refusal_stops_the_rest(
             time.sleep(0.2)  # still hashing when the first shard's refusal comes back
         return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "file_digest", slow)
-    monkeypatch.setattr(checkpoint, "hash_workers", lambda n, cores=None: 2)
+    monkeypatch.setattr(digests, "file_digest", slow)
+    monkeypatch.setattr(digests, "hash_workers", lambda n, cores=None: 2)
     shards[-1].write_bytes(shards[-1].read_bytes()[:-1])
     detail = rejected(
         "ManifestMismatch", checkpoint.verify_checkpoint, str(tmp_path / "ckpt"), str(tmp_path)
@@ -345,7 +309,7 @@ def test_digest_threads_run_on_every_core_of_the_process_not_the_callers_one(
         seen.append(os.sched_getaffinity(0))
         return real(path, algorithm)
 
-    monkeypatch.setattr(checkpoint, "file_digest_memo", recording)
+    monkeypatch.setattr(manifests, "file_digest_memo", recording)
     release = threading.Event()
     holding = threading.Event()
     errors: list[BaseException] = []

@@ -1,7 +1,8 @@
 """The layers of the operator package, read from the imports of its source (no import runs):
 the pure core takes plain data in and gives decisions out, so it imports no I/O library and
 no I/O module of the package; the worker plugin imports nothing of the operator, and the
-operator imports neither torch nor vLLM."""
+operator imports neither torch nor vLLM; no refit_worker module imports another that imports it
+back, lazily or not."""
 
 from __future__ import annotations
 
@@ -59,3 +60,91 @@ def test_operator_never_imports_torch_or_vllm_and_worker_never_the_operator() ->
         assert not imports(path) & {"torch", "vllm", "safetensors"}, path.name
     for path in WORKER.rglob("*.py"):
         assert "refit_operator" not in imports(path), path
+
+
+def module_files(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for a package and its subpackages."""
+    out = {}
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its source: at the top, inside
+    functions (lazy imports) and under TYPE_CHECKING alike. An import is an edge to each module
+    it names: ``from refit_worker.checkpoint import X`` to refit_worker.checkpoint, ``from
+    refit_worker import checkpoint`` to refit_worker and refit_worker.checkpoint, ``from
+    .digests import X`` to the sibling module. The parent packages Python initializes first
+    are not edges (a package's __init__ imports its own modules for its interface)."""
+    files = module_files(package_dir)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        named: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                named |= {f"{module}.{a.name}" for a in node.names} | {module}
+        targets = set()
+        for dotted in named:
+            parts = dotted.split(".")
+            for n in range(len(parts), 0, -1):  # the longest prefix that is a module
+                if ".".join(parts[:n]) in files:
+                    targets.add(".".join(parts[:n]))
+                    break
+        graph[name] = targets - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_among_worker_modules() -> None:
+    graph = import_graph(WORKER)
+    # Lazy imports count: the extension reaches the refit-gloo engine only inside a method.
+    assert "refit_worker.broadcast.gloo_engine" in graph["refit_worker.extension"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_package_modules_import_their_siblings_never_their_package() -> None:
+    """A package's __init__ imports its modules for its interface; a module that imported its
+    own package back would see it half-initialized."""
+    graph = import_graph(WORKER)
+    for name, targets in graph.items():
+        parent = name.rpartition(".")[0]
+        if parent != "refit_worker" and name != parent:
+            assert parent not in targets, f"{name} imports its own package {parent}"

@@ -13,6 +13,7 @@ import pytest
 from refit_operator import worker
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import checkpoint
+from refit_worker.checkpoint import digests, staging
 from refit_worker.contract import MANIFEST_FILE
 from safetensors.numpy import load
 
@@ -120,7 +121,7 @@ def test_each_file_is_read_once_while_staging(root: Path, monkeypatch: pytest.Mo
         return real_open(self, *args, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(Path, "open", counting)
-    monkeypatch.setattr(checkpoint, "file_digest", lambda *a: pytest.fail("hashed from disk"))
+    monkeypatch.setattr(digests, "file_digest", lambda *a: pytest.fail("hashed from disk"))
     stage(root)
     assert sorted(n for n in opened if n.endswith(".safetensors")) == sorted(SHARDS)
 
@@ -140,7 +141,7 @@ def test_a_disk_staging_reuses_the_digests_of_a_preflight(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint.verify_checkpoint(str(root / "ckpt"), str(root))
-    monkeypatch.setattr(checkpoint, "_digest_open_file", lambda *a: pytest.fail("hashed twice"))
+    monkeypatch.setattr(staging, "digest_open_file", lambda *a: pytest.fail("hashed twice"))
     assert stage(root, 0).mode == "disk"
 
 
@@ -240,15 +241,15 @@ def test_a_path_that_resolves_elsewhere_is_seen(root: Path) -> None:
 
 def test_a_change_while_staging_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest rewritten after it was read (the trainer still writing) is not staged."""
-    real = checkpoint._stage_file
+    real = staging._stage_file
 
     def rewrite_then_stage(path: Path, algorithm: str, hold: bool) -> object:
         if path.name == SHARDS[1]:
             checkpoint.write_manifest(root / "ckpt")
         return real(path, algorithm, hold)
 
-    monkeypatch.setattr(checkpoint, "_stage_file", rewrite_then_stage)
-    monkeypatch.setattr(checkpoint, "hash_workers", lambda n, cores=None: 1)
+    monkeypatch.setattr(staging, "_stage_file", rewrite_then_stage)
+    monkeypatch.setattr(digests, "hash_workers", lambda n, cores=None: 1)
     detail = rejected("CheckpointChanged", stage, root)
     assert detail.startswith(f"{MANIFEST_FILE} changed while it was being staged")
 
@@ -258,7 +259,7 @@ def test_staging_the_same_unchanged_path_again_reads_nothing(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = stage(root)
-    monkeypatch.setattr(checkpoint, "_stage_file", lambda *a: pytest.fail("read again"))
+    monkeypatch.setattr(staging, "_stage_file", lambda *a: pytest.fail("read again"))
     again = stage(root, previous=first)
     assert again is first and again.reused
     assert again.note().endswith("(already staged, unchanged since)")

@@ -185,7 +185,7 @@ def test_plugin_register_is_repeatable(fi: Any) -> None:
     assert fi.FlashInferImpl.forward is forward
 
 
-# --- seed 000: FlashInfer BMM scales follow a reload --------------------------------------
+# --- the BMM scales fix: FlashInfer BMM scales follow a reload ------------------------------
 
 
 def test_decode_scales_follow_reload(fi: Any, decode_kernel: KernelRecorder) -> None:
@@ -200,7 +200,9 @@ def test_decode_scales_follow_reload(fi: Any, decode_kernel: KernelRecorder) -> 
 
 
 def test_unpatched_forward_keeps_start_up_scales(fi: Any, decode_kernel: KernelRecorder) -> None:
-    """The same check against vLLM's own forward fails: the seed 000 bug on this install."""
+    """The same check against vLLM's own forward fails: the bug vLLM's BMM scales fix
+    ("Recompute FlashInfer BMM scales when a weight reload changes the KV scales") removes, on
+    this install."""
     layer = make_layer(fi)
     unpatched = original_method(fi.FlashInferImpl, "forward")
     load_scales(layer, 1.0, 1.0, 1.0)
@@ -275,7 +277,7 @@ def test_capture_with_fused_fp8_output_divides_by_output_scale_buffer(
     assert decode_kernel.last["bmm2_scale"].item() == pytest.approx(0.25 / 2.0)
 
 
-# --- seed 001: sinks and MLA weights refreshed in place ---------------------------------
+# --- vLLM PR #48251: sinks and MLA weights refreshed in place ----------------------------
 
 
 def test_flashinfer_sinks_refreshed_in_place(fi: Any) -> None:

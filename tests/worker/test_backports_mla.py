@@ -1,5 +1,5 @@
-"""Seed 000, MLA decode: the FlashInfer MLA, sparse MLA and Tokenspeed MLA impls read the
-layer's current scales on every call after the backport (and keep the start-up ones
+"""vLLM's BMM scales fix, MLA decode: the FlashInfer MLA, sparse MLA and Tokenspeed MLA impls
+read the layer's current scales on every call after the backport (and keep the start-up ones
 without it).
 
 These impls need a GPU to construct, so each is built as upstream's tests build such

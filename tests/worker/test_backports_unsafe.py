@@ -1,4 +1,5 @@
-"""unsafe_reasons: the configurations seed 000 leaves uncovered under full CUDA graphs."""
+"""unsafe_reasons: the configurations vLLM's BMM scales fix ("Recompute FlashInfer BMM scales
+when a weight reload changes the KV scales") leaves uncovered under full CUDA graphs."""
 
 from __future__ import annotations
 

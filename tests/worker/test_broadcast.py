@@ -326,8 +326,8 @@ def test_a_trainer_that_never_sends_is_refused_after_the_timeout(
 def test_vllm_trainer_factory_drives_the_router(
     vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, tensors: dict[str, Tensors]
 ) -> None:
+    from refit_worker.broadcast.gloo_trainer import GlooTrainerInitInfo
     from refit_worker.plugin import register_transfer_engines
-    from refit_worker.transfer import GlooTrainerInitInfo
     from vllm.distributed.weight_transfer import (
         ParamMeta,
         WeightSource,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from refit_worker import broadcast
 from refit_worker.contract import TransferManifest
-from refit_worker.transfer_digest import tensor_digest
+from refit_worker.transfer_manifest import tensor_digest
 
 
 def tensors() -> dict[str, torch.Tensor]:

@@ -101,4 +101,4 @@ def test_refit_info_reports_capabilities_and_version(
     assert info.weight_version == "default"
     assert info.model == str(tiny_model.base_dir)
     assert info.allowed_root == str(tiny_model.allowed_root)
-    assert info.unsafe_reasons == ()  # CPU attention has none of seed 000's paths
+    assert info.unsafe_reasons == ()  # CPU attention has none of those paths

@@ -60,7 +60,8 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
 # checked against the promised transfer manifest's digest; refit_received(digest, version).
 RPC_RECEIVED = "refit_received"
-# The vLLM weight transfer backend refit_worker.transfer registers: a server enables it with
+# The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
+# gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.
 TRANSFER_BACKEND = "refit-gloo"
 
@@ -206,7 +207,7 @@ class Manifest:
 # ---------------------------------------------------------------------------------------
 # Transfer manifest: what a trainer promises to broadcast (docs/formats.md, docs/broadcast.md)
 # ---------------------------------------------------------------------------------------
-# Digests are BLAKE3-256, written as 64 lowercase hex digits (refit_worker.transfer_digest
+# Digests are BLAKE3-256, written as 64 lowercase hex digits (refit_worker.transfer_manifest
 # computes them; any BLAKE3 implementation gives the same):
 #   tensor digest   = BLAKE3(name 0x00 dtype 0x00 dims 0x00 data)
 #       name: UTF-8; dtype: the safetensors dtype name (F32, BF16, ...); dims: the shape as
@@ -247,7 +248,7 @@ class TransferManifest:
     @classmethod
     def from_json_dict(cls, doc: Any) -> TransferManifest:
         """Parse and check the format; whether ``blake3`` is the digest of the tensors'
-        digests needs BLAKE3 (refit_worker.transfer_digest.parse_manifest checks it too)."""
+        digests needs BLAKE3 (refit_worker.transfer_manifest.parse_manifest checks it too)."""
         where = "transfer manifest"
         if not isinstance(doc, dict):
             raise ContractError(f"{where}: not a JSON object")
@@ -353,8 +354,9 @@ class RefitInfo:
     kv_cache_dtype: str
     cudagraph_mode: str
     capabilities: tuple[str, ...]
-    # Reasons this pod's configuration is not reload-safe under full CUDA graphs (seed 000's
-    # "not covered" paths). Empty means safe.
+    # Reasons this pod's configuration is not reload-safe under full CUDA graphs (the paths
+    # vLLM's fix "Recompute FlashInfer BMM scales when a weight reload changes the KV scales"
+    # leaves not covered). Empty means safe.
     unsafe_reasons: tuple[str, ...]
     weight_version: str
     model: str

@@ -34,8 +34,9 @@ def register() -> None:
 
 def register_transfer_engines() -> None:
     """Register refit-gloo (docs/broadcast.md) in vLLM's worker and trainer weight transfer
-    factories. By module path: refit_worker.transfer is imported only where an engine is
-    made. Idempotent. A trainer that uses vLLM's WeightTransferTrainerFactory calls it."""
+    factories. By module path: refit_worker.broadcast.gloo_engine and gloo_trainer are
+    imported only where an engine is made. Idempotent. A trainer that uses vLLM's
+    WeightTransferTrainerFactory calls it."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -43,11 +44,19 @@ def register_transfer_engines() -> None:
 
     from refit_worker.contract import TRANSFER_BACKEND
 
-    for factory, cls in (
-        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    for factory, module, cls in (
+        (
+            WeightTransferEngineFactory,
+            "refit_worker.broadcast.gloo_engine",
+            "GlooWeightTransferEngine",
+        ),
+        (
+            WeightTransferTrainerFactory,
+            "refit_worker.broadcast.gloo_trainer",
+            "GlooTrainerWeightTransferEngine",
+        ),
     ):
         try:
-            factory.register_engine(TRANSFER_BACKEND, "refit_worker.transfer", cls)
+            factory.register_engine(TRANSFER_BACKEND, module, cls)
         except ValueError:
             pass  # registered already (plugins run more than once per process)

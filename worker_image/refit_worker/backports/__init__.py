@@ -1,16 +1,18 @@
 """Reload-safe attention backends: each backport is applied only where the installed vLLM
 lacks the fix, and each is reported as a named capability (refit_worker.contract.CAP_*).
 
-One module per fix:
-- flashinfer_scales: seed 000, FlashInfer BMM scales per forward + device scales while a
-  trtllm-gen decode graph is captured;
-- attention_o_scale: seed 000, ``Attention.process_weights_after_loading`` forgets the
-  cached fused-output scale;
-- mla_scales: seed 000, FlashInfer MLA / sparse MLA / Tokenspeed MLA scale caches;
-- flashinfer_sinks, mla_weights: seed 001, checked by behaviour (native in 0.32/0.33);
+The fixes come from two upstream vLLM changes: the "BMM scales fix" ("[Bugfix][Attention]
+Recompute FlashInfer BMM scales when a weight reload changes the KV scales") and PR #48251
+("[Bugfix][Attention] Preserve post-load tensors across weight reloads"). One module per fix:
+- flashinfer_scales: the BMM scales fix, FlashInfer BMM scales per forward + device scales
+  while a trtllm-gen decode graph is captured;
+- attention_o_scale: the BMM scales fix, ``Attention.process_weights_after_loading`` forgets
+  the cached fused-output scale;
+- mla_scales: the BMM scales fix, FlashInfer MLA / sparse MLA / Tokenspeed MLA scale caches;
+- flashinfer_sinks, mla_weights: #48251, checked by behaviour (native in 0.32/0.33);
 - moe_reload: vLLM #42821 on CPU, unquantized MoE experts prepacked again by every reload;
-- unsafe: the configurations seed 000 leaves uncovered under full CUDA graphs, and the
-  models whose reload the backports cannot make complete (drafters, padded MoE, sinks).
+- unsafe: the configurations the BMM scales fix leaves uncovered under full CUDA graphs, and
+  the models whose reload the backports cannot make complete (drafters, padded MoE, sinks).
 
 A capability's state is native, backported, not-applicable (its code path cannot run
 here, e.g. flashinfer is not installed) or missing; only "missing" withholds it.

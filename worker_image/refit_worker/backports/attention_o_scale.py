@@ -1,4 +1,4 @@
-"""Seed 000, fused output quant: forget the cached output scale after a (re)load.
+"""vLLM's BMM scales fix, fused output quant: forget the cached output scale after a (re)load.
 
 With attention + output-quant fusion, FlashInfer keeps the next quant op's input scale as
 a host float in ``layer._o_scale_float``, read once. ``Attention.process_weights_after_

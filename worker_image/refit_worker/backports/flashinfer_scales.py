@@ -1,4 +1,5 @@
-"""Seed 000, FlashInfer: BMM scales that follow a weight reload.
+"""FlashInfer: BMM scales that follow a weight reload (vLLM's "[Bugfix][Attention] Recompute
+FlashInfer BMM scales when a weight reload changes the KV scales", the BMM scales fix).
 
 vLLM 0.32/0.33 ``FlashInferImpl.forward`` computes ``bmm1_scale``/``bmm2_scale`` (and the
 fused-output factor) once, on the first forward, and never again. A reload that changes
@@ -37,7 +38,7 @@ from ._patch import (
 BACKPORT = "flashinfer-bmm-scales"
 MODULE = "vllm.v1.attention.backends.flashinfer"
 CAPABILITIES = (CAP_FLASHINFER_BMM_SCALES, CAP_TRTLLM_DECODE_DEVICE_SCALES)
-# The upstream fix (seed 000) names its device-scale helper this way.
+# The upstream fix names its device-scale helper this way.
 NATIVE_DEVICE_SCALES_METHOD = "trtllm_gen_decode_bmm_scales"
 _FORWARD_PARAMETERS = (
     "self",
@@ -67,8 +68,8 @@ def is_capturing() -> bool:
 
 def has_lazy_scale_cache(forward: Any) -> bool:
     """Whether ``forward`` fills ``bmm1_scale``/``bmm2_scale`` only while they are None
-    (the seed 000 bug). Without readable source, assume the bug: the wrapper is harmless
-    on a fixed forward."""
+    (the bug the BMM scales fix removes). Without readable source, assume the bug: the
+    wrapper is harmless on a fixed forward."""
     source = source_of(forward)
     return (
         source is None

@@ -1,4 +1,4 @@
-"""Seed 001, FlashInfer attention sinks: refreshed in place by every post-load pass.
+"""vLLM PR #48251, FlashInfer attention sinks: refreshed in place by every post-load pass.
 
 FlashInfer needs float32 sinks. Before the fix, ``process_weights_after_loading`` replaced
 ``self.sinks`` with a detached float32 copy, so a reload updated the BF16/FP16 source

@@ -1,5 +1,5 @@
-"""Seed 000, MLA decode: scale caches of the FlashInfer MLA, sparse MLA and Tokenspeed MLA
-impls.
+"""vLLM's BMM scales fix, MLA decode: scale caches of the FlashInfer MLA, sparse MLA and
+Tokenspeed MLA impls.
 
 Each caches its BMM scales the first time it runs (``if self.bmm1_scale is None``) from
 the layer's host floats. The backport clears the cache before every call, so the

@@ -1,4 +1,4 @@
-"""Seed 001, MLA: ``W_UV``/``W_UK_T`` keep their storage across post-load processing.
+"""vLLM PR #48251, MLA: ``W_UV``/``W_UK_T`` keep their storage across post-load processing.
 
 ``MLAAttention.process_weights_after_loading`` derives ``W_UV`` and ``W_UK_T`` from
 ``kv_b_proj``. Before the fix it registered new tensors each time, so CUDA graphs captured

@@ -1,7 +1,9 @@
 """Configurations the backports cannot make reload-safe.
 
-Under full CUDA graphs (``reasons_for``): seed 000 lists the decode paths whose kernels take
-the scales as host scalars, so a graph captured before a reload replays with the old ones:
+Under full CUDA graphs (``reasons_for``): vLLM's BMM scales fix ("Recompute FlashInfer BMM
+scales when a weight reload changes the KV scales") lists as not covered the decode paths
+whose kernels take the scales as host scalars, so a graph captured before a reload replays
+with the old ones:
 non-trtllm FlashInfer decode, DCP decode, XQA (SM90/SM12x), the MLA trtllm decode kernels,
 and NVFP4 fused output. Eager and piecewise execution are correct on all of them.
 
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 WORKAROUND = "use cudagraph_mode=PIECEWISE or --enforce-eager to refit this pod"
-# Backends whose decode kernels take host-scalar BMM scales (seed 000).
+# Backends whose decode kernels take host-scalar BMM scales (the BMM scales fix).
 FLASHINFER = "FLASHINFER"
 MLA_HOST_SCALE_PREFIXES = ("FLASHINFER_MLA", "TOKENSPEED_MLA")
 # Quantization methods whose fused attention output is FP8 only; any other quantized

@@ -1,10 +1,11 @@
-"""Seed 001 backports against code that lacks the fix.
+"""The backports of vLLM PR #48251 ("Preserve post-load tensors across weight reloads")
+against code that lacks the fix.
 
 The installed vLLM refreshes sinks and W_UV/W_UK_T in place natively (test_backports.py
 checks that on the real classes), so the backports there only report "native". To show
 that the check catches the bug and that the backport repairs it, these tests subclass
 the real classes and override only ``process_weights_after_loading`` with the pre-fix
-code seed 001 describes; everything else is vLLM's.
+code the PR describes; everything else is vLLM's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The transfer manifest (contract.TransferManifest) and its digests (refit_worker.transfer_digest):
-the definition in contract.py computed by hand with BLAKE3, and what the format refuses."""
+"""The transfer manifest (contract.TransferManifest) and its digests
+(refit_worker.transfer_manifest): the definition in contract.py computed by hand with BLAKE3,
+and what the format refuses."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from refit_worker.contract import (
     TransferTensor,
     parse_rejection,
 )
-from refit_worker.transfer_digest import manifest_digest, manifest_of, parse_manifest, tensor_digest
+from refit_worker.transfer_manifest import (
+    manifest_digest,
+    manifest_of,
+    parse_manifest,
+    tensor_digest,
+)
 
 F32_1_2 = struct.pack("<2f", 1.0, 2.0)
 

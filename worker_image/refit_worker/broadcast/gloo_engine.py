@@ -5,7 +5,7 @@ vLLM's RL router (VLLM_SERVER_DEV_MODE=1) drives pluggable weight transfer engin
 ``/finish_weight_update``. Its built-in engines need CUDA (nccl, sparse_nccl, nccl_m2n: NCCL;
 ipc: CUDA IPC handles), Ray with NIXL (sharded_rdt) or an external service (modelexpress), so
 none of them runs on a CPU worker. This engine moves the weights with torch.distributed's gloo
-backend (refit_worker.broadcast) and adds what the built-ins lack: the update carries the
+backend (gloo_group, packed_tensor) and adds what the built-ins lack: the update carries the
 trainer's promise (a contract.TransferManifest) and nothing reaches the model unless what
 arrived is exactly that.
 
@@ -35,43 +35,40 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from refit_worker import broadcast
+from refit_worker.broadcast.gloo_group import DEFAULT_TIMEOUT_SECONDS, Group
+from refit_worker.broadcast.packed_tensor import TransportError, receive
+from refit_worker.broadcast.promise import Verifier
 from refit_worker.contract import (
-    TRANSFER_BACKEND,
     ContractError,
     ManifestTensor,
     RefitRejected,
     TransferManifest,
 )
-from refit_worker.transfer_digest import parse_manifest
+from refit_worker.model_tensors import LoadRules, verify_model_tensors
+from refit_worker.transfer_manifest import parse_manifest
 
-log = logging.getLogger("refit_worker.transfer")
+log = logging.getLogger("refit_worker.broadcast.gloo_engine")
 
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """``/init_weight_transfer_engine`` body's ``init_info`` (broadcast.Sender.init_info)."""
+    """``/init_weight_transfer_engine`` body's ``init_info`` (sender.Sender.init_info)."""
 
     master_address: str  # the trainer's rendezvous (its TCPStore)
     master_port: int
     rank_offset: int  # rank of this pod's first worker; the trainer is rank 0
     world_size: int  # the trainer + every receiving worker of every pod
-    timeout_seconds: float = broadcast.DEFAULT_TIMEOUT_SECONDS  # per gloo operation
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS  # per gloo operation
     local_address: str | None = None  # this worker's address for gloo; default: the route's
 
 
@@ -123,7 +120,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group: broadcast.Group | None = None
+        self.group: Group | None = None
         self.round: Round | None = None
         self._rounds = 0
 
@@ -135,7 +132,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if not 0 < rank < init_info.world_size:  # rank 0 is the trainer
             raise RefitRejected("TransferFailed", f"{where}: not a receiver's rank")
         try:
-            self.group = broadcast.Group(
+            self.group = Group(
                 init_info.master_address,
                 init_info.master_port,
                 rank,
@@ -169,15 +166,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             promise, problem = None, ("TransferFailed", "a second update_weights in one update")
         else:
             promise, problem = self._check_promise(current, update_info.manifest)
-        verifier = broadcast.Verifier(promise)
+        verifier = Verifier(promise)
         held: deque[tuple[str, torch.Tensor]] = deque()
         started = time.perf_counter()
         try:
             assert self.group is not None
-            for name, tensor in broadcast.receive(self.group):
+            for name, tensor in receive(self.group):
                 if verifier.check(name, tensor):  # hashed and compared as it arrives
                     held.append((name, tensor))
-        except broadcast.TransportError as exc:
+        except TransportError as exc:
             self.shutdown()  # a broken collective cannot be resumed: init again
             current.received, current.bytes = verifier.manifest(), verifier.bytes
             detail = f"{exc} (after {len(verifier.received)} tensors)"
@@ -200,20 +197,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         except ContractError as exc:
             return None, ("ManifestInvalid", str(exc))
         current.promised = promise.digest
-        from refit_worker.extension import verify_model_tensors
-
-        cfg = self.vllm_config
         tensors = {
             n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in promise.tensors.items()
         }
         try:
-            verify_model_tensors(
-                self.model,
-                tensors,
-                exact_shapes=cfg.model_config.quantization is None,
-                tied=bool(getattr(cfg.model_config.hf_config, "tie_word_embeddings", False)),
-                partial=cfg.parallel_config.pipeline_parallel_size > 1,
-            )
+            verify_model_tensors(self.model, tensors, LoadRules.of(self.vllm_config))
         except RefitRejected as exc:
             return None, (exc.code, exc.detail)
         return promise, None
@@ -288,80 +276,3 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is not None:
             self.group.close()
             self.group = None
-
-
-# ---------------------------------------------------------------------------------------
-# The trainer side, for vLLM's WeightTransferTrainerFactory (one server per client)
-# ---------------------------------------------------------------------------------------
-@dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
-    backend: ClassVar[str] = TRANSFER_BACKEND
-
-    world_size: int  # the trainer + the server's workers
-    master_address: str = "127.0.0.1"
-    master_port: int = 0  # 0: a free port
-    timeout_seconds: float = broadcast.DEFAULT_TIMEOUT_SECONDS
-    bucket_bytes: int = broadcast.DEFAULT_BUCKET_BYTES
-    extra: dict[str, Any] = field(default_factory=dict)  # more init info for the workers
-
-
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """vLLM's trainer-side flow over refit-gloo: ``trainer_init`` opens the rendezvous and
-    initializes the server through ``client``; each ``send_weights`` builds the promise from
-    the source, then start, update (concurrently with the broadcast), finish. The source is
-    materialized once per round (the promise needs every tensor's bytes before they are
-    sent). Multi-rank trainers: only rank 0 takes part."""
-
-    init_info_cls = GlooTrainerInitInfo
-
-    def __init__(self, *, sender: broadcast.Sender | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.sender = sender
-        self.last_manifest: TransferManifest | None = None
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: GlooTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError("refit-gloo needs a WeightSource")
-        if not init_info.is_sender:
-            return cls(sender=None, client=client, source=source, is_sender=False)
-        sender = broadcast.Sender(
-            init_info.world_size,
-            host=init_info.master_address,
-            port=init_info.master_port,
-            timeout_seconds=init_info.timeout_seconds,
-            bucket_bytes=init_info.bucket_bytes,
-        )
-        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides wait for each other
-            joined = pool.submit(
-                client.init_weight_transfer_engine, sender.init_info(1, **init_info.extra)
-            )
-            sender.connect()
-            joined.result()
-        return cls(sender=sender, client=client, source=source)
-
-    def send_weights(self) -> None:
-        assert self.source is not None
-        tensors = {name: t.detach().to("cpu") for name, t in self.source}
-        if not self.is_sender:
-            return
-        assert self.sender is not None
-        manifest = broadcast.build_manifest(tensors)
-        self.client.start_weight_update()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            update = pool.submit(self.client.update_weights, {"manifest": manifest.to_json_dict()})
-            self.sender.send(tensors)
-            update.result()  # the server's refusal, if any
-        self.client.finish_weight_update()
-        self.last_manifest = manifest
-
-    def shutdown(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None

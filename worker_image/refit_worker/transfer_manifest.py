@@ -1,7 +1,8 @@
-"""The transfer manifest's digests (defined in contract.py, next to TransferManifest).
+"""The transfer manifest's digests (defined in contract.py, next to TransferManifest): the
+tensor digest, the manifest digest, and a manifest parsed with its digest checked.
 
 Standard library and blake3 only, no torch: a trainer, the worker and the operator compute and
-check them alike, from raw bytes. refit_worker.broadcast applies them to torch tensors.
+check them alike, from raw bytes. refit_worker.broadcast.promise applies them to torch tensors.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""How the extension derives the checkpoint tensors a model needs (torch modules shaped like
-vLLM's layers; the real Llama path runs in test_reload.py)."""
+"""How refit_worker.model_tensors derives the checkpoint tensors a model needs (torch modules
+shaped like vLLM's layers; the real Llama path runs in test_reload.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from refit_worker import checkpoint
 from refit_worker.contract import ManifestTensor, RefitRejected
-from refit_worker.extension import expected_checkpoint_tensors, verify_model_tensors
+from refit_worker.model_tensors import (
+    ExpectedParam,
+    LoadRules,
+    expected_checkpoint_tensors,
+    verify_model_tensors,
+)
 from torch import nn
 
 
@@ -77,7 +81,7 @@ def checkpoint_tensors() -> dict[str, ManifestTensor]:
 
 
 def verify(model: nn.Module, tensors: dict[str, ManifestTensor]) -> None:
-    verify_model_tensors(model, tensors, exact_shapes=True, tied=False, partial=False)
+    verify_model_tensors(model, tensors, LoadRules(exact_shapes=True, tied=False, partial=False))
 
 
 def test_packed_and_padded_parameters_map_to_checkpoint_shapes() -> None:
@@ -87,7 +91,7 @@ def test_packed_and_padded_parameters_map_to_checkpoint_shapes() -> None:
     assert expected["layer.qkv_proj.weight#k"].shape == (16, 32)
     assert expected["layer.gate_up_proj.weight#1"].shape == (48, 32)
     assert expected["embed.weight"].shape == (100, 32)  # not the padded 128 rows
-    assert expected["layer.norm.weight"] == checkpoint.ExpectedParam((32,), "BF16")
+    assert expected["layer.norm.weight"] == ExpectedParam((32,), "BF16")
     verify(model, checkpoint_tensors())
 
 
