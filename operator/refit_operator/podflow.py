@@ -63,7 +63,7 @@ _FINAL_CODES = frozenset(
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
 # pod still holds the weights it served, so it can go back to serving them.
 UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {"ProbeReferenceInvalid"}) | {
-    # A broadcast refused before its load (refit_worker.transfer), or never sent.
+    # A broadcast refused before its load (refit_worker.broadcast.gloo_engine), or never sent.
     "TransferMismatch",
     "TransferFailed",
     "TrainerTimeout",
