@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -20,7 +21,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo, Tran
 
 from . import history, metrics, plan, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
-from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
+from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
 from .index import RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
@@ -36,6 +37,11 @@ SYNC_TRIES = 30  # seconds a starting API server may take before the first list 
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
+
+
+# Makes one pod's client: (base_url, *, admin_token, api_key, timeout, fence, before_call), as
+# WorkerClient's constructor without its session.
+WorkerFactory = Callable[..., WorkerClient]
 
 
 @dataclass
@@ -84,13 +90,22 @@ def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
 class Engine:
     def __init__(
         self,
-        cluster: Cluster,
-        http: aiohttp.ClientSession,
+        cluster: Kube,
+        http: aiohttp.ClientSession | None,
         lease: Lease | None = None,
         policy: history.Policy | None = None,
+        *,
+        workers: WorkerFactory | None = None,
     ) -> None:
+        """``cluster``: Kubernetes (cluster.Cluster, or the explorer's in-memory one).
+        ``http``: worker.session(), one for every pod; ``workers`` makes each pod's client
+        (default: WorkerClient over ``http``; the explorer's talks to in-process workers)."""
         self.cluster = cluster
-        self.http = http  # worker.session(): one for every pod
+        self.http = http
+        if workers is None:
+            assert http is not None, "an Engine needs an HTTP session or a worker factory"
+            workers = partial(WorkerClient, http=http)
+        self.workers = workers
         self.lease = lease  # None: a single replica without election (tests of the engine)
         self.policy = policy or history.Policy()
         self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
@@ -190,7 +205,7 @@ class Engine:
         refits = self.index.names(namespace)
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
-            now=time.time(), previous=previous, vanished=vanished, refits=refits,
+            now=times.now(), previous=previous, vanished=vanished, refits=refits,
             broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
         )  # fmt: skip
         d = reconcile.decide(obs)
@@ -266,7 +281,7 @@ class Engine:
 
     async def _collect(self, namespace: str) -> None:
         """Delete finished refits the history policy no longer keeps (docs/concepts.md)."""
-        for k in self.index.to_collect(namespace, self.policy, time.time()):
+        for k in self.index.to_collect(namespace, self.policy, times.now()):
             await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight
@@ -415,7 +430,7 @@ class Engine:
         self, view: RefitView, st: _RefitState, pod: PodView, fence: int | None = None
     ) -> WorkerClient:
         url = f"http://{pod.ip}:{view.spec.fleet.port}"
-        return WorkerClient(url, http=self.http, admin_token=st.token, api_key=st.api_key,
+        return self.workers(url, admin_token=st.token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds),
                             fence=fence, before_call=self.check)  # fmt: skip
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
-from . import metrics, podflow, probe
+from . import metrics, podflow, probe, times
 from .api import Broadcast, Sequence, WeightRefitSpec
-from .cluster import ClaimedPod, ClaimLost, Cluster
+from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
 from .reconcile import PodStart, admission_problem
 from .rounds import Rounds, TrainerTimeout
@@ -54,7 +53,7 @@ class BroadcastSource:
 class PassContext:
     """What one pass needs beyond the pod: shared by all passes of one reconcile loop."""
 
-    cluster: Cluster
+    cluster: Kube
     namespace: str
     refit_doc: dict[str, object]  # for Events
     refit_name: str
@@ -108,7 +107,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
     progress = pod.progress if resumed else None
     if progress is None:
         progress = podflow.start(
-            ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
+            ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
             serving=pod.serving, source="checkpoint" if start.path else "broadcast",
         )  # fmt: skip
@@ -122,7 +121,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
             progress = podflow.step_failed(
-                progress, progress.step, *refused, time.time(), retries=0, final=True
+                progress, progress.step, *refused, times.now(), retries=0, final=True
             )
             handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
             ctx.live[pod.name] = progress
@@ -139,11 +138,11 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
     ctx.live[pod.name] = progress
     while True:
-        action = podflow.next_action(progress, time.time())
+        action = podflow.next_action(progress, times.now())
         if isinstance(action, Finished):
             return progress
         if isinstance(action, WaitUntil):
-            await asyncio.sleep(max(0.0, action.at - time.time()))
+            await asyncio.sleep(max(0.0, action.at - times.now()))
             continue
         assert isinstance(action, RunStep)
         before = progress
@@ -180,7 +179,7 @@ async def _run_step(
     resumed: bool,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
-    began = time.monotonic()
+    began = times.monotonic()
     note = ""
     try:
         if step == "probe":
@@ -196,9 +195,9 @@ async def _run_step(
         elif step == podflow.RESTORE:
             await _restore(worker, ctx.spec.sequence, progress)
             metrics.step_finished(
-                ctx.namespace, ctx.fleet, step, "success", time.monotonic() - began
+                ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
             )
-            return podflow.restored(progress, time.time())
+            return podflow.restored(progress, times.now())
         else:
             if step == "drain":
                 await _wait_out_of_endpoints(ctx, pod)
@@ -210,26 +209,26 @@ async def _run_step(
         # A broadcast round cannot be repeated by one pod alone: its pass ends here.
         final = final or step == "receive"
         result = "timeout" if e.kind == "timeout" else "failure"
-        metrics.step_finished(ctx.namespace, ctx.fleet, step, result, time.monotonic() - began)
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, result, times.monotonic() - began)
         await _event(ctx, "PodStepRetry" if not final else "PodStepFailed",
                      f"pod {pod.name}: {step}: {reason}: {e.message}", "Warning")  # fmt: skip
         return podflow.step_failed(
-            progress, step, reason, e.message, time.time(), retries=retries, final=final
+            progress, step, reason, e.message, times.now(), retries=retries, final=final
         )
     except StepFailed as e:
-        metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", time.monotonic() - began)
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", times.monotonic() - began)
         await _event(
             ctx, "PodStepFailed" if e.final else "PodStepRetry",
             f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning",
         )  # fmt: skip
         return podflow.step_failed(
-            progress, step, e.reason, e.message, time.time(), retries=retries, final=e.final
+            progress, step, e.reason, e.message, times.now(), retries=retries, final=e.final
         )
-    seconds = time.monotonic() - began
+    seconds = times.monotonic() - began
     metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
     if note:
         progress = replace(progress, staging=note)
-    return podflow.step_done(progress, step, seconds, time.time())
+    return podflow.step_done(progress, step, seconds, times.now())
 
 
 async def execute_step(
@@ -381,13 +380,13 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
     comes before the probe: sent after the condition went False they would meet the new,
     unprobed weights. A pod without a Ready condition (no kubelet) has nothing to wait for."""
     limit = float(ctx.spec.sequence.drain_timeout_seconds)
-    deadline = time.monotonic() + limit
+    deadline = times.monotonic() + limit
     while True:
         doc = await ctx.cluster.read_pod(ctx.namespace, pod.name)
         conds = {c.get("type"): c for c in (doc.get("status") or {}).get("conditions") or []}
         if conds.get("Ready", {}).get("status") != "True":
             return
-        if time.monotonic() >= deadline:
+        if times.monotonic() >= deadline:
             raise StepFailed(
                 "DrainTimeout",
                 f"the pod is still Ready {limit:.0f}s after its readiness condition was set "
@@ -397,12 +396,12 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
 
 
 async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:
-    deadline = time.monotonic() + limit
+    deadline = times.monotonic() + limit
     while True:
         left = await worker.requests_in_flight(timeout=t_step)
         if left == 0:
             return
-        if time.monotonic() >= deadline:
+        if times.monotonic() >= deadline:
             raise StepFailed("DrainTimeout", f"{left} requests still in flight after {limit:.0f}s")
         await asyncio.sleep(DRAIN_POLL_SECONDS)
 
@@ -411,7 +410,7 @@ async def _probe(
     ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress
 ) -> Progress:
     seq, thresholds = ctx.spec.sequence, ctx.spec.probe.thresholds
-    began = time.monotonic()
+    began = times.monotonic()
     timeout = float(seq.probe_timeout_seconds)
     outcome: probe.ProbeOutcome | None = None
     try:
@@ -429,17 +428,17 @@ async def _probe(
         elif progress.attempts < seq.retries:
             reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
             metrics.step_finished(
-                ctx.namespace, ctx.fleet, "probe", "failure", time.monotonic() - began
+                ctx.namespace, ctx.fleet, "probe", "failure", times.monotonic() - began
             )
             return podflow.step_failed(
-                progress, "probe", reason, e.message, time.time(), retries=seq.retries
+                progress, "probe", reason, e.message, times.now(), retries=seq.retries
             )
         else:
             reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
             outcome = probe.inconclusive(reason, e.message)
     if outcome is None:
         outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
-    seconds = time.monotonic() - began
+    seconds = times.monotonic() - began
     metrics.step_finished(
         ctx.namespace,
         ctx.fleet,
@@ -453,10 +452,10 @@ async def _probe(
     )  # fmt: skip
     record = outcome.to_status().dump()
     progress = podflow.probe_judged(
-        progress, outcome.verdict, outcome.reason, outcome.message, record, time.time()
+        progress, outcome.verdict, outcome.reason, outcome.message, record, times.now()
     )
     if outcome.verdict == "Pass":
-        return podflow.step_done(progress, "probe", seconds, time.time())
+        return podflow.step_done(progress, "probe", seconds, times.now())
     return progress
 
 
