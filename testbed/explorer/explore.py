@@ -234,6 +234,8 @@ class Explorer:
             if not self.checker.violations:
                 await self._quiesce()
             if not self.checker.violations:
+                for replica in self.replicas:  # the deletions of the last round arrive
+                    self._deliver(replica, faults=False)
                 self.checker.check_memory([r.engine for r in self.replicas])
         except Stalled as e:
             self.checker.violate("stalled", str(e))
@@ -387,7 +389,7 @@ class Explorer:
             statuses = doc["status"]["containerStatuses"]
             self.store.patch_pod_status(NS, name, {"status": {
                 "podIP": new_ip,
-                "containerStatuses": [{**statuses[0], "restartCount":
+                "containerStatuses": [{**statuses[0], "started": True, "restartCount":
                                        statuses[0]["restartCount"] + 1}],
             }})  # fmt: skip
             self._note(f"fault: {name} moved from {ip} to {new_ip}")
@@ -449,6 +451,11 @@ class Explorer:
         for _, pod in sorted(self.sim.pods.items()):
             pod.faults.clear()
         await asyncio.sleep(35.0)  # answers in flight arrive or time out; crashed pods restart
+        for ip, pod in sorted(self.sim.pods.items()):
+            if pod.up and self.sim.busy(ip):  # hung: the kubelet's liveness probe restarts it
+                await self.sim.crash(pod)
+                await self.sim.restart(pod)
+                self._note(f"kubelet: restarted the hung container at {ip}")
         for replica in self.replicas:
             self._deliver(replica, faults=False)
             await replica.engine.sync([NS])  # a watch restarts with a list
@@ -467,7 +474,9 @@ class Explorer:
             self.checker.check_state()
             if self.checker.violations:
                 return
-        self.checker.violate("liveness", self.checker.converged() or "")
+        known = {r.name: sorted(k.name for k in r.engine.index.known.values())
+                 for r in self.replicas}  # fmt: skip
+        self.checker.violate("liveness", f"{self.checker.converged()}; indexes: {known}")
 
     async def _stop(self, replica: Replica) -> None:
         tasks = [t for st in replica.engine.refits.values()
@@ -485,6 +494,8 @@ class Explorer:
         for replica in self.replicas:
             await self._stop(replica)
         self.session.close()
+        for task in list(self.sim.restart_tasks):  # containers still due to come back
+            task.cancel()
         await asyncio.sleep(0)
 
 

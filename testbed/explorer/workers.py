@@ -27,7 +27,13 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiDict
 from refit_worker import contract, fence
 
-from testbed.simworker import Fault, PodState, SimServer, make_sim_checkpoint
+from testbed.simworker import RPC_STEPS, Fault, PodState, SimServer, make_sim_checkpoint
+
+# What vLLM's engine core runs one at a time (utility calls between steps): a call that
+# outlives its client still holds the core, and the next one waits for it.
+ENGINE_CORE_STEPS = frozenset(RPC_STEPS) | {
+    "pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "update_weight_version"
+}  # fmt: skip
 
 
 @dataclass
@@ -67,6 +73,7 @@ class ExplorerSimServer(SimServer):
         super().__init__({"ips": ips, "allowed_root": allowed_root, "admin_token": admin_token})
         self.allowed_root = allowed_root
         self.truth = {ip: Truth() for ip in ips}
+        self.core: dict[str, asyncio.Lock] = {}  # per process: its engine core
         self.on_call: Callable[[str, str, int], None] = lambda ip, step, token: None
         self.latency: Callable[[str], float] = lambda step: 0.0
         # The kubelet's side of a container that died or came back (restartCount, started).
@@ -88,6 +95,7 @@ class ExplorerSimServer(SimServer):
         was_up = pod.up
         await super().restart(pod)
         if not was_up:
+            self.core[pod.ip] = asyncio.Lock()  # the new process's own core
             t = self.truth[pod.ip]
             t.generation += 1
             t.process += 1
@@ -108,6 +116,20 @@ class ExplorerSimServer(SimServer):
             if token is not None:
                 self.on_call(pod.ip, step, token)
         await asyncio.sleep(self.latency(step))
+        if step not in ENGINE_CORE_STEPS:
+            return await self._act(request, pod, step, body)
+        core = self.core.setdefault(pod.ip, asyncio.Lock())
+        async with core:
+            return await self._act(request, pod, step, body)
+
+    def busy(self, ip: str) -> bool:
+        """A call holds the pod's engine core (a hung one holds it until the process dies)."""
+        core = self.core.get(ip)
+        return core is not None and core.locked()
+
+    async def _act(
+        self, request: web.Request, pod: PodState, step: str, body: Any
+    ) -> web.StreamResponse:
         if not pod.up:
             return web.Response(status=503)
         truth = self.truth[pod.ip]
