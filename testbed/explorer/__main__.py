@@ -1,5 +1,6 @@
-"""``python -m testbed.explorer --seed N [--classes a,b|all|none] [--count K] [--trace]``:
-run seeded schedules; a failing one prints its violations, its trace and how to replay it."""
+"""``python -m testbed.explorer --seed N [--classes a,b|all|holding|none] [--count K] [--trace]``:
+run seeded schedules; a failing one prints its violations, its trace and how to replay it.
+``holding``: every class not switched off by a known hole (testbed/explorer/holes.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from .explore import CLASSES, Config, run_schedule
 def parse_classes(text: str) -> frozenset[str]:
     if text == "all":
         return frozenset(CLASSES)
+    if text == "holding":
+        from .holes import HOLDING
+
+        return frozenset(HOLDING)
     if text in ("", "none"):
         return frozenset()
     return frozenset(c.strip() for c in text.split(",") if c.strip())
@@ -22,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m testbed.explorer", description=__doc__)
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--count", type=int, default=1, help="schedules, seeds seed..seed+count-1")
-    ap.add_argument("--classes", default="none", help=f"comma-separated, all, none: {CLASSES}")
+    ap.add_argument(
+        "--classes", default="none", help=f"comma-separated, all, holding, none: {CLASSES}"
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pods", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="print every schedule's full trace")

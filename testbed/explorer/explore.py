@@ -18,7 +18,7 @@ import hashlib
 import logging
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,14 @@ from typing import Any
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_operator import history, times
 from refit_operator.engine import Engine
+from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
 from refit_operator.leader import LeadershipLost
 from refit_operator.worker import WorkerClient
+from refit_worker import checkpoint
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
 
 from . import invariants
-from .memcluster import Event, MemoryCluster, Store, pod_body, refit_body
+from .memcluster import Event, MemoryCluster, Store, clone, pod_body, refit_body
 from .vtime import Stalled, VirtualClock, VirtualLoop
 from .workers import ExplorerSimServer, InProcessSession, checkpoints
 
@@ -123,6 +125,7 @@ class Replica:
     daemons: dict[str, str] = field(default_factory=dict)  # refit name -> uid (kopf's view)
     ticking: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     held: list[Event] = field(default_factory=list)  # delayed watch events
+    due: dict[str, float] = field(default_factory=dict)  # refit name -> next daemon tick
 
 
 class Explorer:
@@ -210,7 +213,7 @@ class Explorer:
     async def _start_replica(self, replica: Replica) -> None:
         await replica.engine.sync([NS])
         replica.daemons = {d["metadata"]["name"]: d["metadata"]["uid"]
-                           for d in self.store.list("WeightRefit", NS)}  # fmt: skip
+                           for d in self.store.scan("WeightRefit", NS)}  # fmt: skip
         replica.feed.clear()  # the list is newer than anything queued before it
 
     # -------------------------------------------------------------------- running
@@ -282,7 +285,7 @@ class Explorer:
         """One turn of kopf's daemon of the refit, or of its deletion handler once the refit
         is being deleted (which removes kopf's finalizer when the engine releases it)."""
         eng = replica.engine
-        seen = self.store.get("WeightRefit", NS, name)
+        seen = self.store.peek("WeightRefit", NS, name)
         deleting = bool(seen and seen["metadata"].get("deletionTimestamp"))
         try:
             d = await eng.tick(NS, name, deleting=deleting)
@@ -298,6 +301,9 @@ class Explorer:
         if d is None:
             replica.daemons.pop(name, None)  # the daemon ends: the object is gone
             return
+        # When kopf's daemon (handlers.refit_daemon) would tick again unless woken.
+        interval = DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL
+        replica.due[name] = self.clock.elapsed + interval
         self._note(f"{replica.name} {name}: {d.status.phase} {d.status.updated_pods}/"
                    f"{d.status.target_pods}")  # fmt: skip
         if deleting and d.release_finalizer:
@@ -308,14 +314,13 @@ class Explorer:
                 pass
 
     def _deliver(self, replica: Replica, faults: bool = True) -> None:
-        events, replica.feed[:] = list(replica.feed), []
+        # A watch is late, never out of order: what is held back is the newest part of the
+        # stream (held earlier, then queued since), and it is delivered before anything newer.
+        events, replica.held, replica.feed[:] = replica.held + replica.feed, [], []
         if faults and "watch_delay" in self.on and events and self.rng.random() < 0.3:
             k = self.rng.randrange(len(events) + 1)
-            replica.held += events[k:]
-            events = events[:k]
+            replica.held, events = events[k:], events[:k]
             self._note(f"{replica.name} watch: {len(replica.held)} held back")
-        elif replica.held:
-            events, replica.held = replica.held + events, []
         if faults and "watch_coalesce" in self.on and self.rng.random() < 0.5:
             last: dict[str, Event] = {}
             for e in events:
@@ -329,7 +334,7 @@ class Explorer:
                 self._note(f"{replica.name} watch: {e.type} {name} dropped")
                 continue
             deleted = e.type == "DELETED"
-            replica.engine.observe(e.doc, deleted=deleted)
+            replica.engine.observe(clone(e.doc), deleted=deleted)
             if deleted:
                 replica.daemons.pop(name, None)
             else:
@@ -337,7 +342,7 @@ class Explorer:
 
     # --------------------------------------------------------------------- faults
     def _pods(self) -> list[dict[str, Any]]:
-        return self.store.list("Pod", NS)
+        return self.store.scan("Pod", NS)
 
     async def _fault(self, kind: str) -> None:
         r = self.rng
@@ -377,8 +382,7 @@ class Explorer:
             self._note(f"fault: {name} relabelled app={labels['app']}")
         elif kind == "pod_replace" and pod:
             await self.sim.crash(self.sim.pods[ip])
-            self.store.objects.pop(("Pod", NS, name), None)
-            self.checker.forget_pod(name)
+            self.store.remove("Pod", NS, name)
             self._note(f"fault: {name} deleted")
             await asyncio.sleep(r.choice((0.0, 0.5, 2.0)))
             self._create_pod(name, pod["metadata"]["labels"])
@@ -399,13 +403,13 @@ class Explorer:
                 self._create_refit(f"wr-{k + 2:03d}z")
                 self._create_refit(f"wr-{k + 2:03d}a")  # newer, but first by name
         elif kind == "refit_delete":
-            refits = self.store.list("WeightRefit", NS)
+            refits = self.store.scan("WeightRefit", NS)
             if refits:
                 victim = r.choice(refits)["metadata"]["name"]
                 self.store.delete("WeightRefit", NS, victim)
                 self._note(f"fault: refit {victim} deleted")
         elif kind == "refit_spec_update":
-            refits = self.store.list("WeightRefit", NS)
+            refits = self.store.scan("WeightRefit", NS)
             if refits:
                 victim = r.choice(refits)["metadata"]["name"]
                 seq = {"sleepLevel": r.choice([0, 1]), "retries": r.choice([0, 1, 3])}
@@ -445,7 +449,9 @@ class Explorer:
     # ------------------------------------------------------------------- liveness
     async def _quiesce(self) -> None:
         """Faults stop: every pod process comes back, every watch delivers and relists,
-        and kopf's daemons tick as they do; every pod must then reach its target."""
+        and kopf's daemons tick as they do (handlers.refit_daemon: after an active tick in a
+        second, an idle one in 5, a dormant one in 60, or at once when the engine wakes the
+        refit); every pod must then reach its target."""
         self.faulting = False
         self._note("faults stop")
         for _, pod in sorted(self.sim.pods.items()):
@@ -459,15 +465,21 @@ class Explorer:
         for replica in self.replicas:
             self._deliver(replica, faults=False)
             await replica.engine.sync([NS])  # a watch restarts with a list
-            for d in self.store.list("WeightRefit", NS):
+            for d in self.store.scan("WeightRefit", NS):
                 replica.daemons[d["metadata"]["name"]] = d["metadata"]["uid"]
+            replica.due.clear()  # every daemon ticks once now
         deadline = self.clock.elapsed + self.cfg.liveness_seconds
         while self.clock.elapsed < deadline:
             for replica in self.replicas:
                 self._deliver(replica, faults=False)
-                for name in sorted(replica.daemons):
-                    self._tick(replica, name)
-            await asyncio.sleep(2.0)
+                for name, uid in sorted(replica.daemons.items()):
+                    st = replica.engine.refits.get(uid)
+                    woken = st is not None and st.wake.is_set()
+                    if woken or replica.due.get(name, 0.0) <= self.clock.elapsed:
+                        if st is not None:
+                            st.wake.clear()
+                        self._tick(replica, name)
+            await asyncio.sleep(ACTIVE_INTERVAL)
             if self.checker.converged() is None:
                 self._note("converged")
                 return
@@ -506,6 +518,29 @@ def _workers(session: InProcessSession) -> Any:
     return make
 
 
+class _InlinePool:
+    """refit_worker.checkpoint's digest pool without threads: each of the explorer's
+    checkpoints is one small shard, and a pool per staging (threads started and joined in
+    real time) cost more than the rest of a load."""
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+        return (fn(x) for x in items)
+
+
+@contextlib.contextmanager
+def _inline_digests() -> Iterator[None]:
+    @contextlib.contextmanager
+    def pool(n_files: int) -> Iterator[_InlinePool]:
+        yield _InlinePool()
+
+    saved = checkpoint._digest_pool
+    checkpoint._digest_pool = pool  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        checkpoint._digest_pool = saved
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """The operator logs every refused step; thousands of schedules need none of it."""
@@ -523,7 +558,7 @@ def run_schedule(config: Config) -> Result:
     clock = VirtualClock()
     loop = VirtualLoop(clock)
     try:
-        with times.using(clock), _quiet():
+        with times.using(clock), _quiet(), _inline_digests():
 
             async def main() -> Result:
                 return await Explorer(config, clock).run()

@@ -46,6 +46,17 @@ def _gate(doc: dict[str, Any]) -> bool:
     return any(c.get("type") == READINESS_GATE and c.get("status") == "True" for c in conds)
 
 
+def _identity(doc: dict[str, Any] | None) -> Any:
+    """What of a pod a list taken earlier could not show: that it exists (which one), its
+    labels, its process (restarts, IP)."""
+    if doc is None:
+        return None
+    status = doc.get("status") or {}
+    restarts = [c.get("restartCount", 0) for c in status.get("containerStatuses") or []]
+    meta = doc["metadata"]
+    return (meta.get("uid"), meta.get("labels"), restarts, status.get("podIP"))
+
+
 def _selects(refit: dict[str, Any], labels: dict[str, str]) -> bool:
     sel = LabelSelector.model_validate(refit["spec"]["fleet"]["selector"])
     return sel.matches(labels)
@@ -56,6 +67,9 @@ class Checker:
         self.store, self.sim, self.note = store, sim, note
         self.violations: list[Violation] = []
         self.checks = 0
+        # pod name -> the store revision at which it last changed in a way a list taken before
+        # cannot show (created, deleted, relabelled, restarted, moved to a new IP)
+        self.changed: dict[str, int] = {}
 
     def violate(self, invariant: str, message: str) -> None:
         v = Violation(invariant, message, self.sim_time())
@@ -69,9 +83,6 @@ class Checker:
             return asyncio.get_running_loop().time()
         except RuntimeError:
             return 0.0
-
-    def forget_pod(self, name: str) -> None:
-        return None
 
     def _pod_at(self, ip: str) -> dict[str, Any] | None:
         for (kind, _, _), doc in self.store.objects.items():
@@ -118,6 +129,12 @@ class Checker:
                 )
 
     def on_write(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        if kind == "Pod":
+            if _identity(old) != _identity(new):
+                doc = new or old
+                assert doc is not None
+                self.changed[doc["metadata"]["name"]] = self.store.revision
+            return
         if kind != "WeightRefit" or new is None:
             return
         was = ((old or {}).get("status") or {}).get("phase")
@@ -126,14 +143,23 @@ class Checker:
             self._check_succeeded(new)
 
     def _check_succeeded(self, refit: dict[str, Any]) -> None:
+        """The status is decided from a pod list the tick took before it wrote: a pod that
+        changed since (deleted, replaced, relabelled, restarted) is the next tick's to see,
+        and cannot be blamed on this status."""
         self.checks += 1
         version = refit["spec"]["checkpoint"]["version"]
         uid, name = refit["metadata"]["uid"], refit["metadata"]["name"]
+        listed = self.store.decided_from
+        since = {n for n, t in self.changed.items() if listed is not None and t > listed}
         serving = 0
         for (kind, _, pod_name), doc in sorted(self.store.objects.items()):
             if kind != "Pod" or doc["metadata"].get("deletionTimestamp"):
                 continue
             if not _selects(refit, doc["metadata"].get("labels") or {}):
+                continue
+            if pod_name in since:
+                serving += 1
+                since.discard(pod_name)
                 continue
             ip = doc["status"].get("podIP", "")
             serves = self.sim.serves(ip)
@@ -154,6 +180,7 @@ class Checker:
                     f"refit {name} Succeeded at {version} counting pod {pod_name}, which "
                     f"serves {serves!r}",
                 )
+        serving += len(since)  # gone or no longer selected since the list
         updated = int((refit.get("status") or {}).get("updatedPods", 0))
         if updated > serving:
             self.violate(
@@ -198,9 +225,21 @@ class Checker:
             if serves != want or not ready:
                 return (
                     f"pod {pod} serves {serves!r} (Ready={ready}); its target is "
-                    f"{refit['metadata']['name']} at {want}"
+                    f"{refit['metadata']['name']} at {want}; {self._last_pass(doc)}"
                 )
         return None
+
+    def _last_pass(self, pod: dict[str, Any]) -> str:
+        """The pod's last pass and what became of its refit (for the diagnosis)."""
+        p = Progress.from_annotation(
+            (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+        )
+        if p is None:
+            return "no pass recorded"
+        refit = next((d for (k, _, _), d in self.store.objects.items()
+                      if k == "WeightRefit" and d["metadata"]["uid"] == p.uid), None)  # fmt: skip
+        phase = "gone" if refit is None else (refit.get("status") or {}).get("phase", "")
+        return f"last pass: {p.refit} at {p.version} ({p.outcome or 'in flight'}), refit {phase}"
 
     # --------------------------------------------------------------- bounded memory
     def check_memory(self, engines: Sequence[Engine]) -> None:

@@ -21,6 +21,7 @@ withdrawals and a pass's conditional records are the real code; only the transpo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import itertools
 from collections.abc import Callable
@@ -34,12 +35,32 @@ from refit_operator.podflow import PodView
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
 Key = tuple[str, str, str]  # kind, namespace, name
+Docs = list[dict[str, Any]]  # (Store.list shadows ``list`` in its class body)
+
+# The store's revision when the running task (a tick) last listed pods: a status it writes is
+# decided from that list, and the checks hold it to that moment (Store.decided_from).
+LISTED_AT: contextvars.ContextVar[int | None] = contextvars.ContextVar("listed", default=None)
+
+
+def clone(doc: Any) -> Any:
+    """A deep copy of a JSON document (dicts, lists, scalars): what copy.deepcopy does for
+    these, several times faster (the copies the operator gets are the explorer's hot path)."""
+    t = type(doc)
+    if t is dict:
+        return {k: clone(v) for k, v in doc.items()}
+    if t is list:
+        return [clone(v) for v in doc]
+    if t is str or t is int or t is float or t is bool or doc is None:
+        return doc
+    return copy.deepcopy(doc)
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch: dicts merge, null deletes, anything else replaces."""
+    """RFC 7386 JSON merge patch: dicts merge, null deletes, anything else replaces. The
+    result shares the subtrees the patch leaves alone with ``target`` (stored documents are
+    never changed in place)."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return clone(patch)
     out = dict(target) if isinstance(target, dict) else {}
     for k, v in patch.items():
         if v is None:
@@ -79,7 +100,13 @@ class Event:
 
 @dataclass
 class Store:
-    """The API server's state. ``latency`` gives each request's virtual delay (seeded)."""
+    """The API server's state. ``latency`` gives each request's virtual delay (seeded).
+
+    A stored document is never changed in place: every write stores a new one (sharing the
+    subtrees it leaves alone). So the explorer and its checks read them as they are
+    (``peek``, ``scan``, ``objects``, watch events), and only what the operator gets is
+    copied (``get``, ``list``, MemoryCluster; a delivered watch event). Writes answer with
+    the stored document too."""
 
     latency: Callable[[], float] = lambda: 0.0
     objects: dict[Key, dict[str, Any]] = field(default_factory=dict)
@@ -89,20 +116,27 @@ class Store:
         lambda kind, old, new: None
     )
     events: int = 0  # Events recorded (counted, not kept)
-    _rv: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # While a refit's status is written: the revision of the pod list it was decided from.
+    decided_from: int | None = None
+    revision: int = 0  # the last resourceVersion given out: the store's logical clock
     _uid: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     # ------------------------------------------------------------------ primitives
     def _next_rv(self) -> str:
-        return str(next(self._rv))
+        self.revision += 1
+        return str(self.revision)
 
     def get(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
         doc = self.objects.get((kind, ns, name))
-        return copy.deepcopy(doc) if doc is not None else None
+        return clone(doc) if doc is not None else None
+
+    def peek(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        """The stored document itself: read it, never change it."""
+        return self.objects.get((kind, ns, name))
 
     def _put(self, kind: str, doc: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-        meta = doc["metadata"]
-        meta["resourceVersion"] = self._next_rv()
+        meta = {**doc["metadata"], "resourceVersion": self._next_rv()}
+        doc = {**doc, "metadata": meta}  # its own metadata: ``old`` keeps its version
         key = (kind, meta["namespace"], meta["name"])
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             del self.objects[key]
@@ -116,8 +150,9 @@ class Store:
 
     def _notify(self, kind: str, etype: str, doc: dict[str, Any]) -> None:
         if kind == "WeightRefit":
+            event = Event(etype, doc)  # immutable: the deliverer copies what it hands over
             for feed in self.feeds:
-                feed.append(Event(etype, copy.deepcopy(doc)))
+                feed.append(event)
 
     def subscribe(self) -> list[Event]:
         feed: list[Event] = []
@@ -143,7 +178,7 @@ class Store:
         meta.update(namespace=ns, uid=uid, generation=1,
                     creationTimestamp=times.rfc3339(times.now()))  # fmt: skip
         self.created[uid] = len(self.created)
-        return copy.deepcopy(self._put(kind, copy.deepcopy(body), None))
+        return self._put(kind, clone(body), None)
 
     def patch(self, kind: str, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """A merge patch of the main resource (spec, labels, finalizers)."""
@@ -152,10 +187,17 @@ class Store:
             raise self._missing(kind, name)
         self._conflict(old, patch.get("metadata") or {})
         new = merge_patch(old, {k: v for k, v in patch.items() if k != "status"})
-        new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
         if new.get("spec") != old.get("spec"):
-            new["metadata"]["generation"] = int(old["metadata"].get("generation", 1)) + 1
-        return copy.deepcopy(self._put(kind, new, old))
+            generation = int(old["metadata"].get("generation", 1)) + 1
+            new["metadata"] = {**new["metadata"], "generation": generation}
+        return self._put(kind, new, old)
+
+    def remove(self, kind: str, ns: str, name: str) -> None:
+        """Gone at once, finalizers or not (the explorer's pod_replace)."""
+        old = self.objects.pop((kind, ns, name))
+        self._next_rv()
+        self.on_write(kind, old, None)
+        self._notify(kind, "DELETED", old)
 
     def delete(self, kind: str, ns: str, name: str) -> None:
         old = self.objects.get((kind, ns, name))
@@ -163,9 +205,8 @@ class Store:
             raise self._missing(kind, name)
         if old["metadata"].get("deletionTimestamp"):
             return
-        new = copy.deepcopy(old)
-        new["metadata"]["deletionTimestamp"] = times.rfc3339(times.now())
-        self._put(kind, new, old)
+        stamp = times.rfc3339(times.now())
+        self._put(kind, {**old, "metadata": {**old["metadata"], "deletionTimestamp": stamp}}, old)
 
     # -------------------------------------------------------------------- status
     def patch_pod_status(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -174,16 +215,16 @@ class Store:
             raise self._missing("Pod", name)
         meta = body.get("metadata") or {}
         self._conflict(old, meta)
-        new = copy.deepcopy(old)
+        new = dict(old)
         if "annotations" in meta:
-            notes = merge_patch(new["metadata"].get("annotations") or {}, meta["annotations"])
-            new["metadata"]["annotations"] = notes
+            notes = merge_patch(old["metadata"].get("annotations") or {}, meta["annotations"])
+            new["metadata"] = {**old["metadata"], "annotations": notes}
         status = dict(body.get("status") or {})
         conds = status.pop("conditions", None)
-        new["status"] = merge_patch(new.get("status") or {}, status)
+        new["status"] = merge_patch(old.get("status") or {}, status)
         if conds is not None:
             new["status"]["conditions"] = _conditions(new["status"].get("conditions") or [], conds)
-        return copy.deepcopy(self._put("Pod", new, old))
+        return self._put("Pod", new, old)
 
     def patch_refit_status(
         self, ns: str, name: str, status: dict[str, Any], rv: str
@@ -192,13 +233,16 @@ class Store:
         if old is None:
             raise self._missing("WeightRefit", name)
         self._conflict(old, {"resourceVersion": rv})
-        new = copy.deepcopy(old)
-        new["status"] = merge_patch(old.get("status") or {}, status)
-        return copy.deepcopy(self._put("WeightRefit", new, old))
+        new = {**old, "status": merge_patch(old.get("status") or {}, status)}
+        return self._put("WeightRefit", new, old)
 
-    def list(self, kind: str, ns: str | None) -> list[dict[str, Any]]:
+    def list(self, kind: str, ns: str | None) -> Docs:
+        return [clone(d) for d in self.scan(kind, ns)]
+
+    def scan(self, kind: str, ns: str | None) -> Docs:
+        """The stored documents themselves, by key: read them, never change them."""
         return [
-            copy.deepcopy(d)
+            d
             for (k, n, _), d in sorted(self.objects.items())
             if k == kind and (ns is None or n == ns)
         ]
@@ -243,9 +287,10 @@ class MemoryCluster(Cluster):
 
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
         await self._wait()
-        return [
+        LISTED_AT.set(self.store.revision)
+        return [  # PodView.from_pod copies what it keeps
             PodView.from_pod(d)
-            for d in self.store.list("Pod", namespace)
+            for d in self.store.scan("Pod", namespace)
             if labels_match(selector, d["metadata"].get("labels") or {})
         ]
 
@@ -259,7 +304,7 @@ class MemoryCluster(Cluster):
     async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
         self.before_write()
         await self._wait()  # sent: it lands even if the lease expires meanwhile
-        doc = self.store.patch_pod_status(namespace, name, copy.deepcopy(body))
+        doc = self.store.patch_pod_status(namespace, name, clone(body))
         return str(doc["metadata"]["resourceVersion"])
 
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -275,7 +320,11 @@ class MemoryCluster(Cluster):
     ) -> None:
         self.before_write()
         await self._wait()
-        self.store.patch_refit_status(namespace, name, copy.deepcopy(status), resource_version)
+        self.store.decided_from = LISTED_AT.get()
+        try:
+            self.store.patch_refit_status(namespace, name, clone(status), resource_version)
+        finally:
+            self.store.decided_from = None
 
     async def delete_refit(self, namespace: str, name: str) -> None:
         self.before_write()
@@ -294,6 +343,6 @@ class MemoryCluster(Cluster):
 
     async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
         await self._wait()
-        doc = self.store.get(kind, namespace, name)
+        doc = self.store.peek(kind, namespace, name)
         value = ((doc or {}).get("data") or {}).get(key)
         return value if isinstance(value, str) else None
