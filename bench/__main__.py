@@ -15,7 +15,10 @@ from typing import Any
 from bench.results import Metric, SuiteResult, loadavg, machine_info, write_result, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = ["scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast"]
+SUITES = [
+    "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
+    "explorer",
+]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
     "soak": "a long RL run: consecutive refits on one fleet (real API server + operator)",
@@ -24,6 +27,7 @@ TITLES = {
     "probe_cost": "probe tokens and time per pod vs the refit cycle",
     "memory": "vLLM worker RSS across consecutive refits",
     "broadcast": "broadcast vs checkpoint refit (real vLLM CPU); the transport vs raw TCP",
+    "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
 }
 
 
@@ -68,6 +72,10 @@ def run_one(
         from bench import broadcast
 
         return broadcast.suite(quick, log)
+    if name == "explorer":
+        from bench import explorer
+
+        return explorer.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

@@ -75,6 +75,23 @@ KNOWN_HOLES: dict[str, Hole] = {
         excludes=False,
         signature=r"^\[liveness\] .*; last pass: \S+ at \S+ \(Succeeded\), refit (Halted|gone)",
     ),
+    "convergence_failed_once": Hole(
+        200016,
+        frozenset(
+            "history_gc,load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,"
+            "pod_restart,refit_delete,refit_same_second,refit_spec_update,watch_coalesce,"
+            "watch_delay,worker_refusal,worker_timeout".split(",")
+        ),
+        "a restarted pod's convergence pass (its Succeeded refit bringing it back) is refused "
+        "once with retries 0 and fails; the refit never tries the pod again, so it stays out "
+        "of traffic after the fault is gone (fail closed, but for good: only a new refit "
+        "brings it back). The simulator's refusals are one-off where a real TensorMismatch "
+        "would repeat: whether a Succeeded refit should retry is the operator's call",
+        "issue 24: convergence of a restarted pod after one failed pass",
+        excludes=False,
+        signature=r"^\[liveness\] .*\(Ready=False\); its target is (\S+) at (\S+); "
+        r"last pass: \1 at \2 \(Failed\), refit Succeeded",
+    ),
 }
 EXCLUDED = frozenset(name for name, h in KNOWN_HOLES.items() if h.excludes)
 HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED)
