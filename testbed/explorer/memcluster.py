@@ -209,6 +209,16 @@ class Store:
         self._put(kind, {**old, "metadata": {**old["metadata"], "deletionTimestamp": stamp}}, old)
 
     # -------------------------------------------------------------------- status
+    def patch_status(self, kind: str, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A patch of the status subresource, as the API server takes it: pods/status takes
+        the status and metadata.annotations (a strategic merge), a WeightRefit's only the
+        status (a merge patch); both ignore the spec and the rest of the metadata, and both
+        are conditional on metadata.resourceVersion when it is given."""
+        if kind == "Pod":
+            return self.patch_pod_status(ns, name, body)
+        rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+        return self.patch_refit_status(ns, name, body.get("status") or {}, rv)
+
     def patch_pod_status(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         old = self.objects.get(("Pod", ns, name))
         if old is None:
