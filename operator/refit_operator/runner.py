@@ -273,7 +273,7 @@ async def execute_step(
     elif step == "ready":
         # The probe passed: vouch for this process's weights, so its readiness probe passes
         # (refit_worker.readiness); the pass's last record then sets the condition True.
-        await mark_ready(worker, progress.version, t_step)
+        await mark_ready(worker, progress.version, t_step, worker.probed_process)
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
@@ -363,10 +363,16 @@ async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> N
     await mark_ready(worker, progress.serving, t_step)
 
 
-async def mark_ready(worker: WorkerClient, version: str, t_step: float) -> None:
+async def mark_ready(
+    worker: WorkerClient, version: str, t_step: float, process: str | None = None
+) -> None:
     try:
-        await worker.mark_ready(version, timeout=t_step)
+        await worker.mark_ready(version, process=process, timeout=t_step)
     except WorkerError as e:
+        if e.code == contract.PROCESS_CHANGED:
+            # The container restarted after the probe: the process is not the one probed.
+            # Fail closed (it stays unready); the restart is the next pass's to handle.
+            raise StepFailed("ContainerRestarted", e.message, final=True) from e
         # A worker image from before /refit/ready (its readiness probe cannot wait for the
         # vouch either): nothing to do. Any other refusal is the step's failure.
         if (e.kind, e.status) != ("http", 404):
@@ -414,6 +420,9 @@ async def _probe(
     timeout = float(seq.probe_timeout_seconds)
     outcome: probe.ProbeOutcome | None = None
     try:
+        # The process probed: the vouch after a passed probe is bound to it, so a container
+        # that restarts in between is never vouched for on weights nobody probed.
+        worker.probed_process = await worker.process_identity(timeout=timeout)
         reference = await ctx.reference(progress.path, worker)
         # One request for every prompt: the probe's cost is then one forward pass's overhead.
         prompts = [list(p.token_ids) for p in reference.prompts]

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from testbed.explorer import Config, run_schedule
-from testbed.explorer.holes import HOLDING, KNOWN_HOLES, known, run_batch
+from testbed.explorer.holes import HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
 
 SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
 
@@ -58,6 +58,14 @@ def test_many_short_schedules_keep_the_invariants() -> None:
         f"{len(batch.failures)} schedules failed (seeds "
         f"{[r.config.seed for r in batch.failures]}); the first:\n{batch.failures[0].report()}"
     )
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_the_schedules_that_found_fixed_holes_hold(name: str) -> None:
+    classes, seeds = REGRESSIONS[name]
+    for seed in seeds:
+        result = run_schedule(Config(seed, classes))
+        assert result.ok, result.report()
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_HOLES))
