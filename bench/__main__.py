@@ -18,6 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
+    "explorer",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -28,6 +29,7 @@ TITLES = {
     "memory": "vLLM worker RSS across consecutive refits",
     "broadcast": "broadcast vs checkpoint refit (real vLLM CPU); the transport vs raw TCP",
     "startup": "vLLM imports and server starts with and without the venv's bytecode",
+    "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
 }
 
 
@@ -76,6 +78,10 @@ def run_one(
         from bench import startup
 
         return startup.suite(quick, log)
+    if name == "explorer":
+        from bench import explorer
+
+        return explorer.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

@@ -571,13 +571,21 @@ class SimServer:
 
     async def on_refit_ready(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         if request.method == "POST":  # a pass vouches (admitted by the guard's rules above)
+            raw = await request.read()
             try:
-                version = readiness.parse_vouch(await request.read())
+                version = readiness.parse_vouch(raw)
             except readiness.VouchError as exc:
                 return web.json_response(
                     readiness.vouch_error_body(str(exc)), status=readiness.BAD_REQUEST_STATUS
                 )
-            return web.json_response(pod.ready_mark.vouch(version))
+            try:
+                answer = pod.ready_mark.vouch(version, readiness.vouched_process(raw))
+            except readiness.VouchRefused as exc:
+                return web.json_response(
+                    readiness.vouch_refused_body(str(exc)),
+                    status=readiness.PROCESS_CHANGED_STATUS,
+                )
+            return web.json_response(answer)
         status, answer = pod.ready_mark.answer()
         return web.json_response(answer, status=status)
 

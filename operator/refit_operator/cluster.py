@@ -11,12 +11,11 @@ import base64
 import json
 import logging
 import secrets
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -105,7 +104,7 @@ def _record_body(progress: Progress, readiness: Readiness | None) -> dict[str, A
             "status": "True" if readiness.ready else "False",
             "reason": readiness.reason,
             "message": readiness.message[:1000],
-            "lastTransitionTime": rfc3339(time.time()),
+            "lastTransitionTime": rfc3339(times.now()),
         }
         body["status"] = {"conditions": [cond]}
     return body
@@ -160,12 +159,47 @@ class ClaimedPod:
             self.resource_version = now.resource_version
 
 
+class Kube(Protocol):
+    """What the engine and its passes ask of Kubernetes. :class:`Cluster` asks an API server;
+    the deterministic explorer's in-memory cluster (testbed/explorer) stands in for it, so an
+    Engine runs without a server."""
+
+    identity: str
+    before_write: Callable[[], None]  # called before every write (the lease check)
+
+    async def list_pods(self, namespace: str, selector: str) -> list[PodView]: ...
+    async def read_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    async def claim(
+        self,
+        namespace: str,
+        pod: PodView,
+        claim: Claim,
+        progress: Progress,
+        readiness: Readiness | None,
+    ) -> ClaimedPod: ...
+    async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None: ...
+    async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    async def list_refits(self, namespace: str | None) -> list[dict[str, Any]]: ...
+    async def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
+    ) -> None: ...
+    async def delete_refit(self, namespace: str, name: str) -> None: ...
+    async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None: ...
+    async def event(
+        self, namespace: str, involved: dict[str, Any], reason: str, message: str, etype: str
+    ) -> None: ...
+    async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None: ...
+
+
 @dataclass
 class Cluster:
     api_client: client.ApiClient
     identity: str = "refit-operator"
-    # Called before every write: raises when this replica may have lost its leadership.
-    before_write: Callable[[], None] = field(default=_no_check)
+
+    def __post_init__(self) -> None:
+        # Called before every write: raises when this replica may have lost its leadership.
+        # (Set here, not as a field, so that the Kube protocol may assign it.)
+        self.before_write: Callable[[], None] = _no_check
 
     # Typed as Any: with _preload_content=False the generated signatures no longer hold.
     @property
@@ -220,7 +254,7 @@ class Cluster:
         pass that claimed or recorded it since decides its readiness instead."""
         body = {"metadata": {"resourceVersion": pod.resource_version}, "status": {"conditions": [{
             "type": READINESS_GATE, "status": "False", "reason": reason,
-            "message": message[:1000], "lastTransitionTime": rfc3339(time.time()),
+            "message": message[:1000], "lastTransitionTime": rfc3339(times.now()),
         }]}}  # fmt: skip
         try:
             await self._patch_pod_status(namespace, pod.name, body)
@@ -323,7 +357,7 @@ class Cluster:
         """Best effort: a lost Event must never stop a refit."""
         self.before_write()
         meta = involved["metadata"]
-        now = rfc3339(time.time())
+        now = rfc3339(times.now())
         body = {
             "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": namespace},
             "involvedObject": {

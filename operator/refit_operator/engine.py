@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -21,7 +21,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo, Tran
 
 from . import history, metrics, plan, probe, reconcile, times
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
-from .cluster import AccessDenied, ClaimLost, Cluster, PodBusy
+from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
 from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
@@ -41,6 +41,11 @@ STOP_SECONDS = 5.0  # a cancelled pass runs only its cleanup; bounded all the sa
 ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
 RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
+
+
+# Makes one pod's client: (base_url, *, admin_token, api_key, timeout, fence, before_call), as
+# WorkerClient's constructor without its session.
+WorkerFactory = Callable[..., WorkerClient]
 
 
 @dataclass
@@ -104,13 +109,22 @@ def _replaced(driven: PodView | None, now: PodView) -> bool:
 class Engine:
     def __init__(
         self,
-        cluster: Cluster,
-        http: aiohttp.ClientSession,
+        cluster: Kube,
+        http: aiohttp.ClientSession | None,
         lease: Lease | None = None,
         policy: history.Policy | None = None,
+        *,
+        workers: WorkerFactory | None = None,
     ) -> None:
+        """``cluster``: Kubernetes (cluster.Cluster, or the explorer's in-memory one).
+        ``http``: worker.session(), one for every pod; ``workers`` makes each pod's client
+        (default: WorkerClient over ``http``; the explorer's talks to in-process workers)."""
         self.cluster = cluster
-        self.http = http  # worker.session(): one for every pod
+        self.http = http
+        if workers is None:
+            assert http is not None, "an Engine needs an HTTP session or a worker factory"
+            workers = partial(WorkerClient, http=http)
+        self.workers = workers
         self.lease = lease  # None: a single replica without election (tests of the engine)
         self.policy = policy or history.Policy()
         self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
@@ -156,7 +170,7 @@ class Engine:
             await self._try_stamp(doc["metadata"])
 
     def _stamp(self) -> str:
-        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        self._last_stamp = max(int(times.now() * 1e9), self._last_stamp + 1)
         return times.stamp(self._last_stamp)
 
     async def _write_stamp(self, namespace: str, uid: str) -> None:
@@ -224,7 +238,7 @@ class Engine:
         claims or its pods' target forever. One list of the namespace's refits (which history
         keeps few): every RESYNC_SECONDS, or every WAITING_RESYNC_SECONDS while a refit of the
         namespace waits for another one (a ghost may be what it waits for)."""
-        now = time.monotonic()
+        now = times.monotonic()
         last = self._resynced.get(namespace)
         every = WAITING_RESYNC_SECONDS if waiting else RESYNC_SECONDS
         if last is not None and now - last < every:
@@ -296,7 +310,7 @@ class Engine:
         refits = self.index.names(namespace)
         obs = Observed(
             refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
-            now=time.time(), previous=previous, vanished=vanished, refits=refits,
+            now=times.now(), previous=previous, vanished=vanished, refits=refits,
             broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
             elsewhere=await self._elsewhere(st, refits),
         )  # fmt: skip
@@ -405,12 +419,12 @@ class Engine:
         are grouped by the pods they share, so it lists the namespace's pods: at once when a
         refit has just ended, else (a dormant refit's tick, for TTLs) at most once every
         COLLECT_SECONDS per namespace."""
-        now = time.monotonic()
+        now = times.monotonic()
         if not ended and now - self._collected.get(namespace, -COLLECT_SECONDS) < COLLECT_SECONDS:
             return
         self._collected[namespace] = now
         pods = await self.cluster.list_pods(namespace, "")
-        for k in self.index.to_collect(namespace, self.policy, time.time(), pods):
+        for k in self.index.to_collect(namespace, self.policy, times.now(), pods):
             await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight
@@ -573,7 +587,7 @@ class Engine:
         # The one place a pod's client gets the token: never for a pod the Pod object does
         # not vouch for (the decisions call none; this holds if one ever did).
         token = st.token if pod.vetted else None
-        return WorkerClient(url, http=self.http, admin_token=token, api_key=st.api_key,
+        return self.workers(url, admin_token=token, api_key=st.api_key,
                             timeout=float(view.spec.sequence.step_timeout_seconds),
                             fence=fence, before_call=self.check)  # fmt: skip
 

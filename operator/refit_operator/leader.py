@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -114,7 +113,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise unless the lease is certainly still ours (see the module docstring)."""
-        if self.lost.is_set() or time.monotonic() >= self.valid_until:
+        if self.lost.is_set() or times.monotonic() >= self.valid_until:
             self.lost.set()
             raise LeadershipLost(
                 f"{self.identity}: the leader lease may have expired; stopping before acting"
@@ -160,13 +159,13 @@ class Lease:
         return doc
 
     async def try_acquire(self) -> bool:
-        sent = time.monotonic()  # the deadline counts from before the request left
+        sent = times.monotonic()  # the deadline counts from before the request left
         old = await self._read(self.namespace, self.name)
         version = old["metadata"].get("resourceVersion") if old else None
         unchanged = self.observer.unchanged_for(
-            (self.namespace, self.name), version, time.monotonic()
+            (self.namespace, self.name), version, times.monotonic()
         )
-        now = time.time()  # renewTime: for people; no replica judges the Lease by it
+        now = times.now()  # renewTime: for people; no replica judges the Lease by it
         try:
             if old is None:
                 body = self._body(None, now)
@@ -208,7 +207,7 @@ class Lease:
                 alive |= {h for h in holders if h[0] == lease}
                 continue
             version = doc["metadata"].get("resourceVersion") if doc else None
-            unchanged = self.observer.unchanged_for((namespace, name), version, time.monotonic())
+            unchanged = self.observer.unchanged_for((namespace, name), version, times.monotonic())
             spec = (doc.get("spec") or {}) if doc else None
             alive |= {
                 h for h in holders
@@ -243,7 +242,7 @@ class Lease:
             # Renewing often leaves slack between a renewal and the deadline: a busy event
             # loop that renews late must not trip check() (a sixth: 1.5 s of slack at 3 s).
             await asyncio.sleep(max(self.duration / 6, 0.25))
-            if time.monotonic() >= self.valid_until:
+            if times.monotonic() >= self.valid_until:
                 # Frozen past the deadline: another replica may lead now. Renewing would
                 # hide that; stop instead.
                 log.error("leader lease deadline passed before renewal (process paused?)")
@@ -256,5 +255,5 @@ class Lease:
                 self.lost.set()
             except Exception as e:
                 log.warning("leader lease renewal failed: %s", e)
-                if time.monotonic() >= self.valid_until:
+                if times.monotonic() >= self.valid_until:
                     self.lost.set()

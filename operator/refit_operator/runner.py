@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
-from . import metrics, podflow, probe
+from . import metrics, podflow, probe, times
 from .api import Broadcast, Sequence, WeightRefitSpec
-from .cluster import ClaimedPod, ClaimLost, Cluster
+from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
 from .reconcile import PodStart, admission_problem
 from .rounds import Rounds, TrainerTimeout
@@ -54,7 +53,7 @@ class BroadcastSource:
 class PassContext:
     """What one pass needs beyond the pod: shared by all passes of one reconcile loop."""
 
-    cluster: Cluster
+    cluster: Kube
     namespace: str
     refit_doc: dict[str, object]  # for Events
     refit_name: str
@@ -118,7 +117,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         # serving them: it leaves traffic in the pass's first write, and has none to go back to.
         serving = pod.serving if start.keep_serving else ""
         progress = podflow.start(
-            ctx.refit_name, ctx.refit_uid, start.version, start.path, time.time(),
+            ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
             serving=serving, serving_path=pod.serving_path,
             source="checkpoint" if start.path else "broadcast",
@@ -133,7 +132,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
             progress = podflow.step_failed(
-                progress, progress.step, *refused, time.time(), retries=0, final=True
+                progress, progress.step, *refused, times.now(), retries=0, final=True
             )
             handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
             ctx.live[pod.name] = progress
@@ -152,11 +151,11 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
     ctx.live[pod.name] = progress
     while True:
-        action = podflow.next_action(progress, time.time())
+        action = podflow.next_action(progress, times.now())
         if isinstance(action, Finished):
             return progress
         if isinstance(action, WaitUntil):
-            await asyncio.sleep(max(0.0, action.at - time.time()))
+            await asyncio.sleep(max(0.0, action.at - times.now()))
             continue
         assert isinstance(action, RunStep)
         before = progress
@@ -193,7 +192,7 @@ async def _run_step(
     resumed: bool,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
-    began = time.monotonic()
+    began = times.monotonic()
     note = ""
     try:
         if step == "probe":
@@ -209,9 +208,9 @@ async def _run_step(
         elif step == podflow.RESTORE:
             await _restore(worker, ctx.spec.sequence, progress)
             metrics.step_finished(
-                ctx.namespace, ctx.fleet, step, "success", time.monotonic() - began
+                ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
             )
-            return podflow.restored(progress, time.time())
+            return podflow.restored(progress, times.now())
         else:
             if step == "drain":
                 await _wait_out_of_endpoints(ctx, pod)
@@ -223,26 +222,26 @@ async def _run_step(
         # A broadcast round cannot be repeated by one pod alone: its pass ends here.
         final = final or step == "receive"
         result = "timeout" if e.kind == "timeout" else "failure"
-        metrics.step_finished(ctx.namespace, ctx.fleet, step, result, time.monotonic() - began)
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, result, times.monotonic() - began)
         await _event(ctx, "PodStepRetry" if not final else "PodStepFailed",
                      f"pod {pod.name}: {step}: {reason}: {e.message}", "Warning")  # fmt: skip
         return podflow.step_failed(
-            progress, step, reason, e.message, time.time(), retries=retries, final=final
+            progress, step, reason, e.message, times.now(), retries=retries, final=final
         )
     except StepFailed as e:
-        metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", time.monotonic() - began)
+        metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", times.monotonic() - began)
         await _event(
             ctx, "PodStepFailed" if e.final else "PodStepRetry",
             f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning",
         )  # fmt: skip
         return podflow.step_failed(
-            progress, step, e.reason, e.message, time.time(), retries=retries, final=e.final
+            progress, step, e.reason, e.message, times.now(), retries=retries, final=e.final
         )
-    seconds = time.monotonic() - began
+    seconds = times.monotonic() - began
     metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
     if note:
         progress = replace(progress, staging=note)
-    return podflow.step_done(progress, step, seconds, time.time())
+    return podflow.step_done(progress, step, seconds, times.now())
 
 
 async def execute_step(
@@ -287,7 +286,7 @@ async def execute_step(
     elif step == "ready":
         # The probe passed: vouch for this process's weights, so its readiness probe passes
         # (refit_worker.readiness); the pass's last record then sets the condition True.
-        await mark_ready(worker, progress.version, t_step)
+        await mark_ready(worker, progress.version, t_step, worker.probed_process)
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
@@ -377,10 +376,16 @@ async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> N
     await mark_ready(worker, progress.serving, t_step)
 
 
-async def mark_ready(worker: WorkerClient, version: str, t_step: float) -> None:
+async def mark_ready(
+    worker: WorkerClient, version: str, t_step: float, process: str | None = None
+) -> None:
     try:
-        await worker.mark_ready(version, timeout=t_step)
+        await worker.mark_ready(version, process=process, timeout=t_step)
     except WorkerError as e:
+        if e.code == contract.PROCESS_CHANGED:
+            # The container restarted after the probe: the process is not the one probed.
+            # Fail closed (it stays unready); the restart is the next pass's to handle.
+            raise StepFailed("ContainerRestarted", e.message, final=True) from e
         # A worker image from before /refit/ready (its readiness probe cannot wait for the
         # vouch either): nothing to do. Any other refusal is the step's failure.
         if (e.kind, e.status) != ("http", 404):
@@ -394,7 +399,7 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
     comes before the probe: sent after the condition went False they would meet the new,
     unprobed weights. A pod without a Ready condition (no kubelet) has nothing to wait for."""
     limit = float(ctx.spec.sequence.drain_timeout_seconds)
-    deadline = time.monotonic() + limit
+    deadline = times.monotonic() + limit
     while True:
         doc = await ctx.cluster.read_pod(ctx.namespace, pod.name)
         if doc["metadata"].get("uid") != pod.uid:
@@ -402,7 +407,7 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
         conds = {c.get("type"): c for c in (doc.get("status") or {}).get("conditions") or []}
         if conds.get("Ready", {}).get("status") != "True":
             return
-        if time.monotonic() >= deadline:
+        if times.monotonic() >= deadline:
             raise StepFailed(
                 "DrainTimeout",
                 f"the pod is still Ready {limit:.0f}s after its readiness condition was set "
@@ -412,12 +417,12 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
 
 
 async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:
-    deadline = time.monotonic() + limit
+    deadline = times.monotonic() + limit
     while True:
         left = await worker.requests_in_flight(timeout=t_step)
         if left == 0:
             return
-        if time.monotonic() >= deadline:
+        if times.monotonic() >= deadline:
             raise StepFailed("DrainTimeout", f"{left} requests still in flight after {limit:.0f}s")
         await asyncio.sleep(DRAIN_POLL_SECONDS)
 
@@ -426,10 +431,13 @@ async def _probe(
     ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress
 ) -> Progress:
     seq, thresholds = ctx.spec.sequence, ctx.spec.probe.thresholds
-    began = time.monotonic()
+    began = times.monotonic()
     timeout = float(seq.probe_timeout_seconds)
     outcome: probe.ProbeOutcome | None = None
     try:
+        # The process probed: the vouch after a passed probe is bound to it, so a container
+        # that restarts in between is never vouched for on weights nobody probed.
+        worker.probed_process = await worker.process_identity(timeout=timeout)
         reference = await ctx.reference(progress.path, worker)
         # One request for every prompt: the probe's cost is then one forward pass's overhead.
         prompts = [list(p.token_ids) for p in reference.prompts]
@@ -448,17 +456,17 @@ async def _probe(
         elif progress.attempts < seq.retries:
             reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
             metrics.step_finished(
-                ctx.namespace, ctx.fleet, "probe", "failure", time.monotonic() - began
+                ctx.namespace, ctx.fleet, "probe", "failure", times.monotonic() - began
             )
             return podflow.step_failed(
-                progress, "probe", reason, e.message, time.time(), retries=seq.retries
+                progress, "probe", reason, e.message, times.now(), retries=seq.retries
             )
         else:
             reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
             outcome = probe.inconclusive(reason, e.message)
     if outcome is None:
         outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
-    seconds = time.monotonic() - began
+    seconds = times.monotonic() - began
     metrics.step_finished(
         ctx.namespace,
         ctx.fleet,
@@ -472,10 +480,10 @@ async def _probe(
     )  # fmt: skip
     record = outcome.to_status().dump()
     progress = podflow.probe_judged(
-        progress, outcome.verdict, outcome.reason, outcome.message, record, time.time()
+        progress, outcome.verdict, outcome.reason, outcome.message, record, times.now()
     )
     if outcome.verdict == "Pass":
-        return podflow.step_done(progress, "probe", seconds, time.time())
+        return podflow.step_done(progress, "probe", seconds, times.now())
     return progress
 
 

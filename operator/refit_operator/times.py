@@ -1,12 +1,15 @@
 """Kubernetes timestamps (RFC 3339, UTC): the one place they are written and parsed, and the
-one order of WeightRefits by creation (which of two is newer). Pure."""
+one order of WeightRefits by creation (which of two is newer); and the operator's clock, one
+seam that a deterministic test replaces with virtual time. Pure."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import time as _time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from refit_worker.contract import API_GROUP
 
@@ -77,3 +80,35 @@ def order_key(order: str, name: str) -> tuple[str, str]:
     """The one key every comparison of WeightRefits by age uses: creation order, then the
     name, only for two refits whose stamps tie (or that have none in the same second)."""
     return (order, name)
+
+
+class Clock(Protocol):
+    """Where the operator reads the time: the system's, or a test's virtual clock."""
+
+    def time(self) -> float: ...  # seconds since the epoch (timestamps, deadlines in records)
+
+    def monotonic(self) -> float: ...  # for durations and local deadlines
+
+
+_clock: Clock = _time  # the module `time` has both functions
+
+
+def now() -> float:
+    """Seconds since the epoch, from the operator's clock (time.time() in production)."""
+    return _clock.time()
+
+
+def monotonic() -> float:
+    """The operator's monotonic clock (time.monotonic() in production)."""
+    return _clock.monotonic()
+
+
+@contextmanager
+def using(clock: Clock) -> Iterator[None]:
+    """Run the operator on ``clock`` (the deterministic explorer's virtual time) meanwhile."""
+    global _clock
+    before, _clock = _clock, clock
+    try:
+        yield
+    finally:
+        _clock = before

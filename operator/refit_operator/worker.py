@@ -206,6 +206,9 @@ class WorkerClient:
         self._fence = None if fence is None else format_fence(fence)  # ValueError if invalid
         self._before_call = before_call
         self._model: str | None = None
+        # The process whose weights the pass probed (GET /refit/ready, read before the
+        # probe): the vouch is bound to it. None: not read, or a worker without it.
+        self.probed_process: str | None = None
 
     # --- transport -----------------------------------------------------------------
     async def _request(
@@ -216,6 +219,7 @@ class WorkerClient:
         timeout: float | None,
         params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
         json: Any = None,
+        accept: frozenset[int] = frozenset(),
     ) -> Answer:
         if self._before_call is not None:
             self._before_call()  # may raise: the caller must not act; nothing is sent
@@ -258,7 +262,7 @@ class WorkerClient:
             raise WorkerError("connect", f"{where}: connection lost: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise WorkerError("connect", f"{where}: transport failed: {exc!r}") from exc
-        if 200 <= answer.status < 300:
+        if 200 <= answer.status < 300 or answer.status in accept:
             return answer
         text = answer.text
         if answer.status == 409:
@@ -418,13 +422,38 @@ class WorkerClient:
         )
         self._expect(doc, "new_version", version, "update_weight_version")
 
-    async def mark_ready(self, version: str, *, timeout: float | None = None) -> None:
+    async def mark_ready(
+        self, version: str, *, process: str | None = None, timeout: float | None = None
+    ) -> None:
         """Vouch for the process's weights (``POST /refit/ready``, refit_worker.readiness):
-        from now on its readiness probe passes. Only after a passed probe."""
-        doc = await self._json(
-            "POST", contract.READY_PATH, timeout=timeout, json={"version": version}
-        )
+        from now on its readiness probe passes. Only after a passed probe, bound to the
+        ``process`` probed (a pod whose process is another one refuses: WorkerError with
+        code ProcessChanged)."""
+        body = {"version": version} if process is None else {"version": version,
+                                                              "process": process}  # fmt: skip
+        try:
+            doc = await self._json("POST", contract.READY_PATH, timeout=timeout, json=body)
+        except WorkerError as e:
+            if e.status == 409 and contract.PROCESS_CHANGED in e.message:
+                raise WorkerError(
+                    "rejected", e.message, status=409, code=contract.PROCESS_CHANGED
+                ) from e
+            raise
         self._expect(doc, "version", version, "refit/ready")
+
+    async def process_identity(self, *, timeout: float | None = None) -> str | None:
+        """The pod process's identity (``GET /refit/ready``, open, vouched for or not);
+        None from a worker image without one."""
+        answer = await self._request("GET", contract.READY_PATH, timeout=timeout,
+                                     accept=frozenset({404, 503}))  # fmt: skip
+        if answer.status == 404:
+            return None
+        try:
+            doc = answer.json()
+        except ValueError:
+            return None
+        process = doc.get("process") if isinstance(doc, dict) else None
+        return process if isinstance(process, str) and process else None
 
     async def weight_version(self, *, timeout: float | None = None) -> str:
         doc = await self._json("GET", "/weight_info", timeout=timeout)

@@ -67,7 +67,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(leader.time, "monotonic", c)
+    monkeypatch.setattr(leader.times, "monotonic", c)
     return c
 
 

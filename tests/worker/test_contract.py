@@ -132,6 +132,9 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
                 if enums:
                     seen.append(("values", enums))
 
+        async def bound_vouch(client: WorkerClient) -> None:
+            await client.mark_ready(VERSION, process=await client.process_identity())
+
         async def ready() -> int:  # the kubelet's readiness probe: no credentials
             async with http.get(target.base_url + contract.READY_PATH) as r:
                 return r.status
@@ -161,8 +164,12 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             ready,  # still 503: loaded and stamped, not vouched for
             lambda: admin.mark_ready(""),  # 400
             lambda: anonymous.mark_ready(VERSION),  # 401
+            admin.process_identity,  # this process, vouched for or not
+            lambda: admin.mark_ready(VERSION, process="another-process"),  # 409 ProcessChanged
+            ready,  # still 503
             lambda: admin.mark_ready(VERSION),
             ready,  # 200
+            lambda: bound_vouch(admin),  # bound to this process: admitted
             admin.weight_version,
             lambda: admin.score(token_ids),
             admin.requests_in_flight,
@@ -245,12 +252,15 @@ def test_simulator_answers_with_the_real_shapes(
     rejected = [o[3] for o in observed_real if o[:2] == ("error", "rejected")]
     assert rejected == [
         "ManifestMismatch",
+        "ProcessChanged",  # a vouch bound to another process than the pod's
         "CheckpointMissing",
         "PathNotAllowed",
         "ManifestMismatch",
     ]
     readiness = [o[3] for o in observed_real if o[:3] == ("http", "GET", contract.READY_PATH)]
-    assert readiness == [503, 503, 200]
+    # the kubelet's probes, and the process identity read before the vouches: 503 until the
+    # (unbound) vouch, then 200
+    assert readiness == [503, 503, 503, 503, 200, 200]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
     assert len(unauthorized) == 4
     batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]

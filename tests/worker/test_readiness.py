@@ -10,7 +10,13 @@ import httpx
 import pytest
 from refit_worker.contract import READY_PATH
 from refit_worker.guard import AdminGuard, Receive, Scope, Send
-from refit_worker.readiness import ReadyMark, VouchError, parse_vouch
+from refit_worker.readiness import (
+    ReadyMark,
+    VouchError,
+    VouchRefused,
+    parse_vouch,
+    vouched_process,
+)
 
 AUTH = {"Authorization": "Bearer s3cret"}
 
@@ -134,16 +140,44 @@ async def test_a_new_guard_is_a_new_process_without_the_mark(pod: Pod) -> None:
         assert (await c2.get(READY_PATH)).status_code == 503
 
 
+async def test_a_vouch_bound_to_another_process_is_refused_and_changes_nothing(pod: Pod) -> None:
+    """The container restarted between the pass's probe and its vouch: the new process is not
+    the one probed (its boot weights were never probed), so it refuses and stays unready."""
+    guard, vllm, c = pod
+    async with c:
+        probed = (await c.get(READY_PATH)).json()["process"]
+        assert probed == guard.ready_mark.process
+        guard.ready_mark.reset()  # as a restart: another process
+        r = await c.post(READY_PATH, json={"version": "v1", "process": probed}, headers=AUTH)
+        assert r.status_code == 409
+        assert r.json()["error"]["code"] == "ProcessChanged"
+        assert (await c.get(READY_PATH)).status_code == 503
+        now = (await c.get(READY_PATH)).json()["process"]
+        assert now != probed
+        r = await c.post(READY_PATH, json={"version": "v1", "process": now}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["process"] == now
+        assert (await c.get(READY_PATH)).status_code == 200
+    assert vllm.reached == []
+
+
 def test_ready_mark_and_parse() -> None:
     mark = ReadyMark()
     assert not mark.ready and mark.answer()[0] == 503
+    assert mark.answer()[1]["process"] == mark.process
     assert mark.vouch("b")["version"] == "b"
     assert mark.ready and mark.answer() == (
         200,
-        {"ready": True, "version": "b", "vouchedAt": mark.at},
+        {"ready": True, "version": "b", "vouchedAt": mark.at, "process": mark.process},
     )
+    with pytest.raises(VouchRefused):
+        mark.vouch("c", "another-process")
+    assert mark.version == "b"
+    assert mark.vouch("c", mark.process)["version"] == "c"
+    before = mark.process
     mark.reset()
-    assert not mark.ready
+    assert not mark.ready and mark.process != before
+    assert vouched_process(b'{"version": "v9", "process": "p1"}') == "p1"
+    assert vouched_process(b'{"version": "v9"}') is None
     assert parse_vouch(b'{"version": "v9", "extra": 1}') == "v9"
     with pytest.raises(VouchError):
         parse_vouch(b"null")

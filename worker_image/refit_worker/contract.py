@@ -72,6 +72,9 @@ TRANSFER_BACKEND = "refit-gloo"
 FENCE_HEADER = "X-Refit-Fence"
 # The refusal's code: HTTP 409, body {"error": {"code": "StaleFence", "message": "..."}}.
 STALE_FENCE = "StaleFence"
+# The 409 code of a POST /refit/ready bound to another process than the pod's (the container
+# restarted between the probe and the vouch): refit_worker.readiness.
+PROCESS_CHANGED = "ProcessChanged"
 
 # --- Files a trainer writes into a checkpoint directory ---
 MANIFEST_FILE = "refit-manifest.json"

@@ -186,8 +186,13 @@ class AdminGuard:
             version = readiness.parse_vouch(body)
         except readiness.VouchError as exc:
             return readiness.BAD_REQUEST_STATUS, readiness.vouch_error_body(str(exc))
+        try:
+            answer = self.ready_mark.vouch(version, readiness.vouched_process(body))
+        except readiness.VouchRefused as exc:
+            log.warning("refit: a vouch for weights %s refused: %s", version, exc)
+            return readiness.PROCESS_CHANGED_STATUS, readiness.vouch_refused_body(str(exc))
         log.info("refit: a pass vouched for weights %s: ready", version)
-        return 200, self.ready_mark.vouch(version)
+        return 200, answer
 
     def _fence(self, scope: Scope) -> tuple[int, dict[str, Any]] | None:
         """None to admit an authorized state-changing request, else (status, JSON body)."""

@@ -8,9 +8,14 @@ and with ``/health`` as its readiness probe the pod is back in endpoints until t
 notices the restart. This probe closes that window from the process's side:
 
 - ``GET /refit/ready`` (open, for the kubelet): 503 until a refit pass vouched for the
-  weights of *this* process, then 200 with the version it vouched for.
-- ``POST /refit/ready`` ``{"version": "<v>"}`` (admin token, fenced like every admin POST):
-  the pass vouches, once its probe passed and right before it sets the condition True.
+  weights of *this* process, then 200 with the version it vouched for. Both answers name the
+  process (``process``: a random identity drawn when the process starts).
+- ``POST /refit/ready`` ``{"version": "<v>", "process": "<id>"}`` (admin token, fenced like
+  every admin POST): the pass vouches, once its probe passed and right before it sets the
+  condition True. ``process`` is the identity the pass read before it probed: a process that
+  is not that one (the container restarted between the probe and the vouch, and the new
+  process serves its boot weights) refuses the vouch, 409 ``ProcessChanged``, and stays
+  unready; the pass fails closed, and the restart is the next pass's to handle.
 
 Why after the probe and not at the stamp: the kubelet computes a pod's Ready from the gate
 condition it last saw, and while a container is unready it does not refresh that view when
@@ -34,18 +39,24 @@ the simulated worker (testbed/simworker.py) with the same class.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from typing import Any
 
-from refit_worker.contract import bad_request_body
+from refit_worker.contract import PROCESS_CHANGED, bad_request_body
 
 NOT_READY_STATUS = 503
 BAD_REQUEST_STATUS = 400
+PROCESS_CHANGED_STATUS = 409
 MAX_VERSION_CHARS = 256
 
 
 class VouchError(ValueError):
     """A malformed ``POST /refit/ready`` body; the message says what is wrong."""
+
+
+class VouchRefused(Exception):
+    """A vouch for another process than this one (ProcessChanged)."""
 
 
 def parse_vouch(body: bytes) -> str:
@@ -62,19 +73,34 @@ def parse_vouch(body: bytes) -> str:
     return version
 
 
+def vouched_process(body: bytes) -> str | None:
+    """The process a (well-formed) vouch is bound to; None when it names none (an operator
+    from before the binding)."""
+    doc = json.loads(body)
+    process = doc.get("process") if isinstance(doc, dict) else None
+    return process if isinstance(process, str) and process else None
+
+
 class ReadyMark:
     """Whether, and for which version, a refit pass vouched for this process's weights."""
 
     def __init__(self) -> None:
         self.version: str | None = None  # None: no pass vouched in this process
         self.at: float | None = None  # epoch seconds of the last vouch
+        self.process = secrets.token_hex(8)  # this process, as GET /refit/ready names it
 
     @property
     def ready(self) -> bool:
         return self.version is not None
 
-    def vouch(self, version: str) -> dict[str, Any]:
-        """Record a pass's vouch; the JSON answer to its POST."""
+    def vouch(self, version: str, process: str | None = None) -> dict[str, Any]:
+        """Record a pass's vouch; the JSON answer to its POST. VouchRefused when the pass
+        probed another process than this one."""
+        if process is not None and process != self.process:
+            raise VouchRefused(
+                f"the pass probed process {process}, this is process {self.process} (the "
+                "container restarted since): its weights were never probed"
+            )
         self.version, self.at = version, time.time()
         return self.answer()[1]
 
@@ -85,12 +111,24 @@ class ReadyMark:
                 "ready": False,
                 "reason": "NotVouched",
                 "message": "no refit pass has probed the weights of this process yet",
+                "process": self.process,
             }
-        return 200, {"ready": True, "version": self.version, "vouchedAt": self.at}
+        return 200, {
+            "ready": True,
+            "version": self.version,
+            "vouchedAt": self.at,
+            "process": self.process,
+        }
 
     def reset(self) -> None:
-        """Forget the mark (a restarted process starts without one)."""
+        """Forget the mark: a restarted process starts without one, as another process."""
         self.version = self.at = None
+        self.process = secrets.token_hex(8)
+
+
+def vouch_refused_body(message: str) -> dict[str, Any]:
+    """The 409 that refuses a vouch for another process."""
+    return {"error": {"code": PROCESS_CHANGED, "message": message}}
 
 
 def vouch_error_body(message: str) -> dict[str, Any]:

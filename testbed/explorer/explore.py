@@ -1,0 +1,571 @@
+"""The deterministic fault explorer: the operator's real Engine (ticks, passes, claims,
+fencing, the index, history collection) against an in-memory cluster and in-process
+simulated workers, on virtual time, with every choice made by one seeded ``random.Random``.
+
+A schedule is ``steps`` choices among: a replica ticks a refit (as kopf's daemon would), time
+passes, a replica's watch delivers its events, and faults of the enabled classes (CLASSES).
+After every choice the invariants are checked (invariants.py); then faults stop, and every
+pod must reach its target within a bound (liveness); then nothing the engines keep may
+outlive the refits that exist. Same seed and classes, same trace, byte for byte: a failing
+schedule replays with ``python -m testbed.explorer --seed N --classes ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
+from refit_operator import history, times
+from refit_operator.engine import Engine
+from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
+from refit_operator.leader import LeadershipLost
+from refit_operator.worker import WorkerClient
+from refit_worker.checkpoint import manifest as checkpoint_manifest
+from refit_worker.checkpoint import staging as checkpoint_staging
+from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
+
+from . import invariants
+from .memcluster import Event, MemoryCluster, Store, clone, pod_body, refit_body
+from .vtime import Stalled, VirtualClock, VirtualLoop
+from .workers import ExplorerSimServer, InProcessSession, checkpoints
+
+NS = "fleet"
+FLEET = {"app": "rollout"}
+ELSEWHERE = {"app": "elsewhere"}
+VERSIONS = [f"v{i}" for i in range(1, 9)]
+ROOT = Path(tempfile.gettempdir()) / "refit-explorer-checkpoints"
+
+# Fault classes, each switchable. Sieve's three perturbations are here as the watch classes
+# (unobserved: drop, coalesce; stale: delay) and operator restarts (intermediate states: a
+# crash after any write, since a restart cancels the passes wherever they are).
+CLASSES = (
+    "worker_refusal",  # a load or preflight refused with a contract code, model untouched
+    "load_touched",  # LoadFailed after the load touched the model
+    "worker_timeout",  # an answer later than the client waits (the work goes on), or never
+    "worker_crash",  # the process dies mid-call; the kubelet restarts the container later
+    "pod_restart",  # the container restarts between calls
+    "pod_relabel",  # a pod leaves the fleet's selector, or joins it
+    "pod_replace",  # a pod is deleted and created again under the same name
+    "pod_ip_change",  # the pod's sandbox is recreated: a new IP, a fresh process
+    "refit_same_second",  # two refits created in one second, names against creation order
+    "refit_delete",  # a refit deleted by hand (its finalizer runs)
+    "refit_spec_update",  # spec.sequence changed mid-refit
+    "history_gc",  # a small history limit: finished refits are collected
+    "operator_restart",  # an operator process dies and a new one takes over
+    "two_installations",  # a second operator installation drives the same fleet
+    "watch_delay",  # watch events arrive late (stale index)
+    "watch_drop",  # a watch event is lost (the next relist is all that recovers it)
+    "watch_coalesce",  # only the newest event of an object arrives
+)
+
+
+@dataclass
+class Config:
+    seed: int
+    classes: frozenset[str] = frozenset()
+    steps: int = 40
+    pods: int = 3
+    max_refits: int = 4
+    liveness_seconds: float = 900.0  # virtual seconds after faults stop
+
+    def __post_init__(self) -> None:
+        unknown = set(self.classes) - set(CLASSES)
+        if unknown:
+            raise ValueError(f"unknown fault classes {sorted(unknown)}; known: {CLASSES}")
+
+
+@dataclass
+class Result:
+    config: Config
+    trace: list[str]
+    violations: list[invariants.Violation]
+    steps: int = 0
+    checks: int = 0
+    virtual_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256("\n".join(self.trace).encode()).hexdigest()[:16]
+
+    def replay(self) -> str:
+        classes = ",".join(sorted(self.config.classes)) or "none"
+        return (
+            f"python -m testbed.explorer --seed {self.config.seed} --classes {classes} "
+            f"--steps {self.config.steps} --pods {self.config.pods}"
+        )
+
+    def report(self, tail: int = 60) -> str:
+        lines = [f"seed {self.config.seed}: {len(self.violations)} violation(s)"]
+        lines += [f"  {v}" for v in self.violations]
+        lines.append(f"replay: {self.replay()}")
+        lines.append(f"trace (last {tail} of {len(self.trace)}):")
+        lines += ["  " + t for t in self.trace[-tail:]]
+        return "\n".join(lines)
+
+
+@dataclass
+class Replica:
+    """One operator process: its engine, its view of the API server, kopf's daemons."""
+
+    name: str
+    engine: Engine
+    feed: list[Event]
+    daemons: dict[str, str] = field(default_factory=dict)  # refit name -> uid (kopf's view)
+    ticking: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    held: list[Event] = field(default_factory=list)  # delayed watch events
+    due: dict[str, float] = field(default_factory=dict)  # refit name -> next daemon tick
+
+
+class Explorer:
+    def __init__(self, config: Config, clock: VirtualClock) -> None:
+        self.cfg = config
+        self.rng = random.Random(config.seed)
+        self.on = config.classes
+        self.trace: list[str] = []
+        self.clock = clock
+        self.store = Store(latency=self._api_latency)
+        self.ckpt = checkpoints(ROOT, VERSIONS)
+        self.ips = (f"10.0.{i // 250}.{i % 250 + 1}" for i in range(10_000))
+        self.sim = ExplorerSimServer([], str(ROOT), None)
+        self.sim.latency = self._worker_latency
+        self.session = InProcessSession(self.sim)
+        self.replicas: list[Replica] = []
+        self.processes = 0
+        self.refits = 0
+        self.faulting = True
+        self.checker = invariants.Checker(self.store, self.sim, self._note)
+        self.store.on_write = self.checker.on_write
+        self.sim.on_call = self.checker.on_call
+        self.sim.on_restart = self._kubelet_restarted
+        self.sim.on_crash = self._kubelet_crashed
+        limit = self.rng.choice([0, 1, 2]) if "history_gc" in self.on else 10
+        self.policy = history.Policy(limit)
+
+    # ------------------------------------------------------------------ randomness
+    def _api_latency(self) -> float:
+        return self.rng.choice((0.0, 0.0, 0.001, 0.005, 0.02))
+
+    def _worker_latency(self, step: str) -> float:
+        return self.rng.choice((0.001, 0.01, 0.05)) + (0.5 if step == RPC_LOAD else 0.0)
+
+    def _note(self, line: str) -> None:
+        self.trace.append(f"{self.clock.elapsed:9.3f} {line}")
+
+    # ------------------------------------------------------------------- the world
+    def _new_pod_process(self) -> str:
+        ip = next(self.ips)
+        self.sim.add_pod(ip)
+        return ip
+
+    def _create_pod(self, name: str, labels: dict[str, str]) -> None:
+        ip = self._new_pod_process()
+        self.store.create("Pod", NS, pod_body(name, ip, labels))
+        self._note(f"pod {name} created at {ip}")
+
+    def _spec(self, version: str) -> dict[str, Any]:
+        r = self.rng
+        return {
+            "fleet": {"selector": {"matchLabels": dict(FLEET)}, "port": 8000},
+            "checkpoint": {"path": self.ckpt[version], "version": version},
+            "sequence": {
+                "sleepLevel": r.choice([0, 1]),
+                "drainMode": "abort",
+                "stepTimeoutSeconds": 5,
+                "drainTimeoutSeconds": 5,
+                "loadTimeoutSeconds": 10,
+                "probeTimeoutSeconds": 5,
+                "totalTimeoutSeconds": 600,
+                "retries": 2,
+            },
+            "strategy": r.choice([{"type": "AllAtOnce"}, {"type": "Rolling", "maxUnavailable": 1}]),
+            "onFailure": r.choice(["Halt", "Rollback"]),
+        }
+
+    def _create_refit(self, name: str | None = None) -> None:
+        version = VERSIONS[self.refits % len(VERSIONS)]
+        self.refits += 1
+        name = name or f"wr-{self.refits:03d}"
+        doc = self.store.create("WeightRefit", NS, refit_body(name, self._spec(version)))
+        self._note(f"refit {name} created ({version}, {doc['metadata']['uid']})")
+
+    def _replica(self, installation: str) -> Replica:
+        self.processes += 1
+        name = f"{installation}-{self.processes}"
+        cluster = MemoryCluster(self.store, name)
+        workers = _workers(self.session)
+        engine = Engine(cluster, None, None, self.policy, workers=workers)
+        replica = Replica(name, engine, self.store.subscribe())
+        self._note(f"operator {name} starts")
+        return replica
+
+    async def _start_replica(self, replica: Replica) -> None:
+        await replica.engine.sync([NS])
+        replica.daemons = {d["metadata"]["name"]: d["metadata"]["uid"]
+                           for d in self.store.scan("WeightRefit", NS)}  # fmt: skip
+        replica.feed.clear()  # the list is newer than anything queued before it
+
+    # -------------------------------------------------------------------- running
+    async def run(self) -> Result:
+        result = Result(self.cfg, self.trace, self.checker.violations)
+        for i in range(self.cfg.pods):
+            self._create_pod(f"pod-{i}", FLEET)
+        self._create_refit()
+        installations = ["op-a", "op-b"] if "two_installations" in self.on else ["op-a"]
+        for inst in installations:
+            r = self._replica(inst)
+            await self._start_replica(r)
+            self.replicas.append(r)
+        try:
+            for step in range(self.cfg.steps):
+                result.steps = step + 1
+                await self._step()
+                self.checker.check_state()
+                if self.checker.violations:
+                    break
+            if not self.checker.violations:
+                await self._quiesce()
+            if not self.checker.violations:
+                for replica in self.replicas:  # the deletions of the last round arrive
+                    self._deliver(replica, faults=False)
+                self.checker.check_memory([r.engine for r in self.replicas])
+        except Stalled as e:
+            self.checker.violate("stalled", str(e))
+        finally:
+            await self._stop_all()
+        result.checks = self.checker.checks
+        result.virtual_seconds = self.clock.elapsed
+        return result
+
+    async def _step(self) -> None:
+        r = self.rng
+        actions = ["tick"] * 4 + ["advance"] * 4 + ["deliver"] * 2
+        if self.refits < self.cfg.max_refits:
+            actions.append("create")
+        if self.on:
+            actions += ["fault"] * 3
+        action = r.choice(actions)
+        if action == "tick":
+            self._tick(r.choice(self.replicas))
+            await asyncio.sleep(0)
+        elif action == "advance":
+            seconds = r.choice((0.01, 0.1, 0.5, 1.0, 3.0, 8.0))
+            self._note(f"advance {seconds}")
+            await asyncio.sleep(seconds)
+        elif action == "deliver":
+            self._deliver(r.choice(self.replicas))
+        elif action == "create":
+            self._create_refit()
+        else:
+            await self._fault(r.choice(sorted(self.on)))
+
+    def _tick(self, replica: Replica, name: str | None = None) -> None:
+        names = sorted(replica.daemons)
+        if not names:
+            return
+        name = name or self.rng.choice(names)
+        busy = replica.ticking.get(name)
+        if busy is not None and not busy.done():
+            return
+        self._note(f"{replica.name} ticks {name}")
+        replica.ticking[name] = asyncio.create_task(self._daemon_tick(replica, name))
+
+    async def _daemon_tick(self, replica: Replica, name: str) -> None:
+        """One turn of kopf's daemon of the refit, or of its deletion handler once the refit
+        is being deleted (which removes kopf's finalizer when the engine releases it)."""
+        eng = replica.engine
+        seen = self.store.peek("WeightRefit", NS, name)
+        deleting = bool(seen and seen["metadata"].get("deletionTimestamp"))
+        try:
+            d = await eng.tick(NS, name, deleting=deleting)
+        except (LeadershipLost, asyncio.CancelledError):
+            raise
+        except ApiException as e:
+            self._note(f"{replica.name} tick {name}: API error {e.status}")
+            return
+        except Exception as e:  # kopf logs it and ticks again
+            self._note(f"{replica.name} tick {name}: {type(e).__name__}: {e}")
+            self.checker.violate("tick-crash", f"{replica.name} tick {name}: {e!r}")
+            return
+        if d is None:
+            replica.daemons.pop(name, None)  # the daemon ends: the object is gone
+            return
+        # When kopf's daemon (handlers.refit_daemon) would tick again unless woken.
+        interval = DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL
+        replica.due[name] = self.clock.elapsed + interval
+        self._note(f"{replica.name} {name}: {d.status.phase} {d.status.updated_pods}/"
+                   f"{d.status.target_pods}")  # fmt: skip
+        if deleting and d.release_finalizer:
+            try:
+                self.store.patch("WeightRefit", NS, name, {"metadata": {"finalizers": None}})
+                self._note(f"{replica.name} released the finalizer of {name}")
+            except ApiException:
+                pass
+
+    def _deliver(self, replica: Replica, faults: bool = True) -> None:
+        # A watch is late, never out of order: what is held back is the newest part of the
+        # stream (held earlier, then queued since), and it is delivered before anything newer.
+        events, replica.held, replica.feed[:] = replica.held + replica.feed, [], []
+        if faults and "watch_delay" in self.on and events and self.rng.random() < 0.3:
+            k = self.rng.randrange(len(events) + 1)
+            replica.held, events = events[k:], events[:k]
+            self._note(f"{replica.name} watch: {len(replica.held)} held back")
+        if faults and "watch_coalesce" in self.on and self.rng.random() < 0.5:
+            last: dict[str, Event] = {}
+            for e in events:
+                last[e.doc["metadata"]["uid"]] = e
+            if len(last) < len(events):
+                self._note(f"{replica.name} watch: {len(events)} coalesced to {len(last)}")
+            events = [e for e in events if last[e.doc["metadata"]["uid"]] is e]
+        for e in events:
+            name = e.doc["metadata"]["name"]
+            if faults and "watch_drop" in self.on and self.rng.random() < 0.2:
+                self._note(f"{replica.name} watch: {e.type} {name} dropped")
+                continue
+            deleted = e.type == "DELETED"
+            replica.engine.observe(clone(e.doc), deleted=deleted)
+            if deleted:
+                replica.daemons.pop(name, None)
+            else:
+                replica.daemons[name] = e.doc["metadata"]["uid"]
+
+    # --------------------------------------------------------------------- faults
+    def _pods(self) -> list[dict[str, Any]]:
+        return self.store.scan("Pod", NS)
+
+    async def _fault(self, kind: str) -> None:
+        r = self.rng
+        pods = self._pods()
+        pod = r.choice(pods) if pods else None
+        ip = pod["status"]["podIP"] if pod else ""
+        name = pod["metadata"]["name"] if pod else ""
+        if kind == "worker_refusal" and pod:
+            code = r.choice(["CheckpointMissing", "ManifestMismatch", "TensorMismatch",
+                             "CheckpointChanged", "LoadFailed"])  # fmt: skip
+            self.sim.set_fault(ip, RPC_LOAD, "error", code=code, times=1)
+            self._note(f"fault: {name} refuses its next load ({code})")
+        elif kind == "load_touched" and pod:
+            self.sim.set_fault(ip, RPC_LOAD, "touch")
+            self._note(f"fault: {name}'s next load fails after touching the model")
+        elif kind == "worker_timeout" and pod:
+            step = r.choice([RPC_LOAD, "sleep", "wake_up", "update_weight_version",
+                             "completions", RPC_INFO, "pause"])  # fmt: skip
+            late = r.choice(["delay", "delay", "hang"])
+            self.sim.set_fault(ip, step, late, value=r.choice([6.0, 12.0, 30.0]), times=1)
+            self._note(f"fault: {name} answers {step} late ({late})")
+        elif kind == "worker_crash" and pod:
+            step = r.choice([RPC_LOAD, "sleep", "wake_up", "completions", "update_weight_version",
+                             "refit_ready", "resume", RPC_STAGE])  # fmt: skip
+            after = r.choice([0.5, 2.0, 10.0])
+            self.sim.set_fault(ip, step, "crash", value=after, times=1)
+            self._note(f"fault: {name} crashes at its next {step}, back after {after}s")
+        elif kind == "pod_restart" and pod:
+            sim = self.sim.pods[ip]
+            if sim.up:
+                await self.sim.crash(sim)
+                await self.sim.restart(sim)
+                self._note(f"fault: {name}'s container restarted")
+        elif kind == "pod_relabel" and pod:
+            labels = ELSEWHERE if pod["metadata"]["labels"] == FLEET else FLEET
+            self.store.patch("Pod", NS, name, {"metadata": {"labels": {"app": labels["app"]}}})
+            self._note(f"fault: {name} relabelled app={labels['app']}")
+        elif kind == "pod_replace" and pod:
+            await self.sim.crash(self.sim.pods[ip])
+            self.store.remove("Pod", NS, name)
+            self._note(f"fault: {name} deleted")
+            await asyncio.sleep(r.choice((0.0, 0.5, 2.0)))
+            self._create_pod(name, pod["metadata"]["labels"])
+        elif kind == "pod_ip_change" and pod:
+            await self.sim.crash(self.sim.pods[ip])
+            new_ip = self._new_pod_process()
+            doc = self.store.objects[("Pod", NS, name)]
+            statuses = doc["status"]["containerStatuses"]
+            self.store.patch_pod_status(NS, name, {"status": {
+                "podIP": new_ip,
+                "containerStatuses": [{**statuses[0], "started": True, "restartCount":
+                                       statuses[0]["restartCount"] + 1}],
+            }})  # fmt: skip
+            self._note(f"fault: {name} moved from {ip} to {new_ip}")
+        elif kind == "refit_same_second":
+            if self.refits + 2 <= self.cfg.max_refits + 2:
+                k = self.refits
+                self._create_refit(f"wr-{k + 2:03d}z")
+                self._create_refit(f"wr-{k + 2:03d}a")  # newer, but first by name
+        elif kind == "refit_delete":
+            refits = self.store.scan("WeightRefit", NS)
+            if refits:
+                victim = r.choice(refits)["metadata"]["name"]
+                self.store.delete("WeightRefit", NS, victim)
+                self._note(f"fault: refit {victim} deleted")
+        elif kind == "refit_spec_update":
+            refits = self.store.scan("WeightRefit", NS)
+            if refits:
+                victim = r.choice(refits)["metadata"]["name"]
+                seq = {"sleepLevel": r.choice([0, 1]), "retries": r.choice([0, 1, 3])}
+                self.store.patch("WeightRefit", NS, victim, {"spec": {"sequence": seq}})
+                self._note(f"fault: refit {victim} spec.sequence -> {seq}")
+        elif kind == "history_gc":
+            if self.refits < self.cfg.max_refits + 2:
+                self._create_refit()
+        elif kind == "operator_restart":
+            old = r.choice(self.replicas)
+            await self._stop(old)
+            new = self._replica(old.name.rsplit("-", 1)[0])
+            self.replicas[self.replicas.index(old)] = new
+            await self._start_replica(new)
+            self._note(f"fault: operator {old.name} died, {new.name} took over")
+        elif kind in ("watch_delay", "watch_drop", "watch_coalesce", "two_installations"):
+            self._deliver(r.choice(self.replicas))
+
+    def _kubelet_crashed(self, ip: str) -> None:
+        self._container(ip, started=False)
+
+    def _kubelet_restarted(self, ip: str) -> None:
+        self._container(ip, started=True, restarted=True)
+
+    def _container(self, ip: str, started: bool, restarted: bool = False) -> None:
+        for (kind, _, _), doc in sorted(self.store.objects.items()):
+            if kind == "Pod" and doc["status"].get("podIP") == ip:
+                status = dict(doc["status"]["containerStatuses"][0])
+                status["started"] = started
+                status["restartCount"] += 1 if restarted else 0
+                self.store.patch_pod_status(
+                    NS, doc["metadata"]["name"], {"status": {"containerStatuses": [status]}}
+                )
+                self._note(f"kubelet: {doc['metadata']['name']} started={started}")
+                return
+
+    # ------------------------------------------------------------------- liveness
+    async def _quiesce(self) -> None:
+        """Faults stop: every pod process comes back, every watch delivers and relists,
+        and kopf's daemons tick as they do (handlers.refit_daemon: after an active tick in a
+        second, an idle one in 5, a dormant one in 60, or at once when the engine wakes the
+        refit); every pod must then reach its target."""
+        self.faulting = False
+        self._note("faults stop")
+        for _, pod in sorted(self.sim.pods.items()):
+            pod.faults.clear()
+        await asyncio.sleep(35.0)  # answers in flight arrive or time out; crashed pods restart
+        for ip, pod in sorted(self.sim.pods.items()):
+            if pod.up and self.sim.busy(ip):  # hung: the kubelet's liveness probe restarts it
+                await self.sim.crash(pod)
+                await self.sim.restart(pod)
+                self._note(f"kubelet: restarted the hung container at {ip}")
+        for replica in self.replicas:
+            self._deliver(replica, faults=False)
+            await replica.engine.sync([NS])  # a watch restarts with a list
+            for d in self.store.scan("WeightRefit", NS):
+                replica.daemons[d["metadata"]["name"]] = d["metadata"]["uid"]
+            replica.due.clear()  # every daemon ticks once now
+        deadline = self.clock.elapsed + self.cfg.liveness_seconds
+        while self.clock.elapsed < deadline:
+            for replica in self.replicas:
+                self._deliver(replica, faults=False)
+                for name, uid in sorted(replica.daemons.items()):
+                    st = replica.engine.refits.get(uid)
+                    woken = st is not None and st.wake.is_set()
+                    if woken or replica.due.get(name, 0.0) <= self.clock.elapsed:
+                        if st is not None:
+                            st.wake.clear()
+                        self._tick(replica, name)
+            await asyncio.sleep(ACTIVE_INTERVAL)
+            if self.checker.converged() is None:
+                self._note("converged")
+                return
+            self.checker.check_state()
+            if self.checker.violations:
+                return
+        known = {r.name: sorted(k.name for k in r.engine.index.known.values())
+                 for r in self.replicas}  # fmt: skip
+        self.checker.violate("liveness", f"{self.checker.converged()}; indexes: {known}")
+
+    async def _stop(self, replica: Replica) -> None:
+        tasks = [t for st in replica.engine.refits.values()
+                 for t in (*st.tasks.values(), *st.staged_ahead.values())]  # fmt: skip
+        tasks += list(replica.ticking.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if replica.feed in self.store.feeds:
+            self.store.feeds.remove(replica.feed)
+
+    async def _stop_all(self) -> None:
+        for replica in self.replicas:
+            await self._stop(replica)
+        self.session.close()
+        for task in list(self.sim.restart_tasks):  # containers still due to come back
+            task.cancel()
+        await asyncio.sleep(0)
+
+
+def _workers(session: InProcessSession) -> Any:
+    def make(url: str, **kw: Any) -> WorkerClient:
+        return WorkerClient(url, http=session, **kw)  # type: ignore[arg-type]
+
+    return make
+
+
+class _InlinePool:
+    """refit_worker.checkpoint's digest pool without threads: each of the explorer's
+    checkpoints is one small shard, and a pool per staging (threads started and joined in
+    real time) cost more than the rest of a load."""
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+        return (fn(x) for x in items)
+
+
+@contextlib.contextmanager
+def _inline_digests() -> Iterator[None]:
+    @contextlib.contextmanager
+    def pool(n_files: int) -> Iterator[_InlinePool]:
+        yield _InlinePool()
+
+    # Both users of the pool bound it by name (from ... import digest_pool).
+    saved = checkpoint_manifest.digest_pool, checkpoint_staging.digest_pool
+    checkpoint_manifest.digest_pool = pool  # type: ignore[assignment]
+    checkpoint_staging.digest_pool = pool  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        checkpoint_manifest.digest_pool, checkpoint_staging.digest_pool = saved
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The operator logs every refused step; thousands of schedules need none of it."""
+    log = logging.getLogger("refit_operator")
+    level, log.level = log.level, logging.CRITICAL + 1
+    try:
+        yield
+    finally:
+        log.level = level
+
+
+def run_schedule(config: Config) -> Result:
+    """Run one schedule on a virtual-time loop of its own; deterministic in ``config``."""
+    random.seed(config.seed)  # the simulator scores garbage with the module's generator
+    clock = VirtualClock()
+    loop = VirtualLoop(clock)
+    try:
+        with times.using(clock), _quiet(), _inline_digests():
+
+            async def main() -> Result:
+                return await Explorer(config, clock).run()
+
+            return loop.run_until_complete(main())
+    finally:
+        loop.close()

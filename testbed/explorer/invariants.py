@@ -1,0 +1,258 @@
+"""The safety invariants of shared/ARCHITECTURE.md as code, over the explorer's ground truth:
+the in-memory API server's objects (what the operator wrote) and the simulated pod processes
+(what the pods really hold). Each check names the invariant it holds (docs/concepts.md,
+"Invariants and the explorer").
+
+- one-driver: a pod admits a fenced call only from the pass whose claim the pod records now
+  (no two passes' calls interleave on one pod);
+- ready-probed: a pod that is Ready (its weights-ready condition True and its container
+  ready, i.e. vouched for in this process) holds intact weights of the version it reports,
+  and a correct probe was scored on exactly those weights in this process;
+- succeeded-serving: when a refit turns Succeeded, every pod it counts serves its version;
+- liveness: once faults stop, every pod reaches its target (the newest Succeeded refit, by
+  creation order, that selects it now) and is Ready, and no refit stays active;
+- bounded-memory: an engine keeps nothing (index, per-refit state) of refits that are gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from refit_operator.api import LabelSelector
+from refit_operator.engine import Engine
+from refit_operator.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from refit_worker.contract import READINESS_GATE
+
+from .memcluster import Store
+from .workers import ExplorerSimServer
+
+ACTIVE = frozenset({"", "Pending", "Queued", "Preflight", "Progressing", "RollingBack"})
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    message: str
+    at: float  # virtual seconds into the schedule
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] at {self.at:.3f}s: {self.message}"
+
+
+def _gate(doc: dict[str, Any]) -> bool:
+    conds = (doc.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == READINESS_GATE and c.get("status") == "True" for c in conds)
+
+
+def _identity(doc: dict[str, Any] | None) -> Any:
+    """What of a pod a list taken earlier could not show: that it exists (which one), its
+    labels, its process (restarts, IP)."""
+    if doc is None:
+        return None
+    status = doc.get("status") or {}
+    restarts = [c.get("restartCount", 0) for c in status.get("containerStatuses") or []]
+    meta = doc["metadata"]
+    return (meta.get("uid"), meta.get("labels"), restarts, status.get("podIP"))
+
+
+def _selects(refit: dict[str, Any], labels: dict[str, str]) -> bool:
+    sel = LabelSelector.model_validate(refit["spec"]["fleet"]["selector"])
+    return sel.matches(labels)
+
+
+class Checker:
+    def __init__(self, store: Store, sim: ExplorerSimServer, note: Callable[[str], None]) -> None:
+        self.store, self.sim, self.note = store, sim, note
+        self.violations: list[Violation] = []
+        self.checks = 0
+        # pod name -> the store revision at which it last changed in a way a list taken before
+        # cannot show (created, deleted, relabelled, restarted, moved to a new IP)
+        self.changed: dict[str, int] = {}
+
+    def violate(self, invariant: str, message: str) -> None:
+        v = Violation(invariant, message, self.sim_time())
+        self.note(f"VIOLATION {v}")
+        self.violations.append(v)
+
+    def sim_time(self) -> float:
+        import asyncio
+
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return 0.0
+
+    def _pod_at(self, ip: str) -> dict[str, Any] | None:
+        for (kind, _, _), doc in self.store.objects.items():
+            if kind == "Pod" and doc["status"].get("podIP") == ip:
+                return doc
+        return None
+
+    # ------------------------------------------------------------------ one driver
+    def on_call(self, ip: str, step: str, token: int) -> None:
+        """A pod admitted a fenced call: it must come from the pass that holds the claim."""
+        self.checks += 1
+        self.note(f"worker {ip} admits {step} fence={token}")
+        doc = self._pod_at(ip)
+        if doc is None:
+            return  # a process whose pod object is gone: nobody is Ready through it
+        claim = Claim.from_annotation((doc["metadata"].get("annotations") or {}).get(
+            CLAIM_ANNOTATION))  # fmt: skip
+        if claim is None or claim.fence != token:
+            held = f"{claim.refit} fence {claim.fence} ({claim.holder})" if claim else "nobody"
+            self.violate(
+                "one-driver",
+                f"pod {doc['metadata']['name']} admitted {step} with fence {token} while its "
+                f"claim is held by {held}",
+            )
+
+    # ----------------------------------------------------------- state invariants
+    def check_state(self) -> None:
+        for (kind, _, name), doc in sorted(self.store.objects.items()):
+            if kind != "Pod" or not _gate(doc):
+                continue
+            self.checks += 1
+            ip = doc["status"].get("podIP", "")
+            pod = self.sim.pods.get(ip)
+            if pod is None or not pod.up or not pod.ready_mark.ready:
+                continue  # not Ready: the container is down or not vouched for
+            serves = self.sim.serves(ip)
+            if serves is None or not self.sim.probed(ip):
+                self.violate(
+                    "ready-probed",
+                    f"pod {name} is Ready but serves {pod.weight_version!r} "
+                    f"(loaded {pod.seed!r}, damaged={pod.weights_discarded}) "
+                    f"{'with' if self.sim.probed(ip) else 'without'} a probe of these weights "
+                    "in this process",
+                )
+
+    def on_write(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        if kind == "Pod":
+            if _identity(old) != _identity(new):
+                doc = new or old
+                assert doc is not None
+                self.changed[doc["metadata"]["name"]] = self.store.revision
+            return
+        if kind != "WeightRefit" or new is None:
+            return
+        was = ((old or {}).get("status") or {}).get("phase")
+        now = (new.get("status") or {}).get("phase")
+        if now == "Succeeded" and was != "Succeeded":
+            self._check_succeeded(new)
+
+    def _check_succeeded(self, refit: dict[str, Any]) -> None:
+        """The status is decided from a pod list the tick took before it wrote: a pod that
+        changed since (deleted, replaced, relabelled, restarted) is the next tick's to see,
+        and cannot be blamed on this status."""
+        self.checks += 1
+        version = refit["spec"]["checkpoint"]["version"]
+        uid, name = refit["metadata"]["uid"], refit["metadata"]["name"]
+        listed = self.store.decided_from
+        since = {n for n, t in self.changed.items() if listed is not None and t > listed}
+        serving = 0
+        for (kind, _, pod_name), doc in sorted(self.store.objects.items()):
+            if kind != "Pod" or doc["metadata"].get("deletionTimestamp"):
+                continue
+            if not _selects(refit, doc["metadata"].get("labels") or {}):
+                continue
+            if pod_name in since:
+                serving += 1
+                since.discard(pod_name)
+                continue
+            ip = doc["status"].get("podIP", "")
+            serves = self.sim.serves(ip)
+            p = Progress.from_annotation(
+                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+            )
+            restarts = sum(
+                c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or []
+            )
+            counted = p is not None and p.uid == uid and p.outcome == "Succeeded"
+            # A container that restarted since its pass cannot be blamed on this status: the
+            # tick decided from a list taken before (the restart is the next tick's to see).
+            restarted = p is not None and p.restarts != restarts
+            serving += serves == version or (counted and restarted)
+            if counted and p is not None and p.restarts == restarts and serves != version:
+                self.violate(
+                    "succeeded-serving",
+                    f"refit {name} Succeeded at {version} counting pod {pod_name}, which "
+                    f"serves {serves!r}",
+                )
+        serving += len(since)  # gone or no longer selected since the list
+        updated = int((refit.get("status") or {}).get("updatedPods", 0))
+        if updated > serving:
+            self.violate(
+                "succeeded-serving",
+                f"refit {name} Succeeded with {updated} pods updated, but {serving} serve "
+                f"{version}",
+            )
+
+    # --------------------------------------------------------------------- liveness
+    def targets(self) -> dict[str, dict[str, Any]]:
+        """Each pod's target: the newest Succeeded refit that selects it now (creation order,
+        never names), among the refits that exist and are not being deleted."""
+        refits = [
+            d for (k, _, _), d in self.store.objects.items()
+            if k == "WeightRefit" and not d["metadata"].get("deletionTimestamp")
+            and (d.get("status") or {}).get("phase") == "Succeeded"
+        ]  # fmt: skip
+        refits.sort(key=lambda d: self.store.created[d["metadata"]["uid"]])
+        out = {}
+        for (kind, _, name), doc in sorted(self.store.objects.items()):
+            if kind != "Pod" or doc["metadata"].get("deletionTimestamp"):
+                continue
+            labels = doc["metadata"].get("labels") or {}
+            chosen = [r for r in refits if _selects(r, labels)]
+            if chosen:
+                out[name] = chosen[-1]
+        return out
+
+    def converged(self) -> str | None:
+        """None when every pod serves its target, Ready, and no refit is active; else what
+        is not so yet."""
+        for (kind, _, name), doc in sorted(self.store.objects.items()):
+            if kind == "WeightRefit" and (doc.get("status") or {}).get("phase", "") in ACTIVE:
+                return f"refit {name} is still {(doc.get('status') or {}).get('phase', '')!r}"
+        for pod, refit in self.targets().items():
+            doc = self.store.objects[("Pod", refit["metadata"]["namespace"], pod)]
+            ip = doc["status"].get("podIP", "")
+            want = refit["spec"]["checkpoint"]["version"]
+            serves = self.sim.serves(ip)
+            sim = self.sim.pods.get(ip)
+            ready = _gate(doc) and sim is not None and sim.up and sim.ready_mark.ready
+            if serves != want or not ready:
+                return (
+                    f"pod {pod} serves {serves!r} (Ready={ready}); its target is "
+                    f"{refit['metadata']['name']} at {want}; {self._last_pass(doc)}"
+                )
+        return None
+
+    def _last_pass(self, pod: dict[str, Any]) -> str:
+        """The pod's last pass and what became of its refit (for the diagnosis)."""
+        p = Progress.from_annotation(
+            (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+        )
+        if p is None:
+            return "no pass recorded"
+        refit = next((d for (k, _, _), d in self.store.objects.items()
+                      if k == "WeightRefit" and d["metadata"]["uid"] == p.uid), None)  # fmt: skip
+        phase = "gone" if refit is None else (refit.get("status") or {}).get("phase", "")
+        return f"last pass: {p.refit} at {p.version} ({p.outcome or 'in flight'}), refit {phase}"
+
+    # --------------------------------------------------------------- bounded memory
+    def check_memory(self, engines: Sequence[Engine]) -> None:
+        """Nothing an engine keeps outlives the refits that exist."""
+        self.checks += 1
+        exist = {d["metadata"]["uid"] for (k, _, _), d in self.store.objects.items()
+                 if k == "WeightRefit"}  # fmt: skip
+        for eng in engines:
+            ghosts = sorted(set(eng.index.known) - exist)
+            stale = sorted(set(eng.refits) - exist)
+            if ghosts or stale:
+                self.violate(
+                    "bounded-memory",
+                    f"{eng.cluster.identity} keeps refits that are gone: index {ghosts}, "
+                    f"state {stale}",
+                )

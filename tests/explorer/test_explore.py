@@ -1,0 +1,79 @@
+"""The deterministic fault explorer (testbed/explorer) over the operator's real Engine.
+
+CI runs every fault class whose invariants hold on the current code: a few hundred full
+schedules (40 steps, 3 pods) and a couple of thousand short ones (20 steps, 2 pods, classes
+mixed by seed). testbed/explorer/holes.py's KNOWN_HOLES lists what the explorer still finds,
+each with a seed that shows it: a class switched off, or a violation tolerated by its
+signature. REFIT_EXPLORER_SCHEDULES scales the number of schedules (``make bench`` runs the
+long mode: ``python -m bench --only explorer``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from testbed.explorer import Config, run_schedule
+from testbed.explorer.holes import HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
+
+SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
+
+
+def _run(seeds: range, classes: frozenset[str]) -> int:
+    checks = 0
+    for seed in seeds:
+        result = run_schedule(Config(seed, classes))
+        unknown = [v for v in result.violations if known(v) is None]
+        assert not unknown, result.report()
+        checks += result.checks
+    return checks
+
+
+def test_same_seed_same_trace_byte_for_byte() -> None:
+    config = Config(7, frozenset(HOLDING))
+    a, b = run_schedule(config), run_schedule(config)
+    assert a.trace == b.trace and len(a.trace) > 50
+    assert run_schedule(Config(8, frozenset(HOLDING))).trace != a.trace
+
+
+def test_fault_free_schedules_converge() -> None:
+    assert _run(range(20 * SCALE), frozenset()) > 0
+
+
+@pytest.mark.parametrize("fault", HOLDING)
+def test_each_class_alone_keeps_the_invariants(fault: str) -> None:
+    _run(range(1000, 1000 + 8 * SCALE), frozenset({fault}))
+
+
+def test_every_holding_class_at_once_keeps_the_invariants() -> None:
+    _run(range(2000, 2000 + 100 * SCALE), frozenset(HOLDING))
+
+
+def test_many_short_schedules_keep_the_invariants() -> None:
+    """1,800 short schedules (about a minute of CPU): a failure prints its seed, its trace
+    and the command that replays it."""
+    batch = run_batch(range(10_000, 10_000 + 1800 * SCALE))
+    print(batch.summary())
+    assert not batch.failures, (
+        f"{len(batch.failures)} schedules failed (seeds "
+        f"{[r.config.seed for r in batch.failures]}); the first:\n{batch.failures[0].report()}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_the_schedules_that_found_fixed_holes_hold(name: str) -> None:
+    classes, seeds = REGRESSIONS[name]
+    for seed in seeds:
+        result = run_schedule(Config(seed, classes))
+        assert result.ok, result.report()
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_HOLES))
+def test_known_holes_are_still_found(name: str) -> None:
+    """The explorer finds each known hole from its seed (when a fix merges, this fails: drop
+    the hole so that CI holds the fix)."""
+    hole = KNOWN_HOLES[name]
+    result = run_schedule(hole.config())
+    assert not result.ok, f"{name} seed {hole.seed} no longer fails: drop the hole"
+    if hole.signature:
+        assert any(hole.matches(v) for v in result.violations), result.report()
