@@ -79,6 +79,9 @@ class ExplorerSimServer(SimServer):
         # The kubelet's side of a container that died or came back (restartCount, started).
         self.on_crash: Callable[[str], None] = lambda ip: None
         self.on_restart: Callable[[str], None] = lambda ip: None
+        # Per pod: the requests its process is serving. A crash ends them (the process is
+        # gone): a late answer never acts on the process that replaced it.
+        self.inflight: dict[str, set[asyncio.Task[Any]]] = {}
 
     def add_pod(self, ip: str) -> None:
         self.pods[ip] = PodState(ip, self.allowed_root, self.admin_token is not None)
@@ -103,12 +106,28 @@ class ExplorerSimServer(SimServer):
 
     async def crash(self, pod: PodState, restart_after: float | None = None) -> None:
         was_up = pod.up
+        me = asyncio.current_task()
+        for task in list(self.inflight.pop(pod.ip, set())):
+            if task is not me:  # a crash fault's own request answers 503 itself
+                task.cancel()
         await super().crash(pod, restart_after)
         self.truth[pod.ip].generation += 1  # the weights died with the process
         if was_up:
             self.on_crash(pod.ip)
 
     async def _serve(
+        self, request: web.Request, pod: PodState, step: str, body: Any
+    ) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        serving = self.inflight.setdefault(pod.ip, set())
+        serving.add(task)
+        try:
+            return await self._admitted(request, pod, step, body)
+        finally:
+            serving.discard(task)
+
+    async def _admitted(
         self, request: web.Request, pod: PodState, step: str, body: Any
     ) -> web.StreamResponse:
         if fence.is_fenced(request.method):  # admitted (a refused call never gets here)
@@ -237,6 +256,12 @@ class InProcessSession:
             response = await asyncio.wait_for(asyncio.shield(task), total)
         except TimeoutError:
             raise  # WorkerClient: "timeout"; the pod's work goes on
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and me is not None and not me.cancelling():
+                # the pod's process died while serving it: the connection is lost
+                raise aiohttp.ServerDisconnectedError() from None
+            raise
         if transport.aborted and response.status == 503:
             raise aiohttp.ServerDisconnectedError()
         body = response.body if isinstance(response, web.Response) else b""
