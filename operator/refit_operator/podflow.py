@@ -119,6 +119,11 @@ class Progress:
     # under an operator that stopped. From then on only a probe can say what the pod serves,
     # so the pass never restores it to ``serving``. Recorded, so it survives a restart.
     touched: bool = False
+    # The identity of the pod process whose weights the probe scored (GET /refit/ready; ""
+    # before the probe, or from a worker image without one): the vouch names it, so a
+    # container that restarted since, or an operator that resumes the pass, never vouches
+    # for weights nobody probed.
+    process: str = ""
 
     @property
     def finished_pass(self) -> bool:
@@ -361,6 +366,10 @@ def resumed(progress: Progress) -> Progress:
     restores the pod unprobed."""
     if progress.finished_pass or progress.step == STEPS[0]:
         return progress
+    if progress.step == "ready" and not progress.process:
+        # Probed, but the record does not say which process was (a record written before
+        # records named it): probe again rather than vouch for a process nobody probed.
+        return replace(progress, touched=True, step="probe", attempts=0, not_before=0.0)
     return replace(progress, touched=True)
 
 

@@ -286,7 +286,7 @@ async def execute_step(
     elif step == "ready":
         # The probe passed: vouch for this process's weights, so its readiness probe passes
         # (refit_worker.readiness); the pass's last record then sets the condition True.
-        await mark_ready(worker, progress.version, t_step, worker.probed_process)
+        await mark_ready(worker, progress.version, t_step, progress.process or None)
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
@@ -479,6 +479,7 @@ async def _probe(
         outcome.nll, outcome.reference_nll, outcome.mean_abs_diff, outcome.max_abs_diff,
     )  # fmt: skip
     record = outcome.to_status().dump()
+    progress = replace(progress, process=worker.probed_process or "")
     progress = podflow.probe_judged(
         progress, outcome.verdict, outcome.reason, outcome.message, record, times.now()
     )

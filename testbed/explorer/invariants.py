@@ -222,12 +222,30 @@ class Checker:
             serves = self.sim.serves(ip)
             sim = self.sim.pods.get(ip)
             ready = _gate(doc) and sim is not None and sim.up and sim.ready_mark.ready
-            if serves != want or not ready:
+            if (serves != want or not ready) and not self._kept(doc, serves, ready):
                 return (
                     f"pod {pod} serves {serves!r} (Ready={ready}); its target is "
                     f"{refit['metadata']['name']} at {want}; {self._last_pass(doc)}"
                 )
         return None
+
+    def _kept(self, pod: dict[str, Any], serves: str | None, ready: bool) -> bool:
+        """A pod that keeps the version of a newer refit that halted or was deleted, as
+        docs/concepts.md ("Convergence") says it does: that refit's pass Succeeded on this
+        container (no restart since), the pod serves that version, Ready. Its target takes
+        it back only once it leaves traffic or restarts."""
+        p = Progress.from_annotation(
+            (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+        )
+        if p is None or p.outcome != "Succeeded" or p.rollback or not ready:
+            return False
+        restarts = sum(
+            c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or []
+        )
+        refit = next((d for (k, _, _), d in self.store.objects.items()
+                      if k == "WeightRefit" and d["metadata"]["uid"] == p.uid), None)  # fmt: skip
+        ended = refit is None or (refit.get("status") or {}).get("phase") in ("Halted", "Failed")
+        return ended and p.version == serves and p.restarts == restarts
 
     def _last_pass(self, pod: dict[str, Any]) -> str:
         """The pod's last pass and what became of its refit (for the diagnosis)."""

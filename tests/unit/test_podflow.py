@@ -446,3 +446,25 @@ def test_a_receive_after_a_try_that_may_have_touched_the_model_never_restores():
     p = podflow.resumed(broadcast_pass())  # a restart while the receive was running
     p = podflow.step_failed(p, "receive", "TransferMismatch", "x", 111.0, retries=3, final=True)
     assert p.outcome == "Failed" and not p.restored and podflow.readiness(p).ready is False
+
+
+def _at_ready(p: Progress) -> Progress:
+    for step in podflow.STEPS[: podflow.STEPS.index("ready")]:
+        p = podflow.step_done(p, step, 0.1, 110.0)
+    return p
+
+
+def test_a_pass_resumed_at_its_vouch_vouches_only_for_the_process_it_probed():
+    """Found by the explorer (seed 200220 of its mixed batch): an operator that takes up a
+    pass between the probe and the vouch must not vouch for whatever process the pod runs
+    now. A record that names the probed process keeps it (the vouch carries it and a
+    restarted container refuses); one that names none is probed again."""
+    named = replace(_at_ready(serving_pass()), process="proc-1")
+    back = podflow.resumed(Progress.from_annotation(named.to_annotation()))
+    assert (back.step, back.process) == ("ready", "proc-1")
+    unnamed = podflow.resumed(Progress.from_annotation(_at_ready(serving_pass()).to_annotation()))
+    assert unnamed.step == "probe" and unnamed.touched and unnamed.attempts == 0
+    # A record written before records named the process reads as naming none.
+    doc = json.loads(_at_ready(serving_pass()).to_annotation())
+    del doc["process"]
+    assert Progress.from_annotation(json.dumps(doc)).process == ""
