@@ -314,7 +314,7 @@ class WeightRefitStatus(_Model):
     probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
     out_of_traffic: OutOfTrafficSummary = Field(default_factory=OutOfTrafficSummary)
     # Only the pods that need a person's attention, worst first, at most STATUS_PODS_LIMIT;
-    # every pod's full record is its progress annotation (see reconcile._pod_results).
+    # every pod's full record is its progress annotation (see status.pod_results).
     pods: list[PodResult] = Field(default_factory=list)
     pods_omitted: int = 0  # pods needing attention left out of ``pods`` by the limit
     broadcast: BroadcastRound | None = None  # spec.broadcast only

@@ -19,15 +19,17 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from . import history, metrics, plan, probe, reconcile, times
+from . import admission, history, metrics, plan, probe, reconcile, times
+from .admission import PreflightResult
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
 from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
-from .reconcile import Decision, Observed, PreflightResult, RefitView
+from .reconcile import Decision, Observed, RefitView
 from .rounds import SENDING_ANNOTATION, Rounds
 from .runner import BroadcastSource, PassContext, run_pass
+from .status import peer_nlls, pod_phases
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ class _RefitState:
 
     def peer_nlls(self, version: str) -> list[float]:
         if version not in self.peers:
-            self.peers[version] = sorted(reconcile.peer_nlls(self.pods, version))
+            self.peers[version] = sorted(peer_nlls(self.pods, version))
         return self.peers[version]
 
 
@@ -264,7 +266,7 @@ class Engine:
         await self._write_stamp(namespace, meta["uid"])
         asked = WeightRefitSpec.model_validate(doc["spec"])
         status = WeightRefitStatus.model_validate(doc.get("status") or {})
-        spec = reconcile.admitted_spec(asked, status)
+        spec = admission.admitted_spec(asked, status)
         view = RefitView(
             name=name,
             uid=meta["uid"],
@@ -430,7 +432,7 @@ class Engine:
     # ------------------------------------------------------------------ preflight
     async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
         spec = view.spec
-        if reconcile.fleet_problem(st.pods) is not None:
+        if admission.fleet_problem(st.pods) is not None:
             # decide() reports it. Nothing is sent to any pod: the admin token goes in clear
             # to a pod's IP, and only to pods the Pod objects vouch for (PodView.vetted).
             return PreflightResult()
@@ -460,7 +462,7 @@ class Engine:
         st.admitted = {
             name: identity[name]
             for name, info in infos.items()
-            if reconcile.admission_problem(
+            if admission.admission_problem(
                 info, spec.allow_unsafe_backends, spec.sequence.sleep_level
             )
             is None
@@ -699,7 +701,7 @@ class Engine:
         target = view.spec.version
         if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:
             target = d.status.previous.version or target
-        by_phase = reconcile.pod_phases(d.status.pods, st.pods, view.uid)
+        by_phase = pod_phases(d.status.pods, st.pods, view.uid)
         live = [p for p in st.pods if not p.deleting]
         active = phase in ACTIVE_PHASES
         metrics.fleet_state(

@@ -9,24 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Final, Literal, Protocol
-
-from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
+from typing import Literal, Protocol
 
 from . import plan, times, traffic
+from .admission import PreflightResult, preflight_problem
 from .api import (
-    STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
     BroadcastRound,
     Condition,
-    PodProbe,
-    PodResult,
     Previous,
-    ProbeSummary,
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from .podflow import PodView, Progress
+from .podflow import PodView
+from .status import conditions, pod_results, probe_summary
 from .times import rfc3339
 
 
@@ -44,15 +40,6 @@ class RefitView:
     status: WeightRefitStatus
     deleting: bool = False
     namespace: str = ""
-
-
-@dataclass(frozen=True)
-class PreflightResult:
-    """What the fleet preflight found: refit_info per pod (or the error reaching it), and the
-    fleet-level problems (missing Secret, unusable reference)."""
-
-    infos: dict[str, RefitInfo | str] = field(default_factory=dict)  # str: why unreachable
-    problem: tuple[str, str] | None = None  # (reason, message)
 
 
 @dataclass(frozen=True)
@@ -117,76 +104,6 @@ class Decision:
     def dormant(self) -> bool:
         """Finished and not the fleet's target: nothing will happen soon."""
         return self.status.phase in TERMINAL_PHASES and not self.watching
-
-
-def admission_problem(
-    info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
-) -> tuple[str, str] | None:
-    """Why a pod must not be refitted, judged from its refit_info and the spec's
-    ``sequence.sleepLevel``; None when it may."""
-    if isinstance(info, str):
-        return "PodUnreachable", info
-    if allow_unsafe:
-        return None
-    missing = [c for c in REQUIRED_CAPABILITIES if c not in info.capabilities]
-    if missing:
-        return "UnsafeBackend", f"image lacks reload-safe capabilities: {', '.join(missing)}"
-    if info.unsafe_reasons:
-        return "UnsafeConfiguration", "; ".join(info.unsafe_reasons)
-    if info.kv_cache_scales and sleep_level == 2:
-        # Level 2 discards the scale parameters with the weights and the wake does not
-        # restore them; a reload whose checkpoint lacks them leaves zeros (vLLM #57163).
-        return "UnsafeSleepLevel", (
-            f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
-            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1"
-        )
-    return None
-
-
-def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRefitSpec:
-    """The spec every decision and pass of a started refit acts on: spec.sequence as its
-    preflight admitted it (status.sequence). The CRD refuses a change of spec.sequence, but an
-    API server with an older CRD accepts one (e.g. sleepLevel 2 after level 1 was admitted):
-    acting on it would skip the level-2 refusals and run another step set on pods slept at
-    the old level. A refit not started yet (no record) is admitted with what it says then."""
-    if status.sequence is None or status.sequence == spec.sequence:
-        return spec
-    return spec.model_copy(update={"sequence": status.sequence})
-
-
-def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
-    """What the Pod objects alone hold against the fleet. Judged before the preflight calls
-    any pod: the admin token goes only to pods that pass (PodView.vetted)."""
-    if not pods:
-        return "NoPodsSelected", "the fleet selector matches no pods"
-    for pod in sorted(pods, key=lambda p: p.name):
-        if not pod.has_gate:
-            return (
-                "MissingReadinessGate",
-                f"pod {pod.name} does not declare the readiness gate in spec.readinessGates",
-            )
-        if not pod.running or not pod.ip:
-            return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
-    return None
-
-
-def preflight_problem(
-    pods: Sequence[PodView],
-    result: PreflightResult,
-    allow_unsafe: bool,
-    sleep_level: int,
-) -> tuple[str, str] | None:
-    problem = fleet_problem(pods)
-    if problem is not None:
-        return problem
-    if result.problem is not None:
-        return result.problem
-    for pod in sorted(pods, key=lambda p: p.name):
-        info = result.infos.get(pod.name, "no refit_info answer")
-        problem = admission_problem(info, allow_unsafe, sleep_level)
-        if problem is not None:
-            return problem[0], f"pod {pod.name}: {problem[1]}"
-    return None
 
 
 def holder(
@@ -271,239 +188,6 @@ def pod_state(
     if p.outcome == "Inconclusive":
         return "inconclusive"
     return "active"
-
-
-def _conditions(
-    phase: str,
-    message: str,
-    reason: str,
-    generation: int,
-    old: Sequence[Condition],
-    now: float,
-    tolerated: int = 0,
-) -> list[Condition]:
-    """Ready, Progressing, Degraded. A refit that Succeeded with ``tolerated`` pods failed or
-    inconclusive within the failure limits is Ready and Degraded (PodsFailedWithinLimits): the
-    fleet serves the new version, and someone should look at those pods."""
-    ready = phase == "Succeeded"
-    progressing = phase in ("Pending", "Preflight", "Progressing", "RollingBack")
-    degraded = phase in ("Failed", "Halted", "RollingBack", "RolledBack") or (
-        ready and tolerated > 0
-    )
-    why_degraded = "PodsFailedWithinLimits" if ready else reason
-    wanted = [
-        ("Ready", ready, reason if not ready else "Succeeded"),
-        ("Progressing", progressing, reason if progressing else phase),
-        ("Degraded", degraded, why_degraded if degraded else "AsExpected"),
-    ]
-    before = {c.type: c for c in old}
-    out = []
-    for ctype, value, why in wanted:
-        status: Literal["True", "False"] = "True" if value else "False"
-        prev = before.get(ctype)
-        changed = prev is None or prev.status != status
-        out.append(
-            Condition(
-                type=ctype,
-                status=status,
-                reason=why or phase,
-                message=message,
-                last_transition_time=rfc3339(now)
-                if changed or prev is None
-                else prev.last_transition_time,
-                observed_generation=generation,
-            )
-        )
-    return out
-
-
-# status.pods lists only the pods that need a person's attention, worst first (rank, then
-# name). A pod that succeeded or rolled back is not listed: its record is its progress
-# annotation, so the WeightRefit stays small at any fleet size (api.STATUS_PODS_LIMIT).
-ATTENTION: Final[Mapping[str, int]] = {
-    "Failed": 0,
-    "Inconclusive": 1,
-    "Dropped": 2,
-    "InProgress": 3,
-}
-_DELETED = "the pod was deleted mid-refit"
-
-
-def pod_phase(p: Progress, deleting: bool = False) -> str:
-    """The status phase of a pod whose progress is this refit's pass."""
-    if deleting:
-        return "Dropped"
-    return {
-        "Succeeded": "RolledBack" if p.rollback else "Succeeded",
-        "Failed": "Failed",
-        "Inconclusive": "Inconclusive",
-        "": "InProgress",
-    }[p.outcome]
-
-
-def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
-    """A pod's record (its progress annotation, or the live progress of a pass in flight) as
-    a status.pods entry; `kubectl refit status` and the report draw every pod with it."""
-    return PodResult.model_validate(
-        {
-            "name": name,
-            "phase": pod_phase(p, deleting),
-            "step": p.step if p.step else "ready",
-            "version": p.version if p.outcome == "Succeeded" else "",
-            "reason": "PodDeleted" if deleting else p.reason,
-            "message": p.message,
-            "attempts": p.attempts,
-            "startTime": rfc3339(p.started) if p.started else "",
-            "completionTime": rfc3339(p.finished) if p.finished else "",
-            "stepSeconds": p.step_seconds,
-            "outOfTrafficSeconds": traffic.pod_seconds(p),
-            "probe": p.probe,
-        }
-    )
-
-
-def _worst_first(phase: str, name: str) -> tuple[int, str]:
-    return ATTENTION[phase], name
-
-
-def _pod_results(
-    pods: Sequence[PodView],
-    refit: RefitView,
-    old: Sequence[PodResult],
-    vanished: frozenset[str] = frozenset(),
-) -> tuple[list[PodResult], int]:
-    """(status.pods, status.podsOmitted): the pods that need attention, worst first, capped
-    at api.STATUS_PODS_LIMIT, and how many more there are."""
-    seen = {p.name for p in pods}
-    mine: dict[str, tuple[str, PodView]] = {}  # name -> (phase, pod)
-    for pod in pods:
-        p = pod.progress
-        if p is not None and p.uid == refit.uid:
-            mine[pod.name] = (pod_phase(p, pod.deleting), pod)
-    # Ranked first, made into entries only within the limit: a 10,000-pod AllAtOnce refit has
-    # 10,000 pods in progress.
-    ranked: list[tuple[tuple[int, str], PodView | PodResult]] = [
-        (_worst_first(phase, name), pod)
-        for name, (phase, pod) in mine.items()
-        if phase in ATTENTION
-    ]
-    # A pod now in another refit's hands keeps the result this refit recorded for it while
-    # that result needs attention.
-    ranked += [
-        (_worst_first(r.phase, r.name), r)
-        for r in old
-        if r.name in seen and r.name not in mine and r.phase in ATTENTION
-    ]
-    # A pod that vanished mid-pass is kept, Dropped, with its reason (while within the limit:
-    # the status is its only record).
-    for r in old:
-        if r.name not in seen and r.phase in ATTENTION:
-            if r.phase != "Dropped":
-                update = {"phase": "Dropped", "reason": "PodDeleted", "message": _DELETED}
-                r = r.model_copy(update=update)
-            ranked.append((_worst_first("Dropped", r.name), r))
-    listed = {key[1] for key, _ in ranked}
-    for n in sorted(vanished - listed - seen):
-        gone = PodResult(name=n, phase="Dropped", reason="PodDeleted", message=_DELETED)
-        ranked.append((_worst_first("Dropped", n), gone))
-    ranked.sort(key=lambda t: t[0])
-    out = []
-    for _, x in ranked[:STATUS_PODS_LIMIT]:
-        if isinstance(x, PodResult):
-            out.append(x)
-        else:
-            assert x.progress is not None
-            out.append(pod_result(x.name, x.progress, x.deleting))
-    return out, max(len(ranked) - STATUS_PODS_LIMIT, 0)
-
-
-def _summary(
-    pods: Sequence[PodView],
-    refit: RefitView,
-    listed: Sequence[PodResult],
-    before: ProbeSummary | None = None,
-) -> ProbeSummary:
-    """Probe results over every pod this refit probed: each pod's record (its progress), and
-    the listed results of pods no longer in this refit's hands. Never fewer probes than
-    ``before`` (the summary already written; None while rolling back, when the rollback's
-    probes replace the forward ones): a pod that moved on to a newer refit, left the fleet or
-    is being re-probed no longer shows this refit's probe, and its result still counts."""
-    mine = set()
-    probes = []
-    for pod in pods:
-        p = pod.progress
-        if p is None or p.uid != refit.uid:
-            continue
-        mine.add(pod.name)
-        if p.probe is not None:
-            probes.append(PodProbe.model_validate(p.probe))
-    probes += [r.probe for r in listed if r.name not in mine and r.probe is not None]
-    if before is not None and len(probes) < before.passed + before.failed + before.inconclusive:
-        return before.model_copy()
-    nlls = [p.nll for p in probes if p.verdict == "Pass"]
-    return ProbeSummary(
-        passed=sum(p.verdict == "Pass" for p in probes),
-        failed=sum(p.verdict == "Fail" for p in probes),
-        inconclusive=sum(p.verdict == "Inconclusive" for p in probes),
-        worst_mean_abs_logprob_diff=max((p.mean_abs_logprob_diff for p in probes), default=0.0),
-        worst_max_abs_logprob_diff=max((p.max_abs_logprob_diff for p in probes), default=0.0),
-        worst_nll_diff=max((abs(p.nll - p.reference_nll) for p in probes), default=0.0),
-        nll_spread=(max(nlls) - min(nlls)) if nlls else 0.0,
-    )
-
-
-def fleet_results(
-    listed: Sequence[PodResult], pods: Sequence[PodView], uid: str
-) -> list[PodResult]:
-    """Every pod of one refit by name, for people (`kubectl refit status`, the report): the
-    pods of the fleet as listed now, each from its own record (its progress annotation, when
-    that is the pass of refit ``uid``), folded with the refit's status.pods (``listed``),
-    which alone remembers pods that left the fleet and the live step of a pass in flight. A
-    pod whose record is another refit's (not reached yet, or moved on since) is Pending."""
-    by_name = {r.name: r for r in listed}
-    out = []
-    for pod in pods:
-        p = pod.progress
-        entry = by_name.pop(pod.name, None)
-        if p is not None and p.uid == uid and (p.outcome or entry is None):
-            out.append(pod_result(pod.name, p, pod.deleting))
-        elif entry is not None:
-            out.append(entry)
-        else:
-            out.append(PodResult(name=pod.name, phase="Pending", step=""))
-    out += by_name.values()
-    return sorted(out, key=lambda r: r.name)
-
-
-def pod_phases(listed: Sequence[PodResult], pods: Sequence[PodView], uid: str) -> dict[str, int]:
-    """How many pods of refit ``uid`` are in each status phase, counted over every pod (the
-    refit_pods gauge): those whose record is this refit's pass, and those status.pods
-    (``listed``) remembers; pods this refit has not reached are not counted."""
-    by_name = {r.name: r.phase for r in listed}
-    counts: dict[str, int] = {}
-    for pod in pods:
-        p = pod.progress
-        entry = by_name.pop(pod.name, None)
-        if p is not None and p.uid == uid and (p.outcome or entry is None):
-            phase = pod_phase(p, pod.deleting)
-        elif entry is not None:
-            phase = entry
-        else:
-            continue
-        counts[phase] = counts.get(phase, 0) + 1
-    for phase in by_name.values():
-        counts[phase] = counts.get(phase, 0) + 1
-    return counts
-
-
-def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
-    """NLLs of pods that passed their probe at ``version`` (cross-pod agreement)."""
-    out = []
-    for pod in pods:
-        p = pod.progress
-        if p and p.version == version and p.probe and p.probe.get("verdict") == "Pass":
-            out.append(float(p.probe.get("nll", 0.0)))
-    return out
 
 
 def decide(obs: Observed) -> Decision:
@@ -592,7 +276,7 @@ def _decide(obs: Observed) -> Decision:
         if phase in TERMINAL_PHASES and not st.completion_time:
             st.completion_time = rfc3339(obs.now)
         tolerated = st.failed_pods + st.inconclusive_pods if phase == "Succeeded" else 0
-        st.conditions = _conditions(
+        st.conditions = conditions(
             phase, message, reason, refit.generation, old.conditions, obs.now, tolerated
         )
 
@@ -637,9 +321,9 @@ def _decide(obs: Observed) -> Decision:
         # of, were they back, so that it takes them up at once.
         d.watching = _superseded_by_pods(old) and bool(_orphans(obs))
         return d
-    st.pods, st.pods_omitted = _pod_results(obs.pods, refit, old.pods, obs.vanished)
-    st.probe_summary = _summary(
-        obs.pods, refit, st.pods, None if st.phase == "RollingBack" else old.probe_summary
+    st.pods, st.pods_omitted = pod_results(obs.pods, refit.uid, old.pods, obs.vanished)
+    st.probe_summary = probe_summary(
+        obs.pods, refit.uid, st.pods, None if st.phase == "RollingBack" else old.probe_summary
     )
     mine = [(p.name, p.progress) for p in obs.pods if p.progress and p.progress.uid == refit.uid]
     st.out_of_traffic = traffic.summarize_out_of_traffic(

@@ -73,7 +73,7 @@ def render(
     """Draw the refit `status` (a WeightRefit .status dict) as a PNG at `out`.
 
     thresholds: spec.probe.thresholds (camelCase dict); the API defaults when None.
-    pods: every pod's result (reconcile.fleet_results); None draws the pods status.pods lists.
+    pods: every pod's result (status.fleet_results); None draws the pods status.pods lists.
     windows: each pod's window out of traffic (render_refit reads them from the pods'
     records); None: from the results' outOfTrafficSeconds, ending at their completionTime.
     """
@@ -412,7 +412,7 @@ def render_refit(
     results = None
     windows = None
     if pods is not None:
-        from .reconcile import fleet_results
+        from .status import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
         views = [PodView.from_pod(p) for p in pods]

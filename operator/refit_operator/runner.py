@@ -17,10 +17,11 @@ from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
 from . import metrics, podflow, probe, times
+from .admission import admission_problem
 from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
-from .reconcile import PodStart, admission_problem
+from .reconcile import PodStart
 from .rounds import Rounds, TrainerTimeout
 from .worker import WorkerClient, WorkerError
 

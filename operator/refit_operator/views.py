@@ -12,6 +12,7 @@ from refit_worker.contract import READINESS_GATE
 
 from . import api, plan, reconcile, times, traffic
 from .podflow import PodView, Progress
+from .status import fleet_results
 
 
 def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
@@ -88,7 +89,7 @@ def pod_rows(
     uid = str((doc.get("metadata") or {}).get("uid", ""))
     own = _own_records(doc, views)
     rows: list[list[object]] = []
-    for r in reconcile.fleet_results(status.pods, views, uid):
+    for r in fleet_results(status.pods, views, uid):
         # As recorded: a number the record does not have prints as "-", not as a default 0.
         p = r.model_dump(by_alias=True, mode="json", exclude_unset=True, exclude_none=True)
         probe = p.get("probe") or {}

@@ -3,17 +3,11 @@
 from dataclasses import replace
 
 from refit_operator import podflow
+from refit_operator.admission import PreflightResult, admitted_spec, fleet_problem
 from refit_operator.api import LabelSelector, Previous, WeightRefitSpec, WeightRefitStatus
 from refit_operator.plan import RefitRef
 from refit_operator.podflow import PodView
-from refit_operator.reconcile import (
-    Observed,
-    PreflightResult,
-    RefitView,
-    admitted_spec,
-    decide,
-    fleet_problem,
-)
+from refit_operator.reconcile import Observed, RefitView, decide
 from refit_operator.times import rfc3339
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
@@ -705,7 +699,7 @@ def test_summary_of_a_finished_refit_keeps_probes_of_pods_that_moved_on():
 
 def test_fleet_results_show_every_pod_from_its_record():
     from refit_operator.api import PodResult
-    from refit_operator.reconcile import fleet_results, pod_phases
+    from refit_operator.status import fleet_results, pod_phases
 
     listed = [
         PodResult(name="b", phase="Failed", reason="LogprobDrift"),

@@ -16,8 +16,9 @@ import json
 
 import pytest
 from refit_operator import podflow
+from refit_operator.admission import PreflightResult, admission_problem
 from refit_operator.api import WeightRefitStatus
-from refit_operator.reconcile import PreflightResult, admission_problem, decide
+from refit_operator.reconcile import decide
 from refit_worker.contract import RefitInfo
 
 from tests.unit.test_reconcile import info, observe, pod, refit, spec

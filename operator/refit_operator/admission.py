@@ -1,0 +1,92 @@
+"""Admission: what must hold of a fleet and of each pod before a refit touches any pod,
+judged from the Pod objects first (before the admin token goes anywhere) and then from each
+pod's refit_info. Pure: the engine gathers the answers, runner asks for a late pod."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
+
+from .api import WeightRefitSpec, WeightRefitStatus
+from .podflow import PodView
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """What the fleet preflight found: refit_info per pod (or the error reaching it), and the
+    fleet-level problems (missing Secret, unusable reference)."""
+
+    infos: dict[str, RefitInfo | str] = field(default_factory=dict)  # str: why unreachable
+    problem: tuple[str, str] | None = None  # (reason, message)
+
+
+def admission_problem(
+    info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
+) -> tuple[str, str] | None:
+    """Why a pod must not be refitted, judged from its refit_info and the spec's
+    ``sequence.sleepLevel``; None when it may."""
+    if isinstance(info, str):
+        return "PodUnreachable", info
+    if allow_unsafe:
+        return None
+    missing = [c for c in REQUIRED_CAPABILITIES if c not in info.capabilities]
+    if missing:
+        return "UnsafeBackend", f"image lacks reload-safe capabilities: {', '.join(missing)}"
+    if info.unsafe_reasons:
+        return "UnsafeConfiguration", "; ".join(info.unsafe_reasons)
+    if info.kv_cache_scales and sleep_level == 2:
+        # Level 2 discards the scale parameters with the weights and the wake does not
+        # restore them; a reload whose checkpoint lacks them leaves zeros (vLLM #57163).
+        return "UnsafeSleepLevel", (
+            f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
+            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1"
+        )
+    return None
+
+
+def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRefitSpec:
+    """The spec every decision and pass of a started refit acts on: spec.sequence as its
+    preflight admitted it (status.sequence). The CRD refuses a change of spec.sequence, but an
+    API server with an older CRD accepts one (e.g. sleepLevel 2 after level 1 was admitted):
+    acting on it would skip the level-2 refusals and run another step set on pods slept at
+    the old level. A refit not started yet (no record) is admitted with what it says then."""
+    if status.sequence is None or status.sequence == spec.sequence:
+        return spec
+    return spec.model_copy(update={"sequence": status.sequence})
+
+
+def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
+    """What the Pod objects alone hold against the fleet. Judged before the preflight calls
+    any pod: the admin token goes only to pods that pass (PodView.vetted)."""
+    if not pods:
+        return "NoPodsSelected", "the fleet selector matches no pods"
+    for pod in sorted(pods, key=lambda p: p.name):
+        if not pod.has_gate:
+            return (
+                "MissingReadinessGate",
+                f"pod {pod.name} does not declare the readiness gate in spec.readinessGates",
+            )
+        if not pod.running or not pod.ip:
+            return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
+    return None
+
+
+def preflight_problem(
+    pods: Sequence[PodView],
+    result: PreflightResult,
+    allow_unsafe: bool,
+    sleep_level: int,
+) -> tuple[str, str] | None:
+    problem = fleet_problem(pods)
+    if problem is not None:
+        return problem
+    if result.problem is not None:
+        return result.problem
+    for pod in sorted(pods, key=lambda p: p.name):
+        info = result.infos.get(pod.name, "no refit_info answer")
+        problem = admission_problem(info, allow_unsafe, sleep_level)
+        if problem is not None:
+            return problem[0], f"pod {pod.name}: {problem[1]}"
+    return None

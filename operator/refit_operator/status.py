@@ -1,0 +1,247 @@
+"""A WeightRefit's status as people and alerts read it, rendered from the pods' records:
+the conditions (Ready, Progressing, Degraded), status.pods (the pods that need attention,
+capped), the probe summary, and the per-pod views that `kubectl refit status`, the report
+and the metrics share. Pure, like the decision it serves (reconcile.py decides; this says)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal
+
+from . import traffic
+from .api import STATUS_PODS_LIMIT, Condition, PodProbe, PodResult, ProbeSummary
+from .podflow import PodView, Progress
+from .times import rfc3339
+
+
+def conditions(
+    phase: str,
+    message: str,
+    reason: str,
+    generation: int,
+    old: Sequence[Condition],
+    now: float,
+    tolerated: int = 0,
+) -> list[Condition]:
+    """Ready, Progressing, Degraded. A refit that Succeeded with ``tolerated`` pods failed or
+    inconclusive within the failure limits is Ready and Degraded (PodsFailedWithinLimits): the
+    fleet serves the new version, and someone should look at those pods."""
+    ready = phase == "Succeeded"
+    progressing = phase in ("Pending", "Preflight", "Progressing", "RollingBack")
+    degraded = phase in ("Failed", "Halted", "RollingBack", "RolledBack") or (
+        ready and tolerated > 0
+    )
+    why_degraded = "PodsFailedWithinLimits" if ready else reason
+    wanted = [
+        ("Ready", ready, reason if not ready else "Succeeded"),
+        ("Progressing", progressing, reason if progressing else phase),
+        ("Degraded", degraded, why_degraded if degraded else "AsExpected"),
+    ]
+    before = {c.type: c for c in old}
+    out = []
+    for ctype, value, why in wanted:
+        status: Literal["True", "False"] = "True" if value else "False"
+        prev = before.get(ctype)
+        changed = prev is None or prev.status != status
+        out.append(
+            Condition(
+                type=ctype,
+                status=status,
+                reason=why or phase,
+                message=message,
+                last_transition_time=rfc3339(now)
+                if changed or prev is None
+                else prev.last_transition_time,
+                observed_generation=generation,
+            )
+        )
+    return out
+
+
+# status.pods lists only the pods that need a person's attention, worst first (rank, then
+# name). A pod that succeeded or rolled back is not listed: its record is its progress
+# annotation, so the WeightRefit stays small at any fleet size (api.STATUS_PODS_LIMIT).
+ATTENTION: Final[Mapping[str, int]] = {
+    "Failed": 0,
+    "Inconclusive": 1,
+    "Dropped": 2,
+    "InProgress": 3,
+}
+_DELETED = "the pod was deleted mid-refit"
+
+
+def pod_phase(p: Progress, deleting: bool = False) -> str:
+    """The status phase of a pod whose progress is this refit's pass."""
+    if deleting:
+        return "Dropped"
+    return {
+        "Succeeded": "RolledBack" if p.rollback else "Succeeded",
+        "Failed": "Failed",
+        "Inconclusive": "Inconclusive",
+        "": "InProgress",
+    }[p.outcome]
+
+
+def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
+    """A pod's record (its progress annotation, or the live progress of a pass in flight) as
+    a status.pods entry; `kubectl refit status` and the report draw every pod with it."""
+    return PodResult.model_validate(
+        {
+            "name": name,
+            "phase": pod_phase(p, deleting),
+            "step": p.step if p.step else "ready",
+            "version": p.version if p.outcome == "Succeeded" else "",
+            "reason": "PodDeleted" if deleting else p.reason,
+            "message": p.message,
+            "attempts": p.attempts,
+            "startTime": rfc3339(p.started) if p.started else "",
+            "completionTime": rfc3339(p.finished) if p.finished else "",
+            "stepSeconds": p.step_seconds,
+            "outOfTrafficSeconds": traffic.pod_seconds(p),
+            "probe": p.probe,
+        }
+    )
+
+
+def _worst_first(phase: str, name: str) -> tuple[int, str]:
+    return ATTENTION[phase], name
+
+
+def pod_results(
+    pods: Sequence[PodView],
+    uid: str,
+    old: Sequence[PodResult],
+    vanished: frozenset[str] = frozenset(),
+) -> tuple[list[PodResult], int]:
+    """(status.pods, status.podsOmitted): the pods that need attention, worst first, capped
+    at api.STATUS_PODS_LIMIT, and how many more there are."""
+    seen = {p.name for p in pods}
+    mine: dict[str, tuple[str, PodView]] = {}  # name -> (phase, pod)
+    for pod in pods:
+        p = pod.progress
+        if p is not None and p.uid == uid:
+            mine[pod.name] = (pod_phase(p, pod.deleting), pod)
+    # Ranked first, made into entries only within the limit: a 10,000-pod AllAtOnce refit has
+    # 10,000 pods in progress.
+    ranked: list[tuple[tuple[int, str], PodView | PodResult]] = [
+        (_worst_first(phase, name), pod)
+        for name, (phase, pod) in mine.items()
+        if phase in ATTENTION
+    ]
+    # A pod now in another refit's hands keeps the result this refit recorded for it while
+    # that result needs attention.
+    ranked += [
+        (_worst_first(r.phase, r.name), r)
+        for r in old
+        if r.name in seen and r.name not in mine and r.phase in ATTENTION
+    ]
+    # A pod that vanished mid-pass is kept, Dropped, with its reason (while within the limit:
+    # the status is its only record).
+    for r in old:
+        if r.name not in seen and r.phase in ATTENTION:
+            if r.phase != "Dropped":
+                update = {"phase": "Dropped", "reason": "PodDeleted", "message": _DELETED}
+                r = r.model_copy(update=update)
+            ranked.append((_worst_first("Dropped", r.name), r))
+    listed = {key[1] for key, _ in ranked}
+    for n in sorted(vanished - listed - seen):
+        gone = PodResult(name=n, phase="Dropped", reason="PodDeleted", message=_DELETED)
+        ranked.append((_worst_first("Dropped", n), gone))
+    ranked.sort(key=lambda t: t[0])
+    out = []
+    for _, x in ranked[:STATUS_PODS_LIMIT]:
+        if isinstance(x, PodResult):
+            out.append(x)
+        else:
+            assert x.progress is not None
+            out.append(pod_result(x.name, x.progress, x.deleting))
+    return out, max(len(ranked) - STATUS_PODS_LIMIT, 0)
+
+
+def probe_summary(
+    pods: Sequence[PodView],
+    uid: str,
+    listed: Sequence[PodResult],
+    before: ProbeSummary | None = None,
+) -> ProbeSummary:
+    """Probe results over every pod this refit probed: each pod's record (its progress), and
+    the listed results of pods no longer in this refit's hands. Never fewer probes than
+    ``before`` (the summary already written; None while rolling back, when the rollback's
+    probes replace the forward ones): a pod that moved on to a newer refit, left the fleet or
+    is being re-probed no longer shows this refit's probe, and its result still counts."""
+    mine = set()
+    probes = []
+    for pod in pods:
+        p = pod.progress
+        if p is None or p.uid != uid:
+            continue
+        mine.add(pod.name)
+        if p.probe is not None:
+            probes.append(PodProbe.model_validate(p.probe))
+    probes += [r.probe for r in listed if r.name not in mine and r.probe is not None]
+    if before is not None and len(probes) < before.passed + before.failed + before.inconclusive:
+        return before.model_copy()
+    nlls = [p.nll for p in probes if p.verdict == "Pass"]
+    return ProbeSummary(
+        passed=sum(p.verdict == "Pass" for p in probes),
+        failed=sum(p.verdict == "Fail" for p in probes),
+        inconclusive=sum(p.verdict == "Inconclusive" for p in probes),
+        worst_mean_abs_logprob_diff=max((p.mean_abs_logprob_diff for p in probes), default=0.0),
+        worst_max_abs_logprob_diff=max((p.max_abs_logprob_diff for p in probes), default=0.0),
+        worst_nll_diff=max((abs(p.nll - p.reference_nll) for p in probes), default=0.0),
+        nll_spread=(max(nlls) - min(nlls)) if nlls else 0.0,
+    )
+
+
+def fleet_results(
+    listed: Sequence[PodResult], pods: Sequence[PodView], uid: str
+) -> list[PodResult]:
+    """Every pod of one refit by name, for people (`kubectl refit status`, the report): the
+    pods of the fleet as listed now, each from its own record (its progress annotation, when
+    that is the pass of refit ``uid``), folded with the refit's status.pods (``listed``),
+    which alone remembers pods that left the fleet and the live step of a pass in flight. A
+    pod whose record is another refit's (not reached yet, or moved on since) is Pending."""
+    by_name = {r.name: r for r in listed}
+    out = []
+    for pod in pods:
+        p = pod.progress
+        entry = by_name.pop(pod.name, None)
+        if p is not None and p.uid == uid and (p.outcome or entry is None):
+            out.append(pod_result(pod.name, p, pod.deleting))
+        elif entry is not None:
+            out.append(entry)
+        else:
+            out.append(PodResult(name=pod.name, phase="Pending", step=""))
+    out += by_name.values()
+    return sorted(out, key=lambda r: r.name)
+
+
+def pod_phases(listed: Sequence[PodResult], pods: Sequence[PodView], uid: str) -> dict[str, int]:
+    """How many pods of refit ``uid`` are in each status phase, counted over every pod (the
+    refit_pods gauge): those whose record is this refit's pass, and those status.pods
+    (``listed``) remembers; pods this refit has not reached are not counted."""
+    by_name = {r.name: r.phase for r in listed}
+    counts: dict[str, int] = {}
+    for pod in pods:
+        p = pod.progress
+        entry = by_name.pop(pod.name, None)
+        if p is not None and p.uid == uid and (p.outcome or entry is None):
+            phase = pod_phase(p, pod.deleting)
+        elif entry is not None:
+            phase = entry
+        else:
+            continue
+        counts[phase] = counts.get(phase, 0) + 1
+    for phase in by_name.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    return counts
+
+
+def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
+    """NLLs of pods that passed their probe at ``version`` (cross-pod agreement)."""
+    out = []
+    for pod in pods:
+        p = pod.progress
+        if p and p.version == version and p.probe and p.probe.get("verdict") == "Pass":
+            out.append(float(p.probe.get("nll", 0.0)))
+    return out
