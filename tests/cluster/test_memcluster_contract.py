@@ -219,9 +219,9 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
 ) -> None:
     async def scenario(b: Backend) -> dict[str, Any]:
         await b.create("WeightRefit", _refit("r"))
-        both = {"spec": {"sequence": {"retries": 1}}, "status": {"phase": "Succeeded"}}
+        both = {"spec": {"probe": {"failureLimit": 1}}, "status": {"phase": "Succeeded"}}
         main = await b.patch("WeightRefit", "r", both)
-        both = {"spec": {"sequence": {"retries": 2}}, "status": {"phase": "Progressing"}}
+        both = {"spec": {"probe": {"failureLimit": 2}}, "status": {"phase": "Progressing"}}
         status = await b.patch_status("WeightRefit", "r", both)
         await b.create("Pod", _pod("p"))
         pod_main = await b.patch("Pod", "p", {"status": {"podIP": "10.0.0.9"}})
@@ -238,10 +238,10 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
         conds = {c["type"]: (c["status"], c.get("reason")) for c in
                  pod_status["status"]["conditions"]}  # fmt: skip
         return {
-            "main: spec retries": main["spec"]["sequence"]["retries"],
+            "main: spec failureLimit": main["spec"]["probe"]["failureLimit"],
             "main: status phase": (main.get("status") or {}).get("phase"),
             "main: generation": main["metadata"]["generation"],
-            "status: spec retries": status["spec"]["sequence"]["retries"],
+            "status: spec failureLimit": status["spec"]["probe"]["failureLimit"],
             "status: phase": status["status"]["phase"],
             "status: generation": status["metadata"]["generation"],
             "pod main: podIP": (pod_main.get("status") or {}).get("podIP"),
@@ -256,10 +256,10 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
     seen = await _both(control_plane, namespace, scenario)
     assert seen["real"] == seen["memory"], seen
     assert seen["memory"] == {
-        "main: spec retries": 1,
+        "main: spec failureLimit": 1,
         "main: status phase": None,
         "main: generation": 2,
-        "status: spec retries": 1,
+        "status: spec failureLimit": 1,
         "status: phase": "Progressing",
         "status: generation": 2,
         "pod main: podIP": None,
