@@ -134,6 +134,7 @@ class Checker:
                 doc = new or old
                 assert doc is not None
                 self.changed[doc["metadata"]["name"]] = self.store.revision
+            self._handover(old, new)
             return
         if kind != "WeightRefit" or new is None:
             return
@@ -141,6 +142,19 @@ class Checker:
         now = (new.get("status") or {}).get("phase")
         if now == "Succeeded" and was != "Succeeded":
             self._check_succeeded(new)
+
+    def _handover(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """Trace a claim that passes from one operator process to another (a takeover)."""
+        if old is None or new is None:
+            return
+        was = (old["metadata"].get("annotations") or {}).get(CLAIM_ANNOTATION)
+        now = (new["metadata"].get("annotations") or {}).get(CLAIM_ANNOTATION)
+        if was == now or not was or not now:
+            return
+        a, b = Claim.from_annotation(was), Claim.from_annotation(now)
+        if a is not None and b is not None and a.holder != b.holder:
+            self.note(f"pod {new['metadata']['name']}: claim of {a.refit} ({a.holder}) taken "
+                      f"over by {b.refit} ({b.holder}), fence {b.fence}")  # fmt: skip
 
     def _check_succeeded(self, refit: dict[str, Any]) -> None:
         """The status is decided from a pod list the tick took before it wrote: a pod that
