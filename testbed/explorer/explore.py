@@ -46,7 +46,7 @@ ROOT = Path(tempfile.gettempdir()) / "refit-explorer-checkpoints"
 LEASE_NS = "refit-system"  # each installation's Lease is named after it
 # The operator's default (renewed every 2.5 s, its local deadline at 10 s), or a short one
 # whose expiries and takeovers fall within a schedule's steps.
-LEASE_SECONDS = (15, 3)
+LEASE_SECONDS = (15, 5)
 EXIT_SECONDS = 1.0  # a process that lost its lease stops its daemons, then exits
 RESTART_SECONDS = 5.0  # the kubelet starts the exited container again
 

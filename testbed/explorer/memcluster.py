@@ -41,6 +41,10 @@ Docs = list[dict[str, Any]]  # (Store.list shadows ``list`` in its class body)
 # The store's revision when the running task (a tick) last listed pods: a status it writes is
 # decided from that list, and the checks hold it to that moment (Store.decided_from).
 LISTED_AT: contextvars.ContextVar[int | None] = contextvars.ContextVar("listed", default=None)
+# The pods that list returned (the stored documents, never changed in place).
+LISTED_PODS: contextvars.ContextVar[tuple[dict[str, Any], ...] | None] = contextvars.ContextVar(
+    "listed_pods", default=None
+)
 
 
 def clone(doc: Any) -> Any:
@@ -117,8 +121,10 @@ class Store:
         lambda kind, old, new: None
     )
     events: int = 0  # Events recorded (counted, not kept)
-    # While a refit's status is written: the revision of the pod list it was decided from.
+    # While a refit's status is written: the revision of the pod list it was decided from,
+    # and the pods that list returned.
     decided_from: int | None = None
+    decided_pods: tuple[dict[str, Any], ...] | None = None
     revision: int = 0  # the last resourceVersion given out: the store's logical clock
     _uid: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -392,11 +398,13 @@ class MemoryCluster(Cluster):
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
         await self._wait()
         LISTED_AT.set(self.store.revision)
-        return [  # PodView.from_pod copies what it keeps
-            PodView.from_pod(d)
+        docs = tuple(
+            d
             for d in self.store.scan("Pod", namespace)
             if labels_match(selector, d["metadata"].get("labels") or {})
-        ]
+        )
+        LISTED_PODS.set(docs)
+        return [PodView.from_pod(d) for d in docs]  # from_pod copies what it keeps
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         await self._wait()
@@ -423,10 +431,12 @@ class MemoryCluster(Cluster):
     ) -> None:
         await self._send()
         self.store.decided_from = LISTED_AT.get()
+        self.store.decided_pods = LISTED_PODS.get()
         try:
             self.store.patch_refit_status(namespace, name, clone(status), resource_version)
         finally:
             self.store.decided_from = None
+            self.store.decided_pods = None
 
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None:
         """The creation stamp, on the object of that uid only (the API server takes
