@@ -90,9 +90,20 @@ def holder_alive(
 
 class Lease:
     def __init__(
-        self, api_client: client.ApiClient, namespace: str, name: str, identity: str, duration: int
+        self,
+        api_client: client.ApiClient | None,
+        namespace: str,
+        name: str,
+        identity: str,
+        duration: int,
+        *,
+        api: Any = None,
     ) -> None:
-        self.api: Any = client.CoordinationV1Api(api_client)
+        """``api``: what serves the Leases (``read_namespaced_lease``, ``create_namespaced_lease``,
+        ``replace_namespaced_lease``, as kubernetes_asyncio's CoordinationV1Api answers them);
+        default: CoordinationV1Api over ``api_client`` (the explorer hands in its in-memory
+        API server's)."""
+        self.api: Any = api if api is not None else client.CoordinationV1Api(api_client)
         self.namespace, self.name, self.identity, self.duration = (
             namespace,
             name,

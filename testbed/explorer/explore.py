@@ -27,14 +27,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from refit_operator import history, times
 from refit_operator.engine import Engine
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
-from refit_operator.leader import LeadershipLost
+from refit_operator.leader import LeadershipLost, Lease
 from refit_operator.worker import WorkerClient
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
 
 from . import invariants
-from .memcluster import Event, MemoryCluster, Store, clone, pod_body, refit_body
+from .memcluster import Event, MemoryCluster, MemoryLeases, Store, clone, pod_body, refit_body
 from .vtime import Stalled, VirtualClock, VirtualLoop
 from .workers import ExplorerSimServer, InProcessSession, checkpoints
 
@@ -43,6 +43,12 @@ FLEET = {"app": "rollout"}
 ELSEWHERE = {"app": "elsewhere"}
 VERSIONS = [f"v{i}" for i in range(1, 9)]
 ROOT = Path(tempfile.gettempdir()) / "refit-explorer-checkpoints"
+LEASE_NS = "refit-system"  # each installation's Lease is named after it
+# The operator's default (renewed every 2.5 s, its local deadline at 10 s), or a short one
+# whose expiries and takeovers fall within a schedule's steps.
+LEASE_SECONDS = (15, 5)
+EXIT_SECONDS = 1.0  # a process that lost its lease stops its daemons, then exits
+RESTART_SECONDS = 5.0  # the kubelet starts the exited container again
 
 # Fault classes, each switchable. Sieve's three perturbations are here as the watch classes
 # (unobserved: drop, coalesce; stale: delay) and operator restarts (intermediate states: a
@@ -61,7 +67,9 @@ CLASSES = (
     "refit_spec_update",  # spec.sequence changed mid-refit
     "history_gc",  # a small history limit: finished refits are collected
     "operator_restart",  # an operator process dies and a new one takes over
-    "two_installations",  # a second operator installation drives the same fleet
+    "two_installations",  # a second operator installation (its own Lease) drives the fleet
+    "lease_expiry",  # an operator process is frozen (SIGSTOP, a GC pause), maybe past its lease
+    "lease_delete",  # an installation's Lease is deleted (the next replica that looks makes it)
     "watch_delay",  # watch events arrive late (stale index)
     "watch_drop",  # a watch event is lost (the next relist is all that recovers it)
     "watch_coalesce",  # only the newest event of an object arrives
@@ -118,11 +126,17 @@ class Result:
 
 @dataclass
 class Replica:
-    """One operator process: its engine, its view of the API server, kopf's daemons."""
+    """One operator process: its Lease, its engine, its view of the API server, kopf's
+    daemons. It acts only while it leads (main.run: the Lease first, then the engine)."""
 
     name: str
+    installation: str
     engine: Engine
-    feed: list[Event]
+    lease: Lease
+    thawed: asyncio.Event  # clear while the process is frozen
+    feed: list[Event] = field(default_factory=list)  # its watch, from when it leads
+    leading: bool = False
+    life: asyncio.Task[None] | None = None
     daemons: dict[str, str] = field(default_factory=dict)  # refit name -> uid (kopf's view)
     ticking: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     held: list[Event] = field(default_factory=list)  # delayed watch events
@@ -137,6 +151,10 @@ class Explorer:
         self.trace: list[str] = []
         self.clock = clock
         self.store = Store(latency=self._api_latency)
+        # The Leases' requests draw their latencies from a generator of their own: renewals
+        # run on their own clock, and would otherwise reshuffle every other choice.
+        self.lease_rng = random.Random(f"lease-{config.seed}")
+        self.lease_seconds = self.lease_rng.choice(LEASE_SECONDS)
         self.ckpt = checkpoints(ROOT, VERSIONS)
         self.ips = (f"10.0.{i // 250}.{i % 250 + 1}" for i in range(10_000))
         self.sim = ExplorerSimServer([], str(ROOT), None)
@@ -157,6 +175,9 @@ class Explorer:
     # ------------------------------------------------------------------ randomness
     def _api_latency(self) -> float:
         return self.rng.choice((0.0, 0.0, 0.001, 0.005, 0.02))
+
+    def _lease_latency(self) -> float:
+        return self.lease_rng.choice((0.0, 0.001, 0.005, 0.02))
 
     def _worker_latency(self, step: str) -> float:
         return self.rng.choice((0.001, 0.01, 0.05)) + (0.5 if step == RPC_LOAD else 0.0)
@@ -202,20 +223,73 @@ class Explorer:
         self._note(f"refit {name} created ({version}, {doc['metadata']['uid']})")
 
     def _replica(self, installation: str) -> Replica:
+        """A new operator process of ``installation``, wired as main.run wires it: its own
+        identity, the installation's Lease (leader.Lease, the real one, over the in-memory
+        API server), and the engine's writes and pod calls checked against it."""
         self.processes += 1
         name = f"{installation}-{self.processes}"
-        cluster = MemoryCluster(self.store, name)
-        workers = _workers(self.session)
-        engine = Engine(cluster, None, None, self.policy, workers=workers)
-        replica = Replica(name, engine, self.store.subscribe())
+        thawed = asyncio.Event()
+        thawed.set()
+        cluster = MemoryCluster(self.store, name, thawed)
+        leases = MemoryLeases(self.store, self._lease_latency, thawed)
+        lease = Lease(None, LEASE_NS, installation, name, self.lease_seconds, api=leases)
+        workers = _workers(_ProcessSession(self.session, lambda what: self._sending(r, what)),
+                           thawed)  # fmt: skip
+        engine = Engine(cluster, None, lease, self.policy, workers=workers)  # before_write
+        r = Replica(name, installation, engine, lease, thawed)
+        cluster.on_send = lambda: self._sending(r, "an API write")
         self._note(f"operator {name} starts")
-        return replica
+        return r
 
-    async def _start_replica(self, replica: Replica) -> None:
+    def _sending(self, replica: Replica, what: str) -> None:
+        """A process sends a request: it must hold its lease, by its own deadline (a leader
+        that may have lost its lease stops before acting)."""
+        lease = replica.lease
+        self.checker.checks += 1
+        if lease.lost.is_set() or times.monotonic() >= lease.valid_until:
+            self.checker.violate(
+                "lease-stop",
+                f"{replica.name} sent {what} past its lease deadline "
+                f"({lease.valid_until:.3f}; lost={lease.lost.is_set()})",
+            )
+
+    async def _lead(self, replica: Replica) -> None:
+        """main.run up to kopf: wait for the Lease, then fill the index (the watch starts)."""
+        await replica.lease.acquire()
+        self._note(f"{replica.name} leads on Lease {replica.lease.key}")
+        replica.feed = self.store.subscribe()
         await replica.engine.sync([NS])
         replica.daemons = {d["metadata"]["name"]: d["metadata"]["uid"]
                            for d in self.store.scan("WeightRefit", NS)}  # fmt: skip
         replica.feed.clear()  # the list is newer than anything queued before it
+        replica.leading = True
+
+    async def _live(self, replica: Replica, leading: bool = False) -> None:
+        """The rest of the process's life: lead, hold the Lease (leader.Lease.hold renews it
+        on virtual time), and exit once it is lost; the kubelet then starts a new process."""
+        try:
+            if not leading:
+                await self._lead(replica)
+            await replica.lease.hold()
+        except LeadershipLost:
+            replica.lease.lost.set()
+        replica.leading = False
+        self._note(f"{replica.name} lost its lease: the process exits")
+        await asyncio.sleep(EXIT_SECONDS)  # passes in flight stop at their next check
+        await self._stop(replica)
+        await asyncio.sleep(RESTART_SECONDS)
+        if replica in self.replicas:
+            self._spawn(replica, f"operator {replica.name} exited")
+
+    def _spawn(self, old: Replica, why: str) -> None:
+        new = self._replica(old.installation)
+        self.replicas[self.replicas.index(old)] = new
+        new.life = asyncio.create_task(self._live(new))
+        self._note(f"{why}; {new.name} starts in its place")
+
+    def _active(self, replica: Replica) -> bool:
+        """Whether kopf runs in the process now: it leads and is not frozen."""
+        return replica.leading and replica.thawed.is_set()
 
     # -------------------------------------------------------------------- running
     async def run(self) -> Result:
@@ -226,8 +300,13 @@ class Explorer:
         installations = ["op-a", "op-b"] if "two_installations" in self.on else ["op-a"]
         for inst in installations:
             r = self._replica(inst)
-            await self._start_replica(r)
+            await self._lead(r)  # no Lease yet: it leads at once
             self.replicas.append(r)
+            r.life = asyncio.create_task(self._live(r, leading=True))
+        if self.on & {"lease_expiry", "lease_delete"}:  # a standby waits for op-a's Lease
+            r = self._replica("op-a")
+            self.replicas.append(r)
+            r.life = asyncio.create_task(self._live(r))
         try:
             for step in range(self.cfg.steps):
                 result.steps = step + 1
@@ -240,7 +319,7 @@ class Explorer:
             if not self.checker.violations:
                 for replica in self.replicas:  # the deletions of the last round arrive
                     self._deliver(replica, faults=False)
-                self.checker.check_memory([r.engine for r in self.replicas])
+                self.checker.check_memory([r.engine for r in self.replicas if r.leading])
         except Stalled as e:
             self.checker.violate("stalled", str(e))
         finally:
@@ -273,7 +352,7 @@ class Explorer:
 
     def _tick(self, replica: Replica, name: str | None = None) -> None:
         names = sorted(replica.daemons)
-        if not names:
+        if not names or not self._active(replica):
             return
         name = name or self.rng.choice(names)
         busy = replica.ticking.get(name)
@@ -290,7 +369,10 @@ class Explorer:
         deleting = bool(seen and seen["metadata"].get("deletionTimestamp"))
         try:
             d = await eng.tick(NS, name, deleting=deleting)
-        except (LeadershipLost, asyncio.CancelledError):
+        except LeadershipLost:
+            self._note(f"{replica.name} tick {name}: leadership lost")
+            return  # handlers.refit_daemon: the process is stopping
+        except asyncio.CancelledError:
             raise
         except ApiException as e:
             self._note(f"{replica.name} tick {name}: API error {e.status}")
@@ -317,6 +399,8 @@ class Explorer:
     def _deliver(self, replica: Replica, faults: bool = True) -> None:
         # A watch is late, never out of order: what is held back is the newest part of the
         # stream (held earlier, then queued since), and it is delivered before anything newer.
+        if not self._active(replica):
+            return  # its watch waits (a frozen process reads nothing; a standby has none)
         events, replica.held, replica.feed[:] = replica.held + replica.feed, [], []
         if faults and "watch_delay" in self.on and events and self.rng.random() < 0.3:
             k = self.rng.randrange(len(events) + 1)
@@ -422,12 +506,26 @@ class Explorer:
         elif kind == "operator_restart":
             old = r.choice(self.replicas)
             await self._stop(old)
-            new = self._replica(old.name.rsplit("-", 1)[0])
-            self.replicas[self.replicas.index(old)] = new
-            await self._start_replica(new)
-            self._note(f"fault: operator {old.name} died, {new.name} took over")
+            self._spawn(old, f"fault: operator {old.name} died")
+        elif kind == "lease_expiry":
+            victim = r.choice(self.replicas)
+            if victim.thawed.is_set():
+                seconds = r.choice((2.0, 6.0, 11.0, 20.0, 45.0))
+                victim.thawed.clear()
+                asyncio.get_running_loop().call_later(seconds, self._thaw, victim)
+                self._note(f"fault: {victim.name} frozen for {seconds}s")
+        elif kind == "lease_delete":
+            inst = r.choice(sorted({x.installation for x in self.replicas}))
+            if self.store.peek("Lease", LEASE_NS, inst) is not None:
+                self.store.delete("Lease", LEASE_NS, inst)
+                self._note(f"fault: Lease {LEASE_NS}/{inst} deleted")
         elif kind in ("watch_delay", "watch_drop", "watch_coalesce", "two_installations"):
             self._deliver(r.choice(self.replicas))
+
+    def _thaw(self, replica: Replica) -> None:
+        if not replica.thawed.is_set():
+            replica.thawed.set()
+            self._note(f"{replica.name} thaws")
 
     def _kubelet_crashed(self, ip: str) -> None:
         self._container(ip, started=False)
@@ -458,20 +556,29 @@ class Explorer:
         for _, pod in sorted(self.sim.pods.items()):
             pod.faults.clear()
         await asyncio.sleep(35.0)  # answers in flight arrive or time out; crashed pods restart
+        for replica in self.replicas:  # frozen processes run again
+            self._thaw(replica)
         for ip, pod in sorted(self.sim.pods.items()):
             if pod.up and self.sim.busy(ip):  # hung: the kubelet's liveness probe restarts it
                 await self.sim.crash(pod)
                 await self.sim.restart(pod)
                 self._note(f"kubelet: restarted the hung container at {ip}")
-        for replica in self.replicas:
+        for replica in list(self.replicas):
+            if not self._active(replica):
+                continue  # a standby, or a process starting: it lists when it leads
             self._deliver(replica, faults=False)
-            await replica.engine.sync([NS])  # a watch restarts with a list
+            try:
+                await replica.engine.sync([NS])  # a watch restarts with a list
+            except LeadershipLost:
+                continue
             for d in self.store.scan("WeightRefit", NS):
                 replica.daemons[d["metadata"]["name"]] = d["metadata"]["uid"]
             replica.due.clear()  # every daemon ticks once now
         deadline = self.clock.elapsed + self.cfg.liveness_seconds
         while self.clock.elapsed < deadline:
-            for replica in self.replicas:
+            for replica in list(self.replicas):
+                if not self._active(replica):
+                    continue
                 self._deliver(replica, faults=False)
                 for name, uid in sorted(replica.daemons.items()):
                     st = replica.engine.refits.get(uid)
@@ -488,20 +595,24 @@ class Explorer:
             if self.checker.violations:
                 return
         known = {r.name: sorted(k.name for k in r.engine.index.known.values())
-                 for r in self.replicas}  # fmt: skip
+                 for r in self.replicas if r.leading}  # fmt: skip
         self.checker.violate("liveness", f"{self.checker.converged()}; indexes: {known}")
 
     async def _stop(self, replica: Replica) -> None:
+        """The process is gone: everything it runs ends where it is."""
+        replica.leading = False
         tasks = [t for st in replica.engine.refits.values()
                  for t in (*st.tasks.values(), *st.staged_ahead.values())]  # fmt: skip
         tasks += list(replica.ticking.values())
+        if replica.life is not None and replica.life is not asyncio.current_task():
+            tasks.append(replica.life)
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
-        if replica.feed in self.store.feeds:
-            self.store.feeds.remove(replica.feed)
+        # By identity: another process's feed may equal this one (both empty).
+        self.store.feeds[:] = [f for f in self.store.feeds if f is not replica.feed]
 
     async def _stop_all(self) -> None:
         for replica in self.replicas:
@@ -512,9 +623,34 @@ class Explorer:
         await asyncio.sleep(0)
 
 
-def _workers(session: InProcessSession) -> Any:
+class _ProcessClient(WorkerClient):
+    """WorkerClient in one operator process: a frozen process sends nothing; thawed, its
+    next request runs the lease check (``before_call``) before it is sent."""
+
+    thawed: asyncio.Event
+
+    async def _request(self, *args: Any, **kw: Any) -> Any:
+        if not self.thawed.is_set():
+            await self.thawed.wait()
+        return await super()._request(*args, **kw)
+
+
+class _ProcessSession:
+    """One operator process's connections to the pods: each request is seen as it leaves."""
+
+    def __init__(self, session: InProcessSession, on_send: Callable[[str], None]) -> None:
+        self.session, self.on_send = session, on_send
+
+    def request(self, method: str, url: str, **kw: Any) -> Any:
+        self.on_send(f"{method} {url}")
+        return self.session.request(method, url, **kw)
+
+
+def _workers(session: _ProcessSession, thawed: asyncio.Event) -> Any:
     def make(url: str, **kw: Any) -> WorkerClient:
-        return WorkerClient(url, http=session, **kw)  # type: ignore[arg-type]
+        client = _ProcessClient(url, http=session, **kw)  # type: ignore[arg-type]
+        client.thawed = thawed
+        return client
 
     return make
 

@@ -41,22 +41,37 @@ class Hole:
 
 
 KNOWN_HOLES: dict[str, Hole] = {
-    "two_installations": Hole(
-        30,
-        frozenset({"two_installations"}),
-        "the in-memory cluster has no Leases, so the explorer's engines run without one: a "
-        "pass takes over another installation's claim without the check production makes "
-        "(engine._elsewhere: never while the holder's Lease may still be valid, "
-        "leader.holder_alive), and the old pass still calls the pod until the new one's higher "
-        "token reaches it. Production is held by tests/cluster/test_one_driver.py::"
-        "test_two_installations_never_drive_one_pod_at_once (two real operators, two Leases); "
-        "the explorer needs Leases to hold it too",
-        "issue 24: two installations driving one pod (the explorer's model lacks Leases)",
-        signature=r"^\[one-driver\]",
+    "creation_order": Hole(
+        5,
+        frozenset({"watch_drop"}),
+        "two refits created in one second without a client's creation stamp (kubectl) are "
+        "stamped by the operator in the order it first sees them, and each stamp is persisted "
+        "by a write of its own; that is the order the API server stored them in only while "
+        "the watch shows every ADDED event and the stamps of one second land together. Seed "
+        "5: wr-003's ADDED is lost (a watch that relists), wr-004 (created after it, in the "
+        "same second) is stamped at once, wr-003 only when a list finds it. Also (mixed "
+        "classes, operator_restart): a process persists the later refit's stamp, then dies "
+        "or loses its Lease before the earlier one's (the explorer persists a stamp at the "
+        "refit's first tick, production at its watch event: a narrower window); the next "
+        "leader stamps the earlier refit anew, after the later one. Every replica then orders "
+        "them against their creation for good (queue, targets, moved on; docs/concepts.md "
+        "'Which refit is newer' says the stamps follow the storage order). After a write, "
+        "nothing the API server answers recovers that order (resourceVersion moves, "
+        "creationTimestamp has whole seconds): only a client's stamp (RefitClient) or the "
+        "watch gives it",
+        "refits created in one second are ordered by first sight, not creation, after a "
+        "lost watch event",
+        excludes=False,
+        signature=r"^\[creation-order\]",
     ),
 }
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
 REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
+    # Two installations, each leading on its own Lease: a pass took over the other's live
+    # claim (the explorer's engines ran without Leases) and both drove the pod. With the
+    # Leases modelled, a claim whose holder's Lease may still be valid is left to it
+    # (engine._elsewhere, leader.holder_alive).
+    "two_installations": (frozenset({"two_installations"}), (30,)),
     # The container restarted between the probe and the vouch, and the vouch made the new
     # process Ready on its boot weights; the vouch is now bound to the process probed.
     "worker_crash": (frozenset({"worker_crash"}), (3, 5, 8, 16, 30, 32, 35, 148)),

@@ -9,6 +9,13 @@ the in-memory API server's objects (what the operator wrote) and the simulated p
   ready, i.e. vouched for in this process) holds intact weights of the version it reports,
   and a correct probe was scored on exactly those weights in this process;
 - succeeded-serving: when a refit turns Succeeded, every pod it counts serves its version;
+- finished-says-served: when a refit turns RolledBack, every pod its message says it rolled
+  back to a version serves that version (and every pod it kept serves what it served), and
+  the message names every pod its rollback brought back; when it turns Superseded because its
+  pods moved on (PodsMovedOn), every pod it selects is driven by a newer refit, the newest
+  of which the message names;
+- lease-stop: an operator process sends nothing (API write, pod call) once its lease may
+  have expired (explore.py checks it as each request leaves);
 - liveness: once faults stop, every pod reaches its target (the newest Succeeded refit, by
   creation order, that selects it now) and is Ready, and no refit stays active;
 - bounded-memory: an engine keeps nothing (index, per-refit state) of refits that are gone.
@@ -16,13 +23,16 @@ the in-memory API server's objects (what the operator wrote) and the simulated p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from refit_operator import times
 from refit_operator.api import LabelSelector
 from refit_operator.engine import Engine
 from refit_operator.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from refit_operator.reconcile import MOVED_ON
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store
@@ -55,6 +65,11 @@ def _identity(doc: dict[str, Any] | None) -> Any:
     restarts = [c.get("restartCount", 0) for c in status.get("containerStatuses") or []]
     meta = doc["metadata"]
     return (meta.get("uid"), meta.get("labels"), restarts, status.get("podIP"))
+
+
+def _ready_reason(refit: dict[str, Any]) -> str:
+    conds = (refit.get("status") or {}).get("conditions") or []
+    return next((str(c.get("reason", "")) for c in conds if c.get("type") == "Ready"), "")
 
 
 def _selects(refit: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -98,8 +113,9 @@ class Checker:
         doc = self._pod_at(ip)
         if doc is None:
             return  # a process whose pod object is gone: nobody is Ready through it
-        claim = Claim.from_annotation((doc["metadata"].get("annotations") or {}).get(
-            CLAIM_ANNOTATION))  # fmt: skip
+        claim = Claim.from_annotation(
+            (doc["metadata"].get("annotations") or {}).get(CLAIM_ANNOTATION)
+        )
         if claim is None or claim.fence != token:
             held = f"{claim.refit} fence {claim.fence} ({claim.holder})" if claim else "nobody"
             self.violate(
@@ -134,13 +150,208 @@ class Checker:
                 doc = new or old
                 assert doc is not None
                 self.changed[doc["metadata"]["name"]] = self.store.revision
+            self._handover(old, new)
             return
         if kind != "WeightRefit" or new is None:
             return
+        if not times.stamp_of((old or {}).get("metadata") or {}) and times.stamp_of(
+            new["metadata"]
+        ):
+            self._check_stamp(new)
         was = ((old or {}).get("status") or {}).get("phase")
         now = (new.get("status") or {}).get("phase")
         if now == "Succeeded" and was != "Succeeded":
             self._check_succeeded(new)
+        elif now == "RolledBack" and was != "RolledBack":
+            self._check_rolled_back(new)
+        elif now == "Superseded" and was != "Superseded" and _ready_reason(new) == MOVED_ON:
+            self._check_moved_on(new)
+
+    def _handover(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """Trace a claim that passes from one operator process to another (a takeover)."""
+        if old is None or new is None:
+            return
+        was = (old["metadata"].get("annotations") or {}).get(CLAIM_ANNOTATION)
+        now = (new["metadata"].get("annotations") or {}).get(CLAIM_ANNOTATION)
+        if was == now or not was or not now:
+            return
+        a, b = Claim.from_annotation(was), Claim.from_annotation(now)
+        if a is not None and b is not None and a.holder != b.holder:
+            self.note(
+                f"pod {new['metadata']['name']}: claim of {a.refit} ({a.holder}) taken "
+                f"over by {b.refit} ({b.holder}), fence {b.fence}"
+            )
+
+    def _check_stamp(self, refit: dict[str, Any]) -> None:
+        """A creation stamp the operator writes orders the refit among those created in its
+        second (docs/concepts.md, "Which refit is newer"): it must follow the order the API
+        server stored them in."""
+        self.checks += 1
+        meta = refit["metadata"]
+        me = self.store.created[meta["uid"]]
+        for (kind, _, _), other in sorted(self.store.objects.items()):
+            o = other["metadata"]
+            if kind != "WeightRefit" or o["uid"] == meta["uid"] or not times.stamp_of(o):
+                continue
+            if o["creationTimestamp"] != meta["creationTimestamp"]:
+                continue
+            stored_first = self.store.created[o["uid"]] < me
+            if stored_first != (times.order_of(o) < times.order_of(meta)):
+                first, then = (o, meta) if stored_first else (meta, o)
+                self.violate(
+                    "creation-order",
+                    f"refit {then['name']} is stamped {times.stamp_of(then)}, before "
+                    f"{first['name']} ({times.stamp_of(first)}), which the API server stored "
+                    "first in the same second",
+                )
+
+    def _since_listed(self) -> set[str]:
+        """Pods changed (created, deleted, relabelled, restarted, moved) since the pod list
+        the status being written was decided from: the next tick's to see."""
+        listed = self.store.decided_from
+        return {n for n, t in self.changed.items() if listed is not None and t > listed}
+
+    def _selected(self, refit: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            (name, doc) for (kind, _, name), doc in sorted(self.store.objects.items())
+            if kind == "Pod" and not doc["metadata"].get("deletionTimestamp")
+            and _selects(refit, doc["metadata"].get("labels") or {})
+        ]  # fmt: skip
+
+    def _said(self, message: str) -> None:
+        self.violate("finished-says-served", message)
+
+    def _check_rolled_back(self, refit: dict[str, Any]) -> None:
+        """RolledBack says, per version, which pods went back to it ("N pods rolled back to
+        V (a, b)"; reconcile._rollback) and which kept what they served: each such pod serves
+        it, and every pod whose record is this refit's rollback pass, Succeeded, is named
+        under its version. A pod changed since the list, restarted since its pass or taken
+        up by a newer pass since cannot be blamed on this status."""
+        self.checks += 1
+        uid, name = refit["metadata"]["uid"], refit["metadata"]["name"]
+        message = (refit.get("status") or {}).get("message", "")
+        to: dict[str, str] = {}
+        kept: set[str] = set()
+        complete = True
+        for part in message.split("; "):
+            m = re.fullmatch(r"(\d+) pods rolled back to (.+?) \((.*)\)", part)
+            k = re.fullmatch(r"(\d+) pods kept what they served \((.*)\)", part)
+            if m is None and k is None and part != "no pod to roll back":
+                self._said(
+                    f"refit {name} RolledBack with a message part not understood: "
+                    f"{part!r} (in {message!r})"
+                )
+                return
+            if m is None and k is None:
+                continue
+            found = m or k
+            assert found is not None
+            count, names = int(found[1]), found[found.lastindex or 0]
+            listed = re.fullmatch(r"(.*?)(?: and (\d+) more)?", names)
+            assert listed is not None
+            shown = listed[1].split(", ")
+            more = int(listed[2] or 0)
+            complete &= more == 0
+            if count != len(shown) + more:
+                self._said(
+                    f"refit {name} RolledBack says {count} pods but names "
+                    f"{len(shown)} and {more} more: {part!r}"
+                )
+            for pod in shown:
+                if m is not None:
+                    to[pod] = m[2]
+                else:
+                    kept.add(pod)
+        since = self._since_listed()
+        for pod_name, doc in self._selected(refit):
+            if pod_name in since:
+                continue
+            p = Progress.from_annotation(
+                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+            )
+            if p is None or p.uid != uid:
+                continue  # a newer pass took the pod up since (or never this refit's)
+            restarts = sum(
+                c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or []
+            )
+            serves = self.sim.serves(doc["status"].get("podIP", ""))
+            if pod_name in to:
+                want = to[pod_name]
+                if not (p.rollback and p.outcome == "Succeeded" and p.version == want):
+                    self._said(
+                        f"refit {name} RolledBack says pod {pod_name} rolled back to "
+                        f"{want}; its record: rollback={p.rollback} {p.version} "
+                        f"{p.outcome or 'in flight'}"
+                    )
+                elif p.restarts == restarts and serves != want:
+                    self._said(
+                        f"refit {name} RolledBack says pod {pod_name} rolled back to "
+                        f"{want}, which serves {serves!r}"
+                    )
+            elif pod_name in kept:
+                if p.restarts == restarts and p.serving and serves != p.serving:
+                    self._said(
+                        f"refit {name} RolledBack says pod {pod_name} kept what it "
+                        f"served ({p.serving}), which serves {serves!r}"
+                    )
+            elif complete and p.rollback and p.outcome == "Succeeded":
+                self._said(
+                    f"refit {name} RolledBack rolled pod {pod_name} back to "
+                    f"{p.version}, which its message does not say: {message!r}"
+                )
+
+    def _check_moved_on(self, refit: dict[str, Any]) -> None:
+        """Superseded with PodsMovedOn ("every pod of this refit moved on to X";
+        reconcile._progress): every pod the refit selected in the list the status was
+        decided from is driven by a newer refit (its record is a newer refit's pass, not a
+        rollback to this refit's version), and X is the newest of them. (What happened to
+        the pods since is the next tick's to see: it takes back a pod no newer refit answers
+        for, "the target again of".)"""
+        self.checks += 1
+        name = refit["metadata"]["name"]
+        version = refit["spec"]["checkpoint"]["version"]
+        message = (refit.get("status") or {}).get("message", "")
+        m = re.fullmatch(r"every pod of this refit moved on to (\S+)", message)
+        if m is None:
+            self._said(f"refit {name} Superseded ({MOVED_ON}) says {message!r}")
+            return
+        # "Newer" in the one order the operator documents (docs/concepts.md, "Which refit is
+        # newer"): creationTimestamp, the creation stamp, the name; a pod's record carries
+        # its refit's (creation-order checks that the stamps follow the API server's order).
+        mine = times.order_key(times.order_of(refit["metadata"]), name)
+        listed = self.store.decided_pods
+        pods = (
+            self._selected(refit)
+            if listed is None
+            else [
+                (d["metadata"]["name"], d) for d in listed
+                if not d["metadata"].get("deletionTimestamp")
+                and _selects(refit, d["metadata"].get("labels") or {})
+            ]
+        )  # fmt: skip
+        drivers: list[tuple[tuple[str, str], str]] = []
+        for pod_name, doc in pods:
+            p = Progress.from_annotation(
+                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
+            )
+            order = times.order_key(p.created, p.refit) if p is not None else ("", "")
+            if p is None or order <= mine or (p.rollback and p.version == version):
+                what = (
+                    "no pass"
+                    if p is None
+                    else (f"{p.refit}'s {'rollback ' if p.rollback else ''}pass at {p.version}")
+                )
+                self._said(
+                    f"refit {name} Superseded ({MOVED_ON}: moved on to {m[1]}) while "
+                    f"pod {pod_name} is driven by {what}, no newer refit"
+                )
+                return
+            drivers.append((order, p.refit))
+        if drivers and max(drivers)[1] != m[1]:
+            self._said(
+                f"refit {name} Superseded ({MOVED_ON}) says its pods moved on to "
+                f"{m[1]}; the newest that drives them is {max(drivers)[1]}"
+            )
 
     def _check_succeeded(self, refit: dict[str, Any]) -> None:
         """The status is decided from a pod list the tick took before it wrote: a pod that
@@ -242,8 +453,14 @@ class Checker:
         restarts = sum(
             c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or []
         )
-        refit = next((d for (k, _, _), d in self.store.objects.items()
-                      if k == "WeightRefit" and d["metadata"]["uid"] == p.uid), None)  # fmt: skip
+        refit = next(
+            (
+                d
+                for (k, _, _), d in self.store.objects.items()
+                if k == "WeightRefit" and d["metadata"]["uid"] == p.uid
+            ),
+            None,
+        )
         ended = refit is None or (refit.get("status") or {}).get("phase") in ("Halted", "Failed")
         return ended and p.version == serves and p.restarts == restarts
 
@@ -254,8 +471,14 @@ class Checker:
         )
         if p is None:
             return "no pass recorded"
-        refit = next((d for (k, _, _), d in self.store.objects.items()
-                      if k == "WeightRefit" and d["metadata"]["uid"] == p.uid), None)  # fmt: skip
+        refit = next(
+            (
+                d
+                for (k, _, _), d in self.store.objects.items()
+                if k == "WeightRefit" and d["metadata"]["uid"] == p.uid
+            ),
+            None,
+        )
         phase = "gone" if refit is None else (refit.get("status") or {}).get("phase", "")
         return f"last pass: {p.refit} at {p.version} ({p.outcome or 'in flight'}), refit {phase}"
 

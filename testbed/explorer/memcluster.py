@@ -24,6 +24,7 @@ import asyncio
 import contextvars
 import copy
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,10 @@ Docs = list[dict[str, Any]]  # (Store.list shadows ``list`` in its class body)
 # The store's revision when the running task (a tick) last listed pods: a status it writes is
 # decided from that list, and the checks hold it to that moment (Store.decided_from).
 LISTED_AT: contextvars.ContextVar[int | None] = contextvars.ContextVar("listed", default=None)
+# The pods that list returned (the stored documents, never changed in place).
+LISTED_PODS: contextvars.ContextVar[tuple[dict[str, Any], ...] | None] = contextvars.ContextVar(
+    "listed_pods", default=None
+)
 
 
 def clone(doc: Any) -> Any:
@@ -116,8 +121,10 @@ class Store:
         lambda kind, old, new: None
     )
     events: int = 0  # Events recorded (counted, not kept)
-    # While a refit's status is written: the revision of the pod list it was decided from.
+    # While a refit's status is written: the revision of the pod list it was decided from,
+    # and the pods that list returned.
     decided_from: int | None = None
+    decided_pods: tuple[dict[str, Any], ...] | None = None
     revision: int = 0  # the last resourceVersion given out: the store's logical clock
     _uid: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -191,6 +198,26 @@ class Store:
             generation = int(old["metadata"].get("generation", 1)) + 1
             new["metadata"] = {**new["metadata"], "generation": generation}
         return self._put(kind, new, old)
+
+    def replace(self, kind: str, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """An update (PUT) of the whole object, as a Lease's renewal writes it: conditional
+        on ``metadata.resourceVersion`` (409 when stale; 422 without one, as the API server
+        answers for Leases, which allow no unconditional update). The server keeps the
+        object's identity (uid, creationTimestamp). A Lease that is absent is created (Leases
+        allow create on update, whatever resourceVersion the body names)."""
+        old = self.objects.get((kind, ns, name))
+        if old is None and kind == "Lease":
+            meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "resourceVersion"}
+            return self.create(kind, ns, {**clone(body), "metadata": meta})
+        if old is None:
+            raise self._missing(kind, name)
+        meta = dict(body.get("metadata") or {})
+        if not meta.get("resourceVersion"):
+            raise ApiException(status=422, reason="metadata.resourceVersion: must be specified")
+        self._conflict(old, meta)
+        kept = ("namespace", "name", "uid", "creationTimestamp", "generation")
+        meta.update({k: old["metadata"][k] for k in kept if k in old["metadata"]})
+        return self._put(kind, {**clone(body), "metadata": meta}, old)
 
     def remove(self, kind: str, ns: str, name: str) -> None:
         """Gone at once, finalizers or not (the explorer's pod_replace)."""
@@ -284,25 +311,100 @@ def refit_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _Answer:
+    """A ``_preload_content=False`` answer, as cluster.read_json reads it."""
+
+    def __init__(self, status: int, doc: Any) -> None:
+        self.status = status
+        self._body = json.dumps(doc).encode()
+
+    async def read(self) -> bytes:
+        return self._body
+
+
+class MemoryLeases:
+    """What leader.Lease asks of kubernetes_asyncio's CoordinationV1Api (coordination.k8s.io
+    Leases: read, create, conditional replace; delete for the explorer's faults), over a
+    :class:`Store`. ``latency`` gives each request's virtual delay; ``thawed`` is the
+    process's freeze (explore.py, ``lease_expiry``): a frozen process sends nothing."""
+
+    def __init__(
+        self,
+        store: Store,
+        latency: Callable[[], float] = lambda: 0.0,
+        thawed: asyncio.Event | None = None,
+    ) -> None:
+        self.store, self.latency, self.thawed = store, latency, thawed
+
+    async def _send(self) -> None:
+        if self.thawed is not None and not self.thawed.is_set():
+            await self.thawed.wait()
+        await asyncio.sleep(self.latency())
+
+    async def read_namespaced_lease(self, name: str, namespace: str, **_: Any) -> _Answer:
+        await self._send()
+        doc = self.store.peek("Lease", namespace, name)
+        if doc is None:
+            return _Answer(404, {"kind": "Status", "reason": "NotFound", "code": 404})
+        return _Answer(200, doc)
+
+    async def create_namespaced_lease(
+        self, namespace: str, body: dict[str, Any], **_: Any
+    ) -> dict[str, Any]:
+        await self._send()
+        return clone(self.store.create("Lease", namespace, clone(body)))
+
+    async def replace_namespaced_lease(
+        self, name: str, namespace: str, body: dict[str, Any], **_: Any
+    ) -> dict[str, Any]:
+        await self._send()
+        return clone(self.store.replace("Lease", namespace, name, body))
+
+    async def delete_namespaced_lease(self, name: str, namespace: str, **_: Any) -> None:
+        await self._send()
+        self.store.delete("Lease", namespace, name)
+
+
 class MemoryCluster(Cluster):
     """cluster.Cluster over a :class:`Store`: every request waits its (virtual) latency, then
-    acts at once, so requests of ticks and passes interleave as the seed says."""
+    acts at once, so requests of ticks and passes interleave as the seed says. ``thawed``:
+    the process's freeze (explore.py, ``lease_expiry``): while it is clear, the process
+    sends nothing, and what it sends next it sends only after the lease check."""
 
-    def __init__(self, store: Store, identity: str) -> None:
+    def __init__(self, store: Store, identity: str, thawed: asyncio.Event | None = None) -> None:
         super().__init__(api_client=None, identity=identity)  # type: ignore[arg-type]
         self.store = store
+        self.thawed = thawed
+        # Called with each write as it is sent (after before_write): the explorer checks
+        # that a process whose lease may have expired sends none.
+        self.on_send: Callable[[], None] = lambda: None
+
+    async def _thaw(self) -> None:
+        if self.thawed is not None and not self.thawed.is_set():
+            await self.thawed.wait()
 
     async def _wait(self) -> None:
+        await self._thaw()
+        await asyncio.sleep(self.store.latency())
+
+    async def _send(self) -> None:
+        """A write: the lease check, then the request leaves (it lands even if the lease
+        expires meanwhile)."""
+        await self._thaw()
+        self.before_write()
+        self.on_send()
         await asyncio.sleep(self.store.latency())
 
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
         await self._wait()
         LISTED_AT.set(self.store.revision)
-        return [  # PodView.from_pod copies what it keeps
-            PodView.from_pod(d)
+        docs = tuple(
+            d
             for d in self.store.scan("Pod", namespace)
             if labels_match(selector, d["metadata"].get("labels") or {})
-        ]
+        )
+        LISTED_PODS.set(docs)
+        return [PodView.from_pod(d) for d in docs]  # from_pod copies what it keeps
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         await self._wait()
@@ -312,8 +414,7 @@ class MemoryCluster(Cluster):
         return doc
 
     async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
-        self.before_write()
-        await self._wait()  # sent: it lands even if the lease expires meanwhile
+        await self._send()  # sent: it lands even if the lease expires meanwhile
         doc = self.store.patch_pod_status(namespace, name, clone(body))
         return str(doc["metadata"]["resourceVersion"])
 
@@ -328,19 +429,19 @@ class MemoryCluster(Cluster):
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
     ) -> None:
-        self.before_write()
-        await self._wait()
+        await self._send()
         self.store.decided_from = LISTED_AT.get()
+        self.store.decided_pods = LISTED_PODS.get()
         try:
             self.store.patch_refit_status(namespace, name, clone(status), resource_version)
         finally:
             self.store.decided_from = None
+            self.store.decided_pods = None
 
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None:
         """The creation stamp, on the object of that uid only (the API server takes
         metadata.uid in a patch as a precondition); gone already is fine."""
-        self.before_write()
-        await self._wait()
+        await self._send()
         doc = self.store.peek("WeightRefit", namespace, name)
         if doc is None or doc["metadata"].get("uid") != uid:
             return
@@ -348,8 +449,7 @@ class MemoryCluster(Cluster):
         self.store.patch("WeightRefit", namespace, name, patch)
 
     async def delete_refit(self, namespace: str, name: str) -> None:
-        self.before_write()
-        await self._wait()
+        await self._send()
         try:
             self.store.delete("WeightRefit", namespace, name)
         except ApiException as e:
@@ -359,7 +459,9 @@ class MemoryCluster(Cluster):
     async def event(
         self, namespace: str, involved: dict[str, Any], reason: str, message: str, etype: str
     ) -> None:
+        await self._thaw()
         self.before_write()
+        self.on_send()
         self.store.events += 1
 
     async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:

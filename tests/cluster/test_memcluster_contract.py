@@ -3,8 +3,9 @@ kube-apiserver: the same operations on both, and what the engine's correctness r
 compared. Conditional writes conflict on a stale resourceVersion; the status subresource and
 the main resource ignore each other's part; every write moves resourceVersion; a finalizer
 keeps a deleted object, with its deletionTimestamp, until it goes; creationTimestamp has
-one-second resolution; and the operator's own claims and withdrawals (cluster.Cluster over the
-real server, MemoryCluster over the store) conflict the same way."""
+one-second resolution; the operator's own claims and withdrawals (cluster.Cluster over the
+real server, MemoryCluster over the store) conflict the same way; and coordination.k8s.io
+Leases (create, get, conditional replace, delete) answer leader.Lease alike."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_operator import api, cluster, podflow
 from refit_operator.cluster import FINALIZER, MERGE, SMP, Cluster, Kube, PodBusy, _done, read_json
+from refit_operator.leader import Lease
 from refit_operator.podflow import CLAIM_ANNOTATION, Claim
 from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from testbed.controlplane import ControlPlane
-from testbed.explorer.memcluster import MemoryCluster, Store
+from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -130,6 +132,12 @@ class Real:
     def kube(self, identity: str) -> Kube:
         return Cluster(api_client=self.api, identity=identity)
 
+    def leases(self) -> Any:
+        return client.CoordinationV1Api(self.api)
+
+    def lease(self, name: str, identity: str, seconds: int) -> Lease:
+        return Lease(self.api, self.ns, name, identity, seconds)  # its default API
+
 
 class Memory:
     name = "memory"
@@ -157,6 +165,12 @@ class Memory:
 
     def kube(self, identity: str) -> Kube:
         return MemoryCluster(self.store, identity)
+
+    def leases(self) -> Any:
+        return MemoryLeases(self.store)
+
+    def lease(self, name: str, identity: str, seconds: int) -> Lease:
+        return Lease(None, self.ns, name, identity, seconds, api=self.leases())
 
 
 Backend = Real | Memory
@@ -219,9 +233,11 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
 ) -> None:
     async def scenario(b: Backend) -> dict[str, Any]:
         await b.create("WeightRefit", _refit("r"))
-        both = {"spec": {"probe": {"failureLimit": 1}}, "status": {"phase": "Succeeded"}}
+        # spec.ttlSecondsAfterFinished: a spec field that stays mutable (CEL keeps the
+        # sequence, fleet and checkpoint as created)
+        both = {"spec": {"ttlSecondsAfterFinished": 100}, "status": {"phase": "Succeeded"}}
         main = await b.patch("WeightRefit", "r", both)
-        both = {"spec": {"probe": {"failureLimit": 2}}, "status": {"phase": "Progressing"}}
+        both = {"spec": {"ttlSecondsAfterFinished": 200}, "status": {"phase": "Progressing"}}
         status = await b.patch_status("WeightRefit", "r", both)
         await b.create("Pod", _pod("p"))
         pod_main = await b.patch("Pod", "p", {"status": {"podIP": "10.0.0.9"}})
@@ -238,10 +254,10 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
         conds = {c["type"]: (c["status"], c.get("reason")) for c in
                  pod_status["status"]["conditions"]}  # fmt: skip
         return {
-            "main: spec failureLimit": main["spec"]["probe"]["failureLimit"],
+            "main: spec ttl": main["spec"]["ttlSecondsAfterFinished"],
             "main: status phase": (main.get("status") or {}).get("phase"),
             "main: generation": main["metadata"]["generation"],
-            "status: spec failureLimit": status["spec"]["probe"]["failureLimit"],
+            "status: spec ttl": status["spec"]["ttlSecondsAfterFinished"],
             "status: phase": status["status"]["phase"],
             "status: generation": status["metadata"]["generation"],
             "pod main: podIP": (pod_main.get("status") or {}).get("podIP"),
@@ -256,10 +272,10 @@ async def test_the_status_subresource_and_the_main_resource_ignore_each_others_p
     seen = await _both(control_plane, namespace, scenario)
     assert seen["real"] == seen["memory"], seen
     assert seen["memory"] == {
-        "main: spec failureLimit": 1,
+        "main: spec ttl": 100,
         "main: status phase": None,
         "main: generation": 2,
-        "status: spec failureLimit": 1,
+        "status: spec ttl": 100,
         "status: phase": "Progressing",
         "status: generation": 2,
         "pod main: podIP": None,
@@ -376,4 +392,93 @@ async def test_a_claim_taken_on_a_stale_list_conflicts_and_a_stale_withdrawal_do
         "gate reason after the stale withdrawal": "R",
         "claim on a fresh list": Claim("wr", "uid-1", 3, "op-b"),
         "listed as claimed": Claim("wr", "uid-1", 1, "op-a"),
+    }
+
+
+def _lease(name: str, rv: str = "", holder: str = "a") -> dict[str, Any]:
+    meta = {"name": name, **({"resourceVersion": rv} if rv else {})}
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": 3},
+    }
+
+
+async def test_leases_answer_leader_lease_alike(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    """What leader.Lease rests on (the explorer runs the real one over the store): a Lease is
+    created once (409 after), read (404 when absent, as a ``_preload_content=False`` answer),
+    replaced only conditional on its current resourceVersion (409 stale, 422 without one; an
+    absent one is created), and deleted; and leader.Lease itself acquires, renews, keeps a
+    live holder's Lease from another identity, and makes a deleted Lease again, alike."""
+
+    async def scenario(b: Backend) -> dict[str, Any]:
+        api = b.leases()
+
+        async def read(name: str) -> dict[str, Any]:
+            doc: dict[str, Any] = await read_json(
+                await api.read_namespaced_lease(name, b.ns, _preload_content=False)
+            )
+            return doc
+
+        codes = {"get absent": await _code(read("l"))}
+        codes["create"] = await _code(api.create_namespaced_lease(b.ns, _lease("l")))
+        codes["create again"] = await _code(api.create_namespaced_lease(b.ns, _lease("l")))
+        first = _rv(await read("l"))
+        codes["replace"] = await _code(
+            api.replace_namespaced_lease("l", b.ns, _lease("l", first, holder="b"))
+        )
+        after = await read("l")
+        codes["replace stale"] = await _code(
+            api.replace_namespaced_lease("l", b.ns, _lease("l", first, holder="c"))
+        )
+        codes["replace without resourceVersion"] = await _code(
+            api.replace_namespaced_lease("l", b.ns, _lease("l", holder="c"))
+        )
+        codes["replace absent"] = await _code(  # Leases allow create on update
+            api.replace_namespaced_lease("m", b.ns, _lease("m", first))
+        )
+        made = (await read("m"))["spec"]["holderIdentity"]
+        codes["delete"] = await _code(api.delete_namespaced_lease("l", b.ns))
+        codes["get deleted"] = await _code(read("l"))
+
+        a, other = b.lease("op", "op-a", 3), b.lease("op", "op-b", 3)
+        acquired = [await a.try_acquire(), await other.try_acquire(), await a.try_acquire()]
+        alive = await other.holders_alive({(a.key, "op-a", 3), (a.key, "op-x", 3)})
+        epoch = a.epoch
+        await api.delete_namespaced_lease("op", b.ns)
+        again = await a.try_acquire()  # its renewal makes the deleted Lease again
+        doc = await read("op")
+        return {
+            **codes,
+            "holder after the replace": after["spec"]["holderIdentity"],
+            "made by the replace": made,
+            "a, b, a renewing": acquired,
+            "alive": sorted(h[1] for h in alive),
+            "epoch after a renewal": epoch,
+            "renewal of a deleted Lease": again,
+            "made again": (doc["spec"]["holderIdentity"], doc["spec"].get("leaseTransitions", 0)),
+        }
+
+    seen = await _both(control_plane, namespace, scenario)
+    assert seen["real"] == seen["memory"], seen
+    assert seen["memory"] == {
+        "get absent": 404,
+        "create": 200,
+        "create again": 409,
+        "replace": 200,
+        "replace stale": 409,
+        "replace without resourceVersion": 422,
+        "replace absent": 200,
+        "delete": 200,
+        "get deleted": 404,
+        "holder after the replace": "b",
+        "made by the replace": "a",
+        "a, b, a renewing": [True, False, True],
+        "alive": ["op-a"],
+        "epoch after a renewal": 0,
+        "renewal of a deleted Lease": True,
+        "made again": ("op-a", 0),
     }
