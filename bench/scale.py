@@ -7,7 +7,11 @@ pod probed and passed, checked in the status and in each simulated pod's version
 CPU seconds and peak RSS (/proc VmHWM of a fresh operator process per run), and API-server
 requests per pod by verb, from the server's own apiserver_request_total before/after, minus
 the requests this harness itself made in that window (one create, its status polls), and the
-size of the WeightRefit as the API server returns it (its JSON), largest seen while polling.
+size of the WeightRefit as the API server returns it (its JSON), largest seen while polling,
+and the leader's longest gap between two renewals of its Lease while the refit ran (watched on
+the API server: each stored ``spec.renewTime``, which the operator stamps as it sends the
+renewal), as a fraction of the lease duration: the leader stops acting once a gap reaches two
+thirds of it (leader.Lease.check), so under that bound no refit is lost to its own work.
 
 The pieces other suites reuse (bench/soak.py): `control_plane` (a temporary control plane
 with the CRD and a `Bench` on it), `Bench.start_operator`, `refit_body`, `sim_fleet`,
@@ -37,12 +41,14 @@ import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_operator import api
+from refit_operator.leader import DEFAULT_LEASE_SECONDS
 from refit_worker.contract import API_GROUP
 
 from bench import apiserver
 from bench.results import Metric, summarize
 from testbed.controlplane import ControlPlane
 from testbed.fleet import weightrefit_body
+from testbed.lease_watch import LeaseRenewals, max_renewal_gap
 from testbed.operator_process import OperatorError, OperatorProcess
 from testbed.pods import register_pod
 from testbed.simfleet import SimFleet
@@ -56,7 +62,7 @@ STRATEGIES = {
     "Rolling25": {"type": "Rolling", "maxUnavailable": "25%"},
 }
 POLL_SECONDS = 0.25
-LEASE_SECONDS = 15  # the operator's default --lease-seconds
+LEASE_SECONDS = DEFAULT_LEASE_SECONDS  # the operator's default --lease-seconds
 TERMINAL = ("Succeeded", "Failed", "Halted", "RolledBack")
 # Open files per simulated pod in a simulator process: its listening socket and the
 # connection it accepted (the operator keeps one per pod alive; its own end is one file).
@@ -65,6 +71,8 @@ SIM_FDS_PER_POD = 2
 # (2-core machine), the WeightRefit under 256 KiB at any fleet size.
 WALL_TARGETS = {("AllAtOnce", 1000): "< 30", ("AllAtOnce", 10000): "< 120"}
 OBJECT_TARGET_KIB = "< 256"
+# The leader's local deadline (leader.Lease.check): two thirds of a lease after a renewal.
+RENEWAL_GAP_TARGET = "< 0.667"
 
 
 @dataclass
@@ -83,6 +91,9 @@ class RunResult:
     timeout: float = 0.0
     object_bytes: int = 0  # the WeightRefit's JSON as the API server returned it at the end
     object_bytes_max: int = 0  # the largest of the polls (0: not measured, older runs)
+    lease_seconds: int = 0  # the operator's --lease-seconds (0: older runs)
+    renewal_gap_max_s: float = 0.0  # longest gap between Lease renewals while the refit ran
+    renewals: int = 0  # renewals seen in that window
 
     def per_pod(self, value: float) -> float:
         return value / self.pods
@@ -155,6 +166,11 @@ class Bench:
     def log_tail(self, lease: str) -> str:
         return (self.work / f"{lease}.log").read_text(errors="replace")[-3000:]
 
+    def lease_log(self, lease: str) -> list[str]:
+        """What the operator logged about its Lease (why it stopped leading)."""
+        text = (self.work / f"{lease}.log").read_text(errors="replace")
+        return [line for line in text.splitlines() if "refit_operator.leader" in line][-5:]
+
     def get_refit(self, ns: str, name: str) -> tuple[dict[str, Any], int]:
         """The WeightRefit and the size in bytes of its JSON as the API server sent it."""
         resp = self.custom.get_namespaced_custom_object(
@@ -195,12 +211,13 @@ class Bench:
         ckpt = make_sim_checkpoint(ckpt_root / version, version)
         lease = f"bench-{n}-{self.runs}"
         proc = self.start_operator(ns, lease)
+        renewals = LeaseRenewals(self.api, ns, lease)
         try:
             me = operator_process(proc)
             before = apiserver.request_totals(self.cp)
             cpu0 = sum(me.cpu_times()[:2])
             body = refit_body(version, fleet.port, ckpt, version, STRATEGIES[strategy])
-            t0 = time.monotonic()
+            t0, started = time.monotonic(), time.time()
             self.create_refit(ns, body)
             polls = size = size_max = 0
             doc: dict[str, Any] = {}
@@ -214,22 +231,30 @@ class Bench:
                 if phase in TERMINAL:
                     break
                 if proc.poll() is not None:
+                    gap, seen = max_renewal_gap(renewals.times, started, time.time())
                     raise RuntimeError(
                         f"the operator exited with {proc.returncode} after "
-                        f"{time.monotonic() - t0:.1f} s ({status_line(doc)}); its log ends: "
+                        f"{time.monotonic() - t0:.1f} s ({status_line(doc)}; longest gap "
+                        f"between Lease renewals {gap:.2f} s of --lease-seconds "
+                        f"{self.lease_seconds}, {seen} renewals); its Lease: "
+                        + " | ".join(self.lease_log(lease))
+                        + "; its log ends: "
                         + " | ".join(self.log_tail(lease).splitlines()[-3:])
                     )
                 if time.monotonic() - t0 > timeout:
                     completed = False
                     break
                 time.sleep(poll)
-            wall = time.monotonic() - t0
+            wall, ended = time.monotonic() - t0, time.time()
             cpu = sum(me.cpu_times()[:2]) - cpu0
             after = apiserver.request_totals(self.cp)
             peak_kib = _vm_hwm_kib(me.pid)
         except BaseException:
+            renewals.stop()
             stop(proc)
             raise
+        renew_times = renewals.stop()
+        gap, seen = max_renewal_gap(renew_times, started, ended)
         status = doc.get("status") or {}
         stop(proc)
         probed = int(status.get("probeSummary", {}).get("passed", 0))
@@ -245,6 +270,8 @@ class Bench:
         # This harness's own requests in the window.
         counts[("POST", PLURAL)] -= 1
         counts[("GET", PLURAL)] -= polls
+        # and its Lease watch (the operator only reads, creates and replaces its Lease)
+        counts[("LIST", "leases")] = counts[("WATCH", "leases")] = 0
         counts = +counts
         return RunResult(
             pods=n,
@@ -261,6 +288,9 @@ class Bench:
             timeout=timeout,
             object_bytes=size,
             object_bytes_max=size_max,
+            lease_seconds=self.lease_seconds,
+            renewal_gap_max_s=gap,
+            renewals=seen,
         )
 
 
@@ -500,6 +530,21 @@ def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
                 )
             )
             out.append(Metric(f"{tag}: operator peak RSS", [r.peak_rss_mib for r in rs], "MiB"))
+            leased = [r for r in runs if r.pods == n and r.strategy == strategy and r.lease_seconds]
+            if leased:
+                # Every run, finished or not: a starved renewal is what ends a run early.
+                out.append(
+                    Metric(
+                        f"{tag}: longest gap between Lease renewals / lease duration",
+                        [r.renewal_gap_max_s / r.lease_seconds for r in leased],
+                        "",
+                        RENEWAL_GAP_TARGET,
+                        f"--lease-seconds {leased[0].lease_seconds}; longest gaps "
+                        f"{[round(r.renewal_gap_max_s, 2) for r in leased]} s over "
+                        f"{[r.renewals for r in leased]} renewals; the leader renews every "
+                        "sixth of the duration and stops acting at two thirds without one",
+                    )
+                )
             sized = [r for r in rs if r.object_bytes_max]  # runs before 2026-12-01 lack it
             if sized:
                 out.append(

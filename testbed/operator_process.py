@@ -2,13 +2,17 @@
 demo start it.
 
     op = OperatorProcess.start(kubeconfig, namespace, log_path, identity="op0",
-                               lease_seconds=3, metrics_port=0, extra_args=[...])
+                               metrics_port=0, extra_args=[...])
     op.wait_until(ready, what="...")    # OperatorError (with the log's tail) if it exits first
     op.stop() / op.kill() / op.freeze() / op.thaw() / op.poll() / op.wait() / op.log_tail()
 
 `OperatorProcess(args, log_path, env=...)` runs exact arguments (the chart tests run the
 Deployment's own). Each process leads a process group of its own, so stopping it stops
 whatever it started. `Operators` numbers replicas for one namespace (the cluster tests').
+
+The operator runs at the chart's lease (its default, 15 s) unless a test is about leases:
+a test whose replica must take over from a killed or frozen one (or a restarted process
+from its predecessor) sets FAILOVER_LEASE_SECONDS, so that the takeover waits 3 s, not 15.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR = Path(sys.executable).with_name("refit-operator")
+# For tests about failover only (see the module docstring): a takeover waits one lease.
+FAILOVER_LEASE_SECONDS = 3
 
 
 class OperatorError(RuntimeError):
@@ -219,7 +225,7 @@ class Operators:
     kubeconfig: Path
     namespace: str
     log_dir: Path
-    lease_seconds: int = 3
+    lease_seconds: int | None = None  # None: the operator's default, the chart's lease
     procs: list[OperatorProcess] = field(default_factory=list)
 
     def start(self, *extra: str) -> OperatorProcess:

@@ -8,6 +8,16 @@ clock (:class:`Observer`). Updates carry the resourceVersion, so two replicas ra
 expired Lease cannot both win. The leader renews every sixth of the duration and stops
 acting (the process exits) the moment it cannot renew in time.
 
+The renewals run on a thread of their own (:class:`RenewalThread`), with their own event loop
+and API client: the operator's own work (planning, status of a 10,000-pod fleet, decoding
+large lists) runs between awaits on the main loop and could delay a renewal there for as long
+as its longest stretch without an await, which grows with the fleet. A thread is preempted
+by the interpreter every few milliseconds, so a renewal waits at most for one call that
+holds the interpreter lock without releasing it (one JSON decode of a list), not for the
+operator's work. The state the two threads share is a few fields written by the renewal
+thread and read by the main loop (``valid_until``, ``epoch``; ``lost`` is a threading.Event)
+and the :class:`Observer`, which takes a lock.
+
 Renewal alone does not stop a leader that was frozen (SIGSTOP, a long GC pause, CPU
 throttling): when it wakes, its passes carry on before the renewal loop runs again. So the
 leader also keeps a local monotonic deadline, two thirds of a lease duration after the last
@@ -29,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Mapping
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -41,6 +53,10 @@ from .cluster import read_json
 log = logging.getLogger(__name__)
 
 FENCE_SHIFT = 32  # token = epoch << 32 | pass sequence: a newer leader's tokens are higher
+# The chart's lease (its Deployment passes no --lease-seconds): a standby takes over at most
+# this long after the leader stopped renewing.
+DEFAULT_LEASE_SECONDS = 15
+SWITCH_INTERVAL = 0.001  # seconds: the interpreter's switch interval while renewals run
 
 
 class LeadershipLost(RuntimeError):
@@ -57,17 +73,21 @@ class Observer:
     def __init__(self) -> None:
         # (namespace, name) -> (resourceVersion or None when absent, seen since, looked at)
         self._seen: dict[tuple[str, str], tuple[str | None, float, float]] = {}
+        # The renewal thread (its own Lease) and the main loop (other Leases' holders) both
+        # record what they read.
+        self._lock = threading.Lock()
 
     def unchanged_for(self, key: tuple[str, str], version: str | None, now: float) -> float:
         """Seconds (of ``now``'s monotonic clock) since this process first saw the Lease at
         ``version``; 0 when it has just changed or is seen for the first time."""
-        self._seen = {
-            k: v for k, v in self._seen.items() if now - v[2] < self.FORGET_SECONDS or k == key
-        }
-        old = self._seen.get(key)
-        since = old[1] if old is not None and old[0] == version else now
-        self._seen[key] = (version, since, now)
-        return now - since
+        with self._lock:
+            self._seen = {
+                k: v for k, v in self._seen.items() if now - v[2] < self.FORGET_SECONDS or k == key
+            }
+            old = self._seen.get(key)
+            since = old[1] if old is not None and old[0] == version else now
+            self._seen[key] = (version, since, now)
+            return now - since
 
 
 def holder_alive(
@@ -114,7 +134,8 @@ class Lease:
         self.holding = False  # acquired by this object (its renewals keep the epoch)
         self.valid_until = 0.0  # monotonic: acting is safe before this moment
         self._passes = 0
-        self.lost = asyncio.Event()
+        # Set by the renewal thread, read before every call on the main loop.
+        self.lost = threading.Event()
         self.observer = Observer()
 
     @property
@@ -159,9 +180,11 @@ class Lease:
             "spec": spec,
         }
 
-    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def _read(self, namespace: str, name: str, api: Any = None) -> dict[str, Any] | None:
         try:
-            resp = await self.api.read_namespaced_lease(name, namespace, _preload_content=False)
+            resp = await (api or self.api).read_namespaced_lease(
+                name, namespace, _preload_content=False
+            )
             doc: dict[str, Any] = await read_json(resp)
         except ApiException as e:
             if e.status != 404:
@@ -169,9 +192,12 @@ class Lease:
             return None
         return doc
 
-    async def try_acquire(self) -> bool:
+    async def try_acquire(self, api: Any = None) -> bool:
+        """One acquisition or renewal; ``api``: what to send it with (default ``self.api``;
+        the renewal thread's own, whose client belongs to that thread's loop)."""
+        api = api or self.api
         sent = times.monotonic()  # the deadline counts from before the request left
-        old = await self._read(self.namespace, self.name)
+        old = await self._read(self.namespace, self.name, api)
         version = old["metadata"].get("resourceVersion") if old else None
         unchanged = self.observer.unchanged_for(
             (self.namespace, self.name), version, times.monotonic()
@@ -180,7 +206,7 @@ class Lease:
         try:
             if old is None:
                 body = self._body(None, now)
-                await self.api.create_namespaced_lease(self.namespace, body)
+                await api.create_namespaced_lease(self.namespace, body)
                 self._held(body, sent)
                 return True
             spec = old.get("spec") or {}
@@ -190,7 +216,7 @@ class Lease:
             ):
                 return False
             body = self._body(old, now)
-            await self.api.replace_namespaced_lease(self.name, self.namespace, body)
+            await api.replace_namespaced_lease(self.name, self.namespace, body)
             self._held(body, sent)
             return True
         except ApiException as e:
@@ -246,12 +272,15 @@ class Lease:
                 log.warning("leader lease: %s", e.reason)
             await asyncio.sleep(max(self.duration / 3, 0.5))
 
-    async def hold(self) -> None:
+    async def hold(self, api: Any = None) -> None:
         """Renew until renewal fails past the local deadline (or another replica holds the
-        Lease, or ``check()`` found the deadline passed); then set ``lost`` and return."""
+        Lease, or ``check()`` found the deadline passed); then set ``lost`` and return.
+        ``api``: as for :meth:`try_acquire` (the operator runs this on
+        :class:`RenewalThread`)."""
         while not self.lost.is_set():
-            # Renewing often leaves slack between a renewal and the deadline: a busy event
-            # loop that renews late must not trip check() (a sixth: 1.5 s of slack at 3 s).
+            # Renewing often leaves slack between a renewal and the deadline: a renewal that
+            # is late (a slow API server, a loaded machine) must not trip check() (a sixth:
+            # 2.5 s of slack at the chart's 15 s).
             await asyncio.sleep(max(self.duration / 6, 0.25))
             if times.monotonic() >= self.valid_until:
                 # Frozen past the deadline: another replica may lead now. Renewing would
@@ -260,7 +289,7 @@ class Lease:
                 self.lost.set()
                 break
             try:
-                if await self.try_acquire():
+                if await self.try_acquire(api):
                     continue
                 log.error("leader lease taken by another replica")
                 self.lost.set()
@@ -268,3 +297,81 @@ class Lease:
                 log.warning("leader lease renewal failed: %s", e)
                 if times.monotonic() >= self.valid_until:
                     self.lost.set()
+
+
+class RenewalThread:
+    """:meth:`Lease.hold` on a thread of its own, with its own event loop and its own API
+    client (``connect`` makes it, in that loop): nothing the operator does on its main loop
+    delays a renewal (see the module docstring). Should the thread end for any reason other
+    than :meth:`run` being cancelled (a client that cannot be made, an error), the Lease is
+    marked lost: without renewals the leader must not act."""
+
+    def __init__(self, lease: Lease, connect: Callable[[], Awaitable[client.ApiClient]]) -> None:
+        self.lease, self._connect = lease, connect
+        self._guard = threading.Lock()  # _stopping and _task/_loop, set from both threads
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        """Renew on the thread until the Lease is lost, then return; cancelled (the operator
+        stops): stop the thread first."""
+        # A thread that wants the interpreter lock waits up to the switch interval for each
+        # handover while the main loop computes; a renewal (an HTTP round trip) takes dozens.
+        # Measured behind a loop busy with JSON (tests/cluster/test_lease.py, 1 s lease): at
+        # 5 ms (the default) a renewal missed the 0.67 s deadline; at 1 ms the longest gap
+        # was 0.4-0.5 s. Forced handovers happen only while the renewal thread wants the
+        # lock, a few milliseconds per renewal.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
+        main = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = main.create_future()
+
+        def finished() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        thread = threading.Thread(
+            target=self._main, args=(lambda: main.call_soon_threadsafe(finished),),
+            name="lease-renewal", daemon=True,
+        )  # fmt: skip
+        thread.start()
+        try:
+            await ended
+        finally:
+            self._stop()
+            # Closing the thread's client takes a moment; the join is bounded and runs off
+            # the loop so a cancelled operator still shuts its other work down meanwhile.
+            await asyncio.shield(asyncio.to_thread(thread.join, 10.0))
+
+    def _stop(self) -> None:
+        with self._guard:
+            self._stopping = True
+            if self._loop is not None and self._task is not None:
+                self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def _main(self, done: Callable[[], None]) -> None:
+        try:
+            asyncio.run(self._hold())
+        except BaseException as e:  # the thread must not die silently: the Lease lapses
+            if not isinstance(e, asyncio.CancelledError):
+                log.error("leader lease renewal thread failed: %r", e)
+        finally:
+            with self._guard:
+                if not self._stopping:
+                    self.lease.lost.set()
+            done()
+
+    async def _hold(self) -> None:
+        with self._guard:
+            if self._stopping:
+                return
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        try:
+            api_client = await self._connect()
+            try:
+                await self.lease.hold(client.CoordinationV1Api(api_client))
+            finally:
+                await api_client.close()
+        finally:
+            with self._guard:  # nothing to cancel any more: the loop is about to close
+                self._loop = self._task = None

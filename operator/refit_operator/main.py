@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -15,7 +16,7 @@ import kopf
 
 from . import cluster, handlers, history, metrics, worker
 from .engine import Engine
-from .leader import Lease
+from .leader import DEFAULT_LEASE_SECONDS, Lease, RenewalThread
 
 log = logging.getLogger("refit_operator")
 
@@ -31,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-addr", default="0.0.0.0")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="refit-operator")
-    p.add_argument("--lease-seconds", type=int, default=15)
+    p.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or socket.gethostname())
     p.add_argument(
         "--history-limit", type=_non_negative_int, default=history.DEFAULT_HISTORY_LIMIT,
@@ -65,14 +66,14 @@ async def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     identity = process_identity(args.identity)
-    # The Lease has a client (and connection pool) of its own: a renewal must not queue
-    # behind thousands of pod writes of a large refit and miss the local deadline.
-    lease_client = await cluster.connect(args.kubeconfig)
-    lease = Lease(lease_client, args.lease_namespace, args.lease_name, identity, args.lease_seconds)
+    lease = Lease(api_client, args.lease_namespace, args.lease_name, identity, args.lease_seconds)
     log.info("waiting for leadership as %s", identity)
     await lease.acquire()
     stop = asyncio.Event()
-    holder = asyncio.create_task(lease.hold())
+    # Renewals run on a thread with a client of their own: neither the operator's work on
+    # this loop nor thousands of pod writes queued on its connections can delay one.
+    renewals = RenewalThread(lease, lambda: cluster.connect(args.kubeconfig))
+    holder = asyncio.create_task(renewals.run())
     async with worker.session() as http:
         policy = history.Policy(args.history_limit)
         engine = Engine(cluster.Cluster(api_client, identity), http, lease, policy)
@@ -90,8 +91,9 @@ async def run(args: argparse.Namespace) -> int:
         stop.set()
         await kopf_task
     holder.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await holder
     await api_client.close()
-    await lease_client.close()
     if lease.lost.is_set():
         log.error("leadership lost: exiting so that exactly one replica acts")
         return 1

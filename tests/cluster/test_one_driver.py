@@ -15,6 +15,7 @@ import pytest
 from refit_worker import contract
 
 from testbed.fleet import assert_one_driver, fenced_calls, make_checkpoints
+from testbed.operator_process import FAILOVER_LEASE_SECONDS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -160,6 +161,7 @@ FREEZE_AT = {
 AFTER = {"probe": "weight_info"}
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize("step", sorted(FREEZE_AT))
 def test_frozen_leader_is_fenced(harness, sim_fleet, tmp_path, step):
     """The leader freezes (SIGSTOP) inside a step on pod-0 for over three lease durations;
@@ -186,7 +188,7 @@ def test_frozen_leader_is_fenced(harness, sim_fleet, tmp_path, step):
         return any(c["fence"] not in old for c in fenced_calls(sims[0]))
 
     fleet.wait_for(new_pass_on_pod0, 60, "the new leader to drive pod-0")
-    time.sleep(max(0.0, 3 * op.lease_seconds - (time.monotonic() - frozen_at)))
+    time.sleep(max(0.0, 3 * FAILOVER_LEASE_SECONDS - (time.monotonic() - frozen_at)))
     op.thaw(leader)  # the old leader wakes with its pass in mid-step
     st = fleet.wait_phase("wr", END, 90, op)["status"]
     assert st["phase"] == "Succeeded", st
@@ -267,6 +269,7 @@ def test_two_installations_never_drive_one_pod_at_once(harness, sim_fleet, tmp_p
     assert a.poll() is None and b.poll() is None
 
 
+@pytest.mark.failover
 def test_fencing_survives_a_lease_that_starts_over(harness, sim_fleet, tmp_path):
     """Issue 24 #7: a Lease deleted (a reinstall) started the epoch again at 0, below the
     marks the pods kept from the leaders before: every call was StaleFence until the pods

@@ -271,6 +271,7 @@ def _crd_without_sequence_rule(control_plane, ns: str, name: str):
             time.sleep(0.5)
 
 
+@pytest.mark.failover
 def test_a_sequence_changed_past_an_older_crd_never_reaches_the_passes(
     harness, sim_fleet, tmp_path, control_plane
 ):

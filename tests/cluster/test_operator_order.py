@@ -67,6 +67,7 @@ def test_latest_wins_is_the_refit_created_last_in_the_same_second(
     assert "" < stamp(fleet, NINE) < stamp(fleet, TEN)
 
 
+@pytest.mark.failover
 def test_refits_listed_at_start_keep_their_order_across_a_restart(harness, sim_fleet, tmp_path):
     """Created while no operator runs, the refits reach it by a list (in name order); a later
     write to the older one (a label) makes its resourceVersion the newest. The queue still

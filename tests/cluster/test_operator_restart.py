@@ -26,6 +26,7 @@ TAGS = {"wakeWeights": "weights", "wakeKV": "kv_cache"}
 AFTER = {"probe": "weight_info"}
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize("step", [s for s in STEPS if s in ENDPOINT])
 def test_killed_at_step_resumes(harness, sim_fleet, tmp_path, step):
     fleet, op = harness
@@ -52,6 +53,7 @@ def test_killed_at_step_resumes(harness, sim_fleet, tmp_path, step):
         assert loads == 1 if STEPS.index(step) > STEPS.index("load") else loads <= 2
 
 
+@pytest.mark.failover
 def test_ha_standby_takes_over_mid_refit(harness, sim_fleet, tmp_path):
     fleet, op = harness
     sims = start_fleet(fleet, sim_fleet, tmp_path, 3)

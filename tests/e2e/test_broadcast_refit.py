@@ -245,6 +245,7 @@ def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
         assert (record["rollback"], record["version"]) == (True, "A"), record
 
 
+@pytest.mark.failover
 def test_a_manifest_gone_across_an_operator_restart_fails_closed_then_rolls_back(
     fleet, servers, tiny_model
 ):

@@ -62,7 +62,7 @@ def operator_with_metrics(
     port = free_port()
     op = OperatorProcess.start(
         control_plane.kubeconfig, namespace, tmp_path / "operator.log", identity="obs",
-        lease_seconds=3, metrics_port=port, metrics_addr="127.0.0.1",
+        metrics_port=port, metrics_addr="127.0.0.1",
     )  # fmt: skip
     try:
         yield f"127.0.0.1:{port}", op.log_tail
