@@ -73,6 +73,7 @@ _FINAL_CODES = frozenset(
         "TensorMismatch",
         "ProbeReferenceInvalid",
         "CheckpointChanged",
+        "AdapterInvalid",
     }
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
@@ -139,6 +140,18 @@ class Progress:
     # container that restarted since, or an operator that resumes the pass, never vouches
     # for weights nobody probed.
     process: str = ""
+    # An adapter pass (source "adapter"): the name clients send for the adapter (spec.adapter
+    # .name); the new version is staged under staged_adapter_name(adapter, version).
+    adapter: str = ""
+
+    @property
+    def probe_model(self) -> str | None:
+        """The model name the pending probe scores through (None: the served base model)."""
+        if self.source != "adapter":
+            return None
+        if self.step == "probeStaged":
+            return staged_adapter_name(self.adapter, self.version)
+        return self.adapter
 
     @property
     def finished_pass(self) -> bool:
@@ -188,6 +201,7 @@ def start(
     serving: str = "",
     serving_path: str = "",
     source: Source = "checkpoint",
+    adapter: str = "",
 ) -> Progress:
     """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
     checkpoint stages; any other pod leaves traffic in the pass's first write."""
@@ -204,6 +218,7 @@ def start(
         serving=serving,
         serving_path=serving_path if serving else "",
         left_traffic=0.0 if serving else now,
+        adapter=adapter,
     )
 
 
