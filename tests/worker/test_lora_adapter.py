@@ -69,6 +69,12 @@ def client(
     )  # fmt: skip
 
 
+def reader(server: VllmServer, http: aiohttp.ClientSession) -> WorkerClient:
+    """A client without a fencing token (the guard admits it): checks between passes never
+    raise the pod's newest token above the next pass's."""
+    return WorkerClient(server.base_url, http=http, admin_token=server.admin_token)
+
+
 async def judge(worker: WorkerClient, path: str, model: str | None) -> probe.ProbeOutcome:
     reference = await worker.probe_reference(path)
     scored = await worker.score_prompts([list(p.token_ids) for p in reference.prompts], model=model)
@@ -134,15 +140,16 @@ async def base_untouched(worker: WorkerClient, tiny_model: TinyModel) -> None:
 async def test_adapter_refits_serve_the_new_adapter_without_a_reload(
     server: VllmServer, http: aiohttp.ClientSession, adapters: TinyAdapters, tiny_model: TinyModel
 ) -> None:
-    worker = client(server, http)
-    first = await run_pass(worker, start(adapters, "v1"))
+    worker = reader(server, http)
+    first = await run_pass(client(server, http), start(adapters, "v1"))
     assert first.outcome == "Succeeded", (first.reason, first.message)
     await assert_serves(worker, adapters, "v1")
 
     served_during: list[str] = []
 
     async def old_still_serves() -> None:
-        outcome = await judge(worker, str(adapters.dir("v1")), SERVED)
+        # A reader without a fence (the guard admits it): the pass's token stays the newest.
+        outcome = await judge(reader(server, http), str(adapters.dir("v1")), SERVED)
         served_during.append(outcome.verdict)
 
     second = await run_pass(
@@ -173,9 +180,9 @@ async def test_a_bad_adapter_keeps_the_old_one_serving(
     variant: str,
     reason: str,
 ) -> None:
-    worker = client(server, http)
+    worker = reader(server, http)
     if SERVED not in await worker.adapters():  # this test alone: bring v2 first
-        assert (await run_pass(worker, start(adapters, "v2"))).outcome == "Succeeded"
+        assert (await run_pass(client(server, http), start(adapters, "v2"))).outcome == "Succeeded"
     await assert_serves(worker, adapters, "v2")
     done = await run_pass(client(server, http), start(adapters, variant, serving="v2"))
     assert done.outcome == "Failed" and done.restored, (done.reason, done.message)
