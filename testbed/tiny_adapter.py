@@ -18,19 +18,17 @@ REFIT_ALLOWED_ROOT covers them as it covers the checkpoints.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from refit_worker import checkpoint, contract, reference
 
-from testbed.tiny_model import TinyModel
+from testbed.tiny_model import TinyModel, build_once
 
 BASE_CHECKPOINT = "A"  # the adapters apply to the model served at checkpoint A
 RANK = 8
@@ -64,20 +62,7 @@ def cache_key(tiny: TinyModel) -> str:
 def ensure_tiny_adapters(tiny: TinyModel) -> TinyAdapters:
     """The cached adapters of this tiny model, built first if absent."""
     final = tiny.allowed_root / f"adapters-{cache_key(tiny)}"
-    if (final / "COMPLETE").is_file():
-        return TinyAdapters(final)
-    with (tiny.allowed_root / ".adapters.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (final / "COMPLETE").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=".adapters-", dir=tiny.allowed_root))
-            try:
-                _build(tiny, tmp)
-                (tmp / "COMPLETE").write_text("ok\n")
-                if final.exists():
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+    build_once(final, tiny.allowed_root / ".adapters.lock", lambda tmp: _build(tiny, tmp))
     return TinyAdapters(final)
 
 
