@@ -526,9 +526,9 @@ class WorkerClient:
         if not prompts:
             raise ValueError("score_prompts: no prompts to score")
         if model is not None and len(prompts) > 1:
-            # Through a LoRA adapter one prompt per request: several in one request made vLLM
-            # 0.32 CPU's engine core fail (HTTP 500, tests/worker/test_lora_adapter.py) where
-            # single prompts scored to 4e-6 of the trainer's reference.
+            # Named (an adapter) one prompt per request: on a LoRA-enabled vLLM 0.32 CPU server a
+            # batch of prompt-logprob sequences kills the engine core (punica_cpu
+            # add_lora_logits: einsum sizes; tests/worker/test_lora_adapter.py).
             return [
                 (await self.score_prompts([p], timeout=timeout, model=model))[0] for p in prompts
             ]
