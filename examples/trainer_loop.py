@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give exactly one of --out-root (checkpoints) and --broadcast HOST:PORT")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+    from refit_worker import broadcast as wire
+    from refit_worker import reference
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model_dir)
     texts = [t for t in args.probe_texts.read_text().splitlines() if t.strip()]
+    probe_ids = reference.tokenize(args.model_dir, texts, 128)
     refits = RefitClient(namespace=args.namespace, kubeconfig=args.kubeconfig)
 
     def progress(st: dict, name: str = "") -> None:
@@ -89,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             host, _, port = args.broadcast.rpartition(":")
             try:
                 status = refits.broadcast(
-                    weights_to_send(model), version, fleet_selector=args.selector,
+                    wire.model_tensors(model), version, fleet_selector=args.selector,
                     rendezvous=(host, int(port)),
-                    reference=reference_of(model, args.model_dir, texts, version),
+                    reference=reference.reference_from_model(
+                        model, probe_ids, version=version, tool="examples/trainer_loop.py"
+                    ),
                     timeout=args.refit_timeout, strategy="AllAtOnce", on_failure="Rollback",
                     on_update=lambda st, v=version: progress(st, v),
                 )  # fmt: skip
@@ -135,26 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         worst = status.get("probeSummary", {}).get("worstMaxAbsLogprobDiff", 0.0)
         log.info("fleet serves %s (worst |Δlogprob| %.2e)", version, worst)
     return 0
-
-
-def weights_to_send(model) -> dict:  # type: ignore[no-untyped-def]
-    """The model's tensors under the names its checkpoint would have (a tied output head is
-    not a tensor of its own there)."""
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
-
-
-def reference_of(model, tokenizer_dir: Path, texts: list[str], version: str):  # type: ignore[no-untyped-def]
-    """The probe reference from the model in memory (the same scoring as for a checkpoint)."""
-    from refit_worker import reference
-    from refit_worker.contract import ProbeReference
-
-    ids = reference.tokenize(tokenizer_dir, texts, 128)
-    prompts = tuple(reference.score_model(model, ids))
-    return ProbeReference(version=version, dtype="float32", prompts=prompts,
-                          extra={"tool": "examples/trainer_loop.py", "maxTokens": 128})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
-PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history",
+PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history", "reasons",
         "times", "views", "index", "traffic"}  # fmt: skip
 # rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
 # it sits with the engine and the runner that await it, not in the pure core.
@@ -148,3 +148,33 @@ def test_package_modules_import_their_siblings_never_their_package() -> None:
         parent = name.rpartition(".")[0]
         if parent != "refit_worker" and name != parent:
             assert parent not in targets, f"{name} imports its own package {parent}"
+
+
+INTEGRATIONS = OPERATOR / "integrations"
+# What an integration may import at module level: the client it drives, the standard library
+# and httpx. Its framework and torch only inside functions (the operator's image has neither).
+INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
+                         "pathlib", "typing", "httpx", "..client"}  # fmt: skip
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """``imports`` of the statements at module level only (not inside functions)."""
+    module = ast.parse(path.read_text())
+    top = ast.Module(body=[n for n in module.body if isinstance(n, ast.Import | ast.ImportFrom)],
+                     type_ignores=[])  # fmt: skip
+    out = set()
+    for node in top.body:
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out.add("." * node.level + (node.module or "").split(".")[0])
+    return out
+
+
+def test_integrations_import_their_framework_lazily() -> None:
+    path = INTEGRATIONS / "trl.py"
+    found = top_level_imports(path)
+    assert found <= INTEGRATION_TOP_LEVEL, sorted(found - INTEGRATION_TOP_LEVEL)
+    lazily = imports(path)
+    assert {"torch", "transformers", "kubernetes", "refit_worker"} <= lazily
+    assert "vllm" not in lazily and "trl" not in lazily  # it drives TRL, never imports it

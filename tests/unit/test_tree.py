@@ -72,16 +72,24 @@ def _dist(requirement: str) -> str:
 
 def test_the_operator_imports_only_its_dependencies() -> None:
     """What it imports is installed by `pip install refit[report]`: a declared dependency, or
-    one those bring (urllib3, with kubernetes)."""
+    one those bring (urllib3, with kubernetes); an integration (integrations/NAME.py) may also
+    import what its extra `refit[NAME]` brings (torch and transformers with trl)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    requirements = project["dependencies"] + project["optional-dependencies"]["report"]
-    declared = {_dist(r) for r in requirements}
-    installed = set(declared)
-    for dist in declared:
-        installed |= {_dist(r) for r in requires(dist) or [] if "extra ==" not in r}
+    extras = project["optional-dependencies"]
+
+    def installed_with(requirements: list[str]) -> set[str]:
+        declared = {_dist(r) for r in requirements}
+        out = set(declared)
+        for dist in declared:
+            out |= {_dist(r) for r in requires(dist) or [] if "extra ==" not in r}
+        return out
+
+    base = project["dependencies"] + extras["report"]
     dists = packages_distributions()
     wrong = {}
     for path in sorted(OPERATOR.rglob("*.py")):
+        extra = extras.get(path.stem, []) if path.parent.name == "integrations" else []
+        installed = installed_with(base + extra)
         names = _imports(path) - set(sys.stdlib_module_names) - {"refit_operator", "refit_worker"}
         bad = {n for n in names if not {_dist(d) for d in dists.get(n, [])} & installed}
         if bad:

@@ -75,6 +75,21 @@ def score_model(model: Any, token_ids: Sequence[Sequence[int]]) -> list[ProbePro
     return prompts
 
 
+def reference_from_model(
+    model: Any,
+    token_ids: Sequence[Sequence[int]],
+    *,
+    version: str,
+    tool: str,
+    max_tokens: int = 128,
+) -> ProbeReference:
+    """The reference of a model in memory (a trainer's, for a broadcast refit or a checkpoint
+    it has just written): the same scoring as for a checkpoint, in fp32."""
+    extra: dict[str, Any] = {"tool": tool, "maxTokens": max_tokens}
+    prompts = tuple(score_model(model, [list(ids)[:max_tokens] for ids in token_ids]))
+    return ProbeReference(version=version, dtype="float32", prompts=prompts, extra=extra)
+
+
 def compute_reference(
     model_dir: Path,
     texts: Sequence[str],

@@ -30,7 +30,7 @@ from refit_worker.broadcast.packed_tensor import (
     receive,
 )
 from refit_worker.broadcast.promise import Verifier, build_manifest, digest_tensor
-from refit_worker.broadcast.sender import Sender, SendStats, load_tensors
+from refit_worker.broadcast.sender import Sender, SendStats, load_tensors, model_tensors
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -49,6 +49,7 @@ __all__ = [
     "digest_tensor",
     "encode_header",
     "load_tensors",
+    "model_tensors",
     "plan_buckets",
     "raw_bytes",
     "receive",

@@ -128,3 +128,12 @@ def load_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     for shard in safetensors_files(Path(directory)):
         tensors.update(load_file(str(shard)))
     return tensors
+
+
+def model_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """A model's tensors in memory under its checkpoint names, ready to send (a tied output
+    head is not a tensor of its own in the checkpoint)."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
