@@ -24,6 +24,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,21 +133,27 @@ def ensure_tiny_model() -> TinyModel:
     """The cached model, built first if absent."""
     CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     final = CACHE_ROOT / cache_key()
+    build_once(final, CACHE_ROOT / ".build.lock", _build)
+    return TinyModel(final)
+
+
+def build_once(final: Path, lock_path: Path, build: Callable[[Path], None]) -> None:
+    """Build ``final`` with ``build(tmp)`` unless complete: under a file lock, in a temporary
+    directory beside it, renamed into place once marked COMPLETE."""
     if (final / "COMPLETE").is_file():
-        return TinyModel(final)
-    with (CACHE_ROOT / ".build.lock").open("w") as lock:
+        return
+    with lock_path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "COMPLETE").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=CACHE_ROOT))
+            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
             try:
-                _build(tmp)
+                build(tmp)
                 (tmp / "COMPLETE").write_text("ok\n")
                 if final.exists():  # an incomplete leftover of an older layout
                     shutil.rmtree(final)
                 os.rename(tmp, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    return TinyModel(final)
 
 
 def _build(root: Path) -> None:

@@ -48,7 +48,11 @@ def _snake(value: str) -> str:
 PIPELINE_STEPS: Final = tuple(_snake(s) for s in podflow.STEPS)
 # Also accepted: steps outside the per-pod sequence that the operator may time (restore: a
 # pass whose load was refused puts the pod back to serving its earlier weights).
-STEPS: Final = frozenset({*PIPELINE_STEPS, _snake(podflow.RESTORE), "resume", "rollback"})
+# An adapter pass's own steps (podflow.ADAPTER_STEPS) are timed under their names too.
+STEPS: Final = frozenset(
+    {*PIPELINE_STEPS, *(_snake(s) for s in podflow.ADAPTER_STEPS), _snake(podflow.RESTORE),
+     "resume", "rollback"}
+)  # fmt: skip
 STEP_RESULTS: Final = frozenset({"success", "failure", "timeout"})
 VERDICTS: Final = ("pass", "fail", "inconclusive")
 REFIT_RESULTS: Final = frozenset(

@@ -45,10 +45,25 @@ STEPS: tuple[str, ...] = (
     "probe",
     "ready",  # vouch for the weights (the pod's readiness probe), then condition True
 )
+# A LoRA adapter's pass (spec.adapter; docs/concepts.md, "LoRA adapters"). The base weights
+# are never touched: no sleep, wake or reload. While the pod serves the old adapter the new one
+# is verified ("stage", the checkpoint's manifest and digest checks), loaded under its staged
+# name (``staged_adapter_name``) and probed through that name ("probeStaged"); only then does
+# the pod leave traffic, for the swap: "drain" as for weights, "swap" loads the verified files
+# in place under the name clients send (vLLM loads the new weights before dropping the old),
+# "resetCache" drops prefix blocks computed with the old adapter and resumes, "probe" scores
+# through the served name, "ready" vouches and unloads the staged name.
+ADAPTER_STEPS: tuple[str, ...] = (
+    "stage", "loadAdapter", "probeStaged", "drain", "swap", "resetCache", "probe", "ready",
+)  # fmt: skip
+# Before the swap the served adapter is untouched and the pod stays in traffic: a failure
+# there unloads the staged name and the old adapter serves on (``Progress.restored``).
+ADAPTER_IN_TRAFFIC_STEPS = frozenset({"stage", "loadAdapter", "probeStaged"})
 # Steps after which the progress is recorded on the pod (besides start, failures and the end):
-# the end of staging is the write that takes the pod out of traffic; a restart past it resumes
-# at the drain, and the load's read-back keeps it from loading twice.
-CHECKPOINT_STEPS = frozenset({"stage"})
+# the end of staging (of the staged probe, for an adapter) is the write that takes the pod out
+# of traffic; a restart past it resumes at the drain, and the load's read-back keeps it from
+# loading twice.
+CHECKPOINT_STEPS = frozenset({"stage", "probeStaged"})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
 _FINAL_CODES: frozenset[str] = frozenset(
     {
@@ -59,6 +74,7 @@ _FINAL_CODES: frozenset[str] = frozenset(
         Reason.TensorMismatch,
         Reason.ProbeReferenceInvalid,
         Reason.CheckpointChanged,
+        Reason.AdapterInvalid,
     }
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
@@ -72,7 +88,7 @@ UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {Reason.ProbeReferenceInvalid}) | {
 # The steps that change the weights: a refusal of theirs before the model was touched lets
 # the pod go back to what it served.
 LOAD_STEPS = frozenset({"load", "receive"})
-Source = Literal["checkpoint", "broadcast"]
+Source = Literal["checkpoint", "broadcast", "adapter"]
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
@@ -125,6 +141,18 @@ class Progress:
     # container that restarted since, or an operator that resumes the pass, never vouches
     # for weights nobody probed.
     process: str = ""
+    # An adapter pass (source "adapter"): the name clients send for the adapter (spec.adapter
+    # .name); the new version is staged under staged_adapter_name(adapter, version).
+    adapter: str = ""
+
+    @property
+    def probe_model(self) -> str | None:
+        """The model name the pending probe scores through (None: the served base model)."""
+        if self.source != "adapter":
+            return None
+        if self.step == "probeStaged":
+            return staged_adapter_name(self.adapter, self.version)
+        return self.adapter
 
     @property
     def finished_pass(self) -> bool:
@@ -132,10 +160,14 @@ class Progress:
 
     @property
     def in_traffic(self) -> bool:
-        """The pod serves its earlier weights: staging, refused while staging, or restored."""
+        """The pod serves its earlier weights (or adapter): staging, refused while staging, or
+        restored."""
         if self.restored:
             return True
-        return bool(self.serving) and self.step == STEPS[0] and not self.left_traffic
+        # An adapter's restore only unloads the staged name: the old one serves throughout.
+        adapter = self.source == "adapter"
+        serves_while = {*ADAPTER_IN_TRAFFIC_STEPS, RESTORE} if adapter else {STEPS[0]}
+        return bool(self.serving) and self.step in serves_while and not self.left_traffic
 
     def to_annotation(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -170,6 +202,7 @@ def start(
     serving: str = "",
     serving_path: str = "",
     source: Source = "checkpoint",
+    adapter: str = "",
 ) -> Progress:
     """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
     checkpoint stages; any other pod leaves traffic in the pass's first write."""
@@ -186,6 +219,7 @@ def start(
         serving=serving,
         serving_path=serving_path if serving else "",
         left_traffic=0.0 if serving else now,
+        adapter=adapter,
     )
 
 
@@ -276,15 +310,33 @@ def next_action(progress: Progress, now: float) -> Action:
     return RunStep(progress.step)
 
 
+def steps_of(source: Source) -> tuple[str, ...]:
+    """The ordered steps of a pass with this weight source."""
+    return ADAPTER_STEPS if source == "adapter" else STEPS
+
+
+def last_step_in_traffic(source: Source) -> str:
+    """The step whose end takes a serving pod out of traffic (the next record drains)."""
+    return "probeStaged" if source == "adapter" else STEPS[0]
+
+
+def staged_adapter_name(name: str, version: str) -> str:
+    """The name a new adapter version is loaded and probed under before the swap. Clients
+    send ``name``; this one is the pass's own (vLLM takes any string; a name already loaded
+    is refused, so a retried load unloads it first)."""
+    return f"{name}@{version}"
+
+
 def step_done(progress: Progress, step: str, seconds: float, now: float) -> Progress:
     """Record ``step`` as done and move on; after ``ready`` the pass has Succeeded."""
     if step != progress.step:
         raise ValueError(f"step {step!r} is not the pending step {progress.step!r}")
     timings = {**progress.step_seconds, step: round(seconds, 4)}
-    index = STEPS.index(step)
-    if step == STEPS[0] and not progress.left_traffic:  # staged: the next record drains
-        progress = replace(progress, left_traffic=now)
-    if index + 1 == len(STEPS):
+    steps = steps_of(progress.source)
+    index = steps.index(step)
+    if step == last_step_in_traffic(progress.source) and not progress.left_traffic:
+        progress = replace(progress, left_traffic=now)  # the next record drains
+    if index + 1 == len(steps):
         return replace(
             progress,
             step="",
@@ -298,7 +350,7 @@ def step_done(progress: Progress, step: str, seconds: float, now: float) -> Prog
         )
     return replace(
         progress,
-        step=STEPS[index + 1],
+        step=steps[index + 1],
         attempts=0,
         step_seconds=timings,
         not_before=0.0,
@@ -326,6 +378,11 @@ def step_failed(
     the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
     attempts = progress.attempts + 1
     ends = final or reason in _FINAL_CODES or attempts > retries
+    if ends and progress.source == "adapter" and step in ADAPTER_IN_TRAFFIC_STEPS:
+        # The served adapter was never touched: unload the staged one, serve the old on.
+        return replace(
+            progress, step=RESTORE, attempts=0, reason=reason, message=message, not_before=0.0
+        )
     if step in LOAD_STEPS and reason not in UNTOUCHED_LOAD_CODES:
         progress = replace(progress, touched=True)
     if ends and step in LOAD_STEPS and reason in UNTOUCHED_LOAD_CODES and progress.serving:
@@ -367,6 +424,8 @@ def resumed(progress: Progress) -> Progress:
     restores the pod unprobed."""
     if progress.finished_pass or progress.step == STEPS[0]:
         return progress
+    if progress.source == "adapter" and progress.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE):
+        return progress  # the served adapter is untouched before the swap
     if progress.step == "ready" and not progress.process:
         # Probed, but the record does not say which process was (a record written before
         # records named it): probe again rather than vouch for a process nobody probed.
@@ -376,12 +435,14 @@ def resumed(progress: Progress) -> Progress:
 
 def restored(progress: Progress, now: float) -> Progress:
     """The restore step worked: the pass ends Failed (with the load's refusal as its reason),
-    and the pod serves ``serving`` again."""
+    and the pod serves ``serving`` again (an adapter pass: the staged adapter is unloaded, and
+    a pod that served no probed adapter stays as it was, out of traffic)."""
     if progress.step != RESTORE:
         raise ValueError(f"step {progress.step!r} is not {RESTORE!r}")
     if progress.touched:
         raise ValueError("a pass whose load may have changed the model is never restored")
-    return replace(progress, outcome="Failed", restored=True, finished=now, not_before=0.0)
+    back = bool(progress.serving) or progress.source != "adapter"
+    return replace(progress, outcome="Failed", restored=back, finished=now, not_before=0.0)
 
 
 def out_of_traffic_seconds(progress: Progress) -> float | None:
@@ -400,6 +461,9 @@ def probe_judged(
     progress = replace(progress, probe=probe)
     if verdict == "Pass":
         return progress
+    if progress.source == "adapter" and progress.step == "probeStaged":
+        # Judged through the staged name: the served adapter is untouched, restore it.
+        return replace(progress, step=RESTORE, attempts=0, reason=reason, message=message)
     outcome: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
     return replace(
         progress, outcome=outcome, reason=reason, message=message, finished=now, not_before=0.0
@@ -439,10 +503,11 @@ def readiness(progress: Progress) -> Readiness | None:
     if progress.outcome == "Succeeded":
         return Readiness(True, Reason.ProbePassed, f"weights {progress.version} probed")
     if progress.restored:
+        what = "adapter " if progress.source == "adapter" else ""
         return Readiness(
             True,
-            Reason.PreviousWeights,
-            f"serving {progress.serving} again: {progress.version} refused "
+            Reason.PreviousAdapter if progress.source == "adapter" else Reason.PreviousWeights,
+            f"serving {what}{progress.serving} again: {progress.version} refused "
             f"({progress.reason}: {progress.message})",
         )
     if progress.in_traffic:
@@ -464,6 +529,8 @@ def load_needed(read_back_version: str | None, target: str) -> bool:
 def step_applies(step: str, sleep_level: int, source: Source = "checkpoint") -> bool:
     """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes) for
     this weight source (a broadcast has nothing to stage or read: it receives instead)."""
+    if source == "adapter":
+        return step in ADAPTER_STEPS
     if sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"):
         return False
     if source == "broadcast":

@@ -60,6 +60,7 @@ class Reason(StrEnum):
     TensorMismatch = "TensorMismatch"  # a parameter absent, or of another shape or dtype
     ProbeReferenceInvalid = "ProbeReferenceInvalid"  # the worker cannot read refit-probe.json
     CheckpointChanged = "CheckpointChanged"  # a file changed between stage and load
+    AdapterInvalid = "AdapterInvalid"  # a LoRA adapter's adapter_config.json is not PEFT LoRA
     LoadFailed = "LoadFailed"  # vLLM's reload raised: the model may be half loaded
     TransferMismatch = "TransferMismatch"  # a broadcast's bytes differ from its promise
     TransferFailed = "TransferFailed"  # a broadcast's transport broke before it was complete
@@ -95,6 +96,7 @@ class Reason(StrEnum):
     ProbeNaN = "ProbeNaN"  # NaN or inf logprobs
     # --- a pod's readiness condition
     PreviousWeights = "PreviousWeights"  # back in traffic on the weights it served before
+    PreviousAdapter = "PreviousAdapter"  # the old LoRA adapter serves on after a refused pass
     RefitFailed = "RefitFailed"  # out of traffic after a failed pass without a reason of its own
     Refitting = "Refitting"  # out of traffic while its pass runs
     # --- Events of a pod's pass

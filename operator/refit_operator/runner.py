@@ -201,7 +201,7 @@ async def _run_step(
     began = times.monotonic()
     note = ""
     try:
-        if step == "probe":
+        if step in ("probe", "probeStaged"):
             return await _probe(ctx, pod, worker, progress)
         if step == "receive" and podflow.step_applies(
             step, ctx.spec.sequence.sleep_level, progress.source
@@ -211,6 +211,12 @@ async def _run_step(
             finally:
                 if ctx.broadcast is not None:
                     ctx.broadcast.rounds.leave(pod.name)
+        elif step == podflow.RESTORE and progress.source == "adapter":
+            await restore_adapter(worker, ctx.spec.sequence, progress)
+            metrics.step_finished(
+                ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
+            )
+            return podflow.restored(progress, times.now())
         elif step == podflow.RESTORE:
             await _restore(worker, ctx.spec.sequence, progress)
             metrics.step_finished(
@@ -259,6 +265,8 @@ async def execute_step(
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
     if not podflow.step_applies(step, seq.sleep_level, progress.source):
         return ""
+    if progress.source == "adapter" and step in ("stage", "loadAdapter", "swap", "ready"):
+        return await execute_adapter_step(worker, seq, progress, step)
     if step == "stage":
         staged = await worker.stage(progress.path, timeout=t_load)
         return str(staged.get("note", ""))[:200]
@@ -296,6 +304,45 @@ async def execute_step(
     else:
         raise ValueError(f"unknown step {step!r}")
     return ""
+
+
+async def execute_adapter_step(
+    worker: WorkerClient, seq: Sequence, progress: Progress, step: str
+) -> str:
+    """The steps of an adapter pass that differ from a weights pass (drain and resetCache are
+    the same; the probes score through ``progress.probe_model``). Each is idempotent: a
+    retried or resumed load first unloads the staged name it may already have loaded."""
+    t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
+    staged = podflow.staged_adapter_name(progress.adapter, progress.version)
+    if step == "stage":
+        checked = await worker.adapter_check(progress.path, timeout=t_load)
+        return f"adapter rank {checked.get('rank')}, {checked.get('bytes')} bytes verified"
+    if step == "loadAdapter":
+        await worker.unload_adapter(staged, timeout=t_step)
+        await worker.load_adapter(staged, progress.path, timeout=t_load)
+    elif step == "swap":
+        # The files the staged probe judged, unchanged since (digests again; an adapter is
+        # small): then in place under the served name, new weights loaded before the old go.
+        await worker.adapter_check(progress.path, timeout=t_load)
+        await worker.load_adapter(progress.adapter, progress.path, inplace=True, timeout=t_load)
+    elif step == "ready":
+        await worker.unload_adapter(staged, timeout=t_step)
+    return ""
+
+
+async def restore_adapter(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:
+    """Refused before the swap: unload the staged name; the served adapter was never touched,
+    and must still be listed for the pod to go on serving it."""
+    t_step = float(seq.step_timeout_seconds)
+    await worker.unload_adapter(
+        podflow.staged_adapter_name(progress.adapter, progress.version), timeout=t_step
+    )
+    if progress.serving and progress.adapter not in await worker.adapters(timeout=t_step):
+        raise StepFailed(
+            progress.reason,
+            f"{progress.message}; the pod no longer lists adapter {progress.adapter!r}",
+            final=True,
+        )
 
 
 async def _receive(
@@ -449,7 +496,7 @@ async def _probe(
         reference = await ctx.reference(progress.path, worker)
         # One request for every prompt: the probe's cost is then one forward pass's overhead.
         prompts = [list(p.token_ids) for p in reference.prompts]
-        scored = await worker.score_prompts(prompts, timeout=timeout)
+        scored = await worker.score_prompts(prompts, timeout=timeout, model=progress.probe_model)
     except probe.ReferenceMismatch as e:
         # Rewritten since the preflight admitted it (read again after an operator restart):
         # the weights cannot be judged, so the pod stays out of traffic and the gate decides.
@@ -464,10 +511,10 @@ async def _probe(
         elif progress.attempts < seq.retries:
             reason = Reason.ProbeTimeout if e.kind == "timeout" else Reason.ProbeNoData
             metrics.step_finished(
-                ctx.namespace, ctx.fleet, "probe", "failure", times.monotonic() - began
+                ctx.namespace, ctx.fleet, progress.step, "failure", times.monotonic() - began
             )
             return podflow.step_failed(
-                progress, "probe", reason, e.message, times.now(), retries=seq.retries
+                progress, progress.step, reason, e.message, times.now(), retries=seq.retries
             )
         else:
             reason = Reason.ProbeTimeout if e.kind == "timeout" else Reason.ProbeNoData
@@ -478,7 +525,7 @@ async def _probe(
     metrics.step_finished(
         ctx.namespace,
         ctx.fleet,
-        "probe",
+        progress.step,
         "success" if outcome.verdict == "Pass" else "failure",
         seconds,
     )
@@ -492,7 +539,7 @@ async def _probe(
         progress, outcome.verdict, outcome.reason, outcome.message, record, times.now()
     )
     if outcome.verdict == "Pass":
-        return podflow.step_done(progress, "probe", seconds, times.now())
+        return podflow.step_done(progress, progress.step, seconds, times.now())
     return progress
 
 

@@ -223,7 +223,8 @@ class WorkerClient:
     ) -> Answer:
         if self._before_call is not None:
             self._before_call()  # may raise: the caller must not act; nothing is sent
-        api = path.startswith("/v1/")
+        # vLLM's adapter routes sit under /v1 but are admin paths: admin token and fence.
+        api = path.startswith("/v1/") and path not in contract.ADAPTER_PATHS
         if api:
             token = self._api_key
         else:
@@ -334,6 +335,10 @@ class WorkerClient:
             return contract.ProbeReference.from_json_dict(result)
         except contract.ContractError as exc:
             raise WorkerError("protocol", str(exc)) from exc
+
+    async def adapter_check(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Verify a LoRA adapter directory (path rules, manifest, digests, PEFT config)."""
+        return await self._rpc_dict(contract.RPC_ADAPTER_CHECK, [path], timeout)
 
     async def received(
         self, digest: str, version: str, *, timeout: float | None = None
@@ -459,6 +464,37 @@ class WorkerClient:
         doc = await self._json("GET", "/weight_info", timeout=timeout)
         return str(_field(doc, "weight_version", str, "weight_info"))
 
+    # --- LoRA adapters (vLLM's runtime routes; admin paths behind the guard, fenced) ------
+    async def load_adapter(
+        self, name: str, path: str, *, inplace: bool = False, timeout: float | None = None
+    ) -> None:
+        """Load the adapter at ``path`` under ``name``. vLLM refuses a name already loaded
+        (HTTP 400) unless ``inplace``, which replaces that adapter's weights under the same
+        name; it loads the new weights before dropping the old, so a refused load leaves the
+        old adapter serving."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+        await self._request("POST", "/v1/load_lora_adapter", timeout=timeout, json=body)
+
+    async def unload_adapter(
+        self, name: str, *, timeout: float | None = None, missing_ok: bool = True
+    ) -> bool:
+        """Unload ``name``; False when it was not loaded (vLLM's 404) and ``missing_ok``."""
+        answer = await self._request(
+            "POST",
+            "/v1/unload_lora_adapter",
+            timeout=timeout,
+            json={"lora_name": name},
+            accept=frozenset({404}) if missing_ok else frozenset(),
+        )
+        return answer.status != 404
+
+    async def adapters(self, *, timeout: float | None = None) -> list[str]:
+        """The adapter names the pod serves (/v1/models entries other than the base model)."""
+        doc = await self._json("GET", "/v1/models", timeout=timeout)
+        data = _field(doc, "data", list, "models")
+        base = await self.model_name(timeout=timeout)
+        return [str(m.get("id")) for m in data if isinstance(m, dict) and m.get("id") != base]
+
     # --- OpenAI-compatible endpoints and metrics ---------------------------------------
     async def model_name(self, *, timeout: float | None = None) -> str:
         """The served model name (first entry of /v1/models), asked once per client."""
@@ -477,18 +513,26 @@ class WorkerClient:
         return (await self.score_prompts([token_ids], timeout=timeout))[0]
 
     async def score_prompts(
-        self, prompts: list[list[int]], *, timeout: float | None = None
+        self, prompts: list[list[int]], *, timeout: float | None = None, model: str | None = None
     ) -> list[list[float | None]]:
         """Teacher-forced logprobs of several prompts in ONE request; ``result[i]`` belongs
         to ``prompts[i]`` and its entry 0 is None (nothing before it).
 
         vLLM takes a list of token-id lists as the prompt and answers one choice per
         prompt, numbered by ``index``; the choices are matched by that index, not by
-        their order, and each must echo the tokens it scored.
+        their order, and each must echo the tokens it scored. ``model`` names a LoRA adapter
+        to score through (default: the served base model).
         """
         if not prompts:
             raise ValueError("score_prompts: no prompts to score")
-        model = await self.model_name(timeout=timeout)
+        if model is not None and len(prompts) > 1:
+            # Named (an adapter) one prompt per request: on a LoRA-enabled vLLM 0.32 CPU server a
+            # batch of prompt-logprob sequences kills the engine core (punica_cpu
+            # add_lora_logits: einsum sizes; tests/worker/test_lora_adapter.py).
+            return [
+                (await self.score_prompts([p], timeout=timeout, model=model))[0] for p in prompts
+            ]
+        model = model or await self.model_name(timeout=timeout)  # an adapter: scored through it
         body = {
             "model": model,
             "prompt": prompts,

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from refit_worker.guard import AdminGuard, Receive, Scope, Send, guard_configured, needs_admin
+from refit_worker.guard import (
+    AdminGuard,
+    Receive,
+    Scope,
+    Send,
+    configured_api_key,
+    guard_configured,
+    needs_admin,
+)
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,6 +51,9 @@ ADMIN = [
     ("GET", "/server_info"),
     ("POST", "/init_weight_transfer_engine"),
     ("POST", "/update_weights"),
+    # vLLM's runtime LoRA routes sit under /v1 but change what the pod serves.
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
     ("POST", "/something_new"),
     ("GET", "/docs"),
     ("POST", "/health"),
@@ -313,3 +324,43 @@ async def test_each_guard_has_its_own_mark(token_file: Path) -> None:
         assert (await a.post("/pause", headers=fenced_headers(50))).status_code == 200
         assert (await b.post("/pause", headers=fenced_headers(1))).status_code == 200
         assert (await a.post("/pause", headers=fenced_headers(1))).status_code == 409
+
+
+async def test_adapter_routes_reach_vllm_with_the_api_key_not_the_admin_token(
+    token_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(list(scope["headers"]))
+        await app(scope, receive, send)
+
+    for api_key, expected in (("k3y", [b"Bearer k3y"]), (None, [])):
+        monkeypatch.setattr("sys.argv", ["vllm", *(["--api-key", api_key] if api_key else [])])
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        guard = AdminGuard(inner, token_file=str(token_file))
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/load_lora_adapter", json={}, headers={"X-Refit-Fence": "7"})
+            assert r.status_code == 401  # no admin token: never reaches vLLM
+            r = await c.post(
+                "/v1/load_lora_adapter",
+                json={},
+                headers={"Authorization": "Bearer s3cret", "X-Refit-Fence": "7"},
+            )
+            assert r.status_code == 200
+            r = await c.post(
+                "/v1/unload_lora_adapter",
+                json={},
+                headers={"Authorization": "Bearer s3cret", "X-Refit-Fence": "6"},
+            )
+            assert r.status_code == 409  # fenced like every admin write
+        auth = [v for k, v in seen.pop() if k.lower() == b"authorization"]
+        assert auth == expected and not seen
+
+
+def test_configured_api_key_reads_vllms_flag_then_its_env() -> None:
+    assert configured_api_key(["x", "--api-key", "a"], {"VLLM_API_KEY": "e"}) == "a"
+    assert configured_api_key(["x", "--api-key=b"], {}) == "b"
+    assert configured_api_key(["x"], {"VLLM_API_KEY": "e"}) == "e"
+    assert configured_api_key(["x"], {}) is None

@@ -32,10 +32,17 @@ OPEN_PATHS = frozenset(
     {"/health", "/metrics", "/ping", "/version", "/load", "/ready", "/readyz", READY_PATH}
 )
 OPEN_METHODS = frozenset({"GET", "HEAD"})
+# vLLM's runtime LoRA routes (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) sit under /v1 but change
+# what the engine serves: under vLLM's rule alone anyone holding the API key, or anyone at all
+# without one, loads or unloads adapters. They are admin paths, fenced like the others; the
+# guard hands the request on to vLLM with the API key in place of the admin token.
+ADAPTER_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def needs_admin(method: str, path: str) -> bool:
     """Whether a request must carry the admin token (pure; the whole routing policy)."""
+    if path.rstrip("/") in ADAPTER_PATHS:
+        return True
     if path.startswith(API_KEY_PREFIXES):
         return False
     if path in OPEN_PATHS or path.rstrip("/") in OPEN_PATHS:
@@ -60,6 +67,10 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
 # checked against the promised transfer manifest's digest; refit_received(digest, version).
 RPC_RECEIVED = "refit_received"
+# LoRA adapters (spec.adapter): the path rules, the manifest and every file's digest, and a
+# PEFT LoRA adapter_config.json vLLM can load; refit_adapter_check(path) -> AdapterCheck dict.
+RPC_ADAPTER_CHECK = "refit_adapter_check"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 # The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
 # gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.
@@ -410,6 +421,7 @@ REJECTION_CODES = (
     "ProbeReferenceInvalid",  # refit-probe.json missing or malformed
     "CheckpointChanged",  # a file changed (identity, size, mtime) between refit_stage and load
     "LoadFailed",  # vLLM's reload raised after preflight passed
+    "AdapterInvalid",  # adapter_config.json absent, unreadable, or not a PEFT LoRA config
     # Broadcast refits (docs/broadcast.md); both are refused before the model is touched:
     # what arrived differs from the promised transfer manifest (a tensor's dtype, shape or
     # digest; a promised tensor not sent, one sent but not promised, or sent twice), or

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit_worker import checkpoint, guard
 from refit_worker.contract import (
+    ADAPTER_CONFIG_FILE,
     CAP_ADMIN_GUARD,
     CAP_VERIFIED_RELOAD,
     PROBE_FILE,
@@ -59,6 +60,26 @@ ALLOWED_ROOT_ENV = "REFIT_ALLOWED_ROOT"
 DEFAULT_VERSION = "default"
 # Load formats whose loader can read a directory of safetensors again (get_all_weights).
 _DISK_FORMATS = ("auto", "safetensors", "fastsafetensors")
+
+
+def adapter_config_summary(directory: Path) -> dict[str, Any]:
+    """rank and target modules of a PEFT LoRA adapter_config.json; AdapterInvalid otherwise."""
+    config_path = directory / ADAPTER_CONFIG_FILE
+    try:
+        doc = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise RefitRejected(
+            "AdapterInvalid", f"{ADAPTER_CONFIG_FILE} is absent in {directory}"
+        ) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("peft_type") != "LORA":
+        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: peft_type is not LORA")
+    rank = doc.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: r={rank!r} is not a rank")
+    targets = doc.get("target_modules")
+    return {"rank": rank, "targetModules": targets if isinstance(targets, list) else []}
 
 
 def _held_tensors(staged: checkpoint.StagedCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
@@ -271,6 +292,20 @@ class RefitWorkerExtension:
         except (ValueError, ContractError) as exc:
             raise RefitRejected("ProbeReferenceInvalid", str(exc)) from None
         return reference.to_json_dict()
+
+    def refit_adapter_check(self, path: str) -> dict[str, Any]:
+        """A LoRA adapter directory before vLLM loads it: the checkpoint's path, manifest and
+        digest checks (vLLM loads a flipped byte without a word), and a PEFT LoRA config."""
+        started = time.perf_counter()
+        directory, manifest = checkpoint.verify_checkpoint(path, self._refit_allowed_root())
+        return {
+            **adapter_config_summary(directory),
+            "path": str(directory),
+            "files": len(manifest.files),
+            "bytes": sum(f.size for f in manifest.files),
+            "tensors": len(manifest.tensors),
+            "seconds": round(time.perf_counter() - started, 4),
+        }
 
     # --- Broadcast refits (docs/broadcast.md) ---
     def refit_received(self, digest: str = "", version: str = "") -> dict[str, Any]:

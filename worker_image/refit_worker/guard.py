@@ -6,6 +6,9 @@ worker method, /weight_checker can zero the weights, /sleep, /pause, ...) answer
 reaches the port. This guard requires ``Authorization: Bearer <token>`` (the token read from
 the file named by REFIT_ADMIN_TOKEN_FILE) on every path outside those prefixes, except the
 probes a kubelet and Prometheus need. An unknown path is an admin path: deny by default.
+vLLM's runtime LoRA routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) are admin
+paths too although they sit under /v1: an admitted one goes on to vLLM with the API key (from
+``--api-key`` or VLLM_API_KEY) in place of the admin token, or with no Authorization at all.
 
 Fails closed: with no token file, an unreadable or an empty one, every admin path answers
 401 and the reason is logged (never sent to the client).
@@ -36,7 +39,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from refit_worker import fence, readiness
-from refit_worker.contract import FENCE_HEADER, OPEN_METHODS, READY_PATH, needs_admin
+from refit_worker.contract import (
+    ADAPTER_PATHS,
+    FENCE_HEADER,
+    OPEN_METHODS,
+    READY_PATH,
+    needs_admin,
+)
 
 TOKEN_FILE_ENV = "REFIT_ADMIN_TOKEN_FILE"
 
@@ -89,6 +98,33 @@ def guard_configured(argv: list[str] | None = None) -> bool:
         return False
 
 
+def configured_api_key(
+    argv: list[str] | None = None, environ: dict[str, str] | None = None
+) -> str | None:
+    """vLLM's API key as its own middleware takes it (--api-key wins over VLLM_API_KEY; the
+    first of several), read from this process's command line: what an admitted adapter route
+    must carry past vLLM's --api-key check in place of the admin token."""
+    args = sys.argv if argv is None else argv
+    for a, nxt in zip(args, [*args[1:], ""], strict=True):
+        if a.startswith("--api-key="):
+            return a.split("=", 1)[1] or None
+        if a == "--api-key" and nxt and not nxt.startswith("--"):
+            return nxt
+    env = os.environ if environ is None else environ
+    return env.get("VLLM_API_KEY") or None
+
+
+def with_api_key(
+    headers: list[tuple[bytes, bytes]], api_key: str | None
+) -> list[tuple[bytes, bytes]]:
+    """The headers with the admin token replaced by vLLM's API key (or dropped without one):
+    the admin token never reaches vLLM, and vLLM's own check still passes."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"authorization"]
+    if api_key:
+        kept.append((b"authorization", b"Bearer " + api_key.encode()))
+    return kept
+
+
 class TokenSource:
     """The admin token from a file, re-read when the file changes (a rotated Secret)."""
 
@@ -137,6 +173,7 @@ class AdminGuard:
         self.fences = fence.FenceTracker()
         # Whether a refit pass vouched for this process's weights (/refit/ready).
         self.ready_mark = readiness.ReadyMark()
+        self.api_key = configured_api_key()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -169,6 +206,11 @@ class AdminGuard:
             status, body = await self._vouch(receive)  # the guard's own endpoint, not vLLM's
             await _respond(send, status, json.dumps(body).encode())
             return
+        if path.rstrip("/") in ADAPTER_PATHS:
+            scope = {
+                **scope,
+                "headers": with_api_key(list(scope.get("headers") or []), self.api_key),
+            }
         await self.app(scope, receive, send)
 
     async def _vouch(self, receive: Receive) -> tuple[int, dict[str, Any]]:
