@@ -470,9 +470,23 @@ class Engine:
         problem = None
         if len(st.admitted) == len(reachable):  # else decide() refuses a pod already
             problem = await self._check_reference(view, st, reachable[0])
-        if problem is None and spec.broadcast is not None:
-            problem = await self._load_broadcast(view, st)
-        return PreflightResult(infos=infos, problem=problem)
+        world_sizes: dict[str, int | str] = {}
+        if spec.broadcast is not None:
+            if problem is None:
+                problem = await self._load_broadcast(view, st)
+
+            async def world_size(pod: PodView) -> int | str:
+                async with sem:
+                    try:
+                        return await self._client(view, st, pod).world_size(
+                            timeout=float(spec.sequence.step_timeout_seconds)
+                        )
+                    except WorkerError as e:
+                        return f"get_world_size failed ({e.kind}): {e.message}"
+
+            sizes = await asyncio.gather(*map(world_size, reachable))
+            world_sizes = dict(zip([p.name for p in reachable], sizes, strict=True))
+        return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
     async def _check_reference(
         self, view: RefitView, st: _RefitState, pod: PodView

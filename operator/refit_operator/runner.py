@@ -22,7 +22,7 @@ from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
 from .reconcile import PodStart
-from .rounds import Rounds, TrainerTimeout
+from .rounds import Rounds, TrainerTimeout, rank_problem
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -313,13 +313,17 @@ async def _receive(
     if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
         assert ctx.source_problem is not None
         raise StepFailed(*ctx.source_problem, final=True)
+    workers = await worker.world_size(timeout=t_step)  # the ranks this pod takes
     try:
-        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
+        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds), workers)
     except TrainerTimeout as e:
         raise StepFailed("TrainerTimeout", str(e), final=True) from e
-    await receive_broadcast(
+    received = await receive_broadcast(
         worker, b, ctx.broadcast.manifest, rank, world, progress.version, t_step
     )
+    problem = rank_problem(received, rank, world)
+    if problem is not None:
+        raise StepFailed(*problem)
 
 
 async def receive_broadcast(

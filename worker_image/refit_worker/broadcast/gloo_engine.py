@@ -45,6 +45,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from refit_worker import peers
 from refit_worker.broadcast.gloo_group import DEFAULT_TIMEOUT_SECONDS, Group
 from refit_worker.broadcast.packed_tensor import TransportError, receive
 from refit_worker.broadcast.promise import Verifier
@@ -121,6 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: Group | None = None
+        self.rank, self.world_size = 0, 0  # this worker's place in the last group it joined
         self.round: Round | None = None
         self._rounds = 0
 
@@ -142,6 +144,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             )
         except (RuntimeError, OSError, ValueError) as exc:  # torch's store and gloo errors
             raise RefitRejected("TransferFailed", f"joining {where} failed: {exc}") from exc
+        self.rank, self.world_size = rank, init_info.world_size
         log.info("refit-gloo: joined as %s", where)
 
     def start_weight_update(self) -> None:
@@ -176,16 +179,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     held.append((name, tensor))
         except TransportError as exc:
             self.shutdown()  # a broken collective cannot be resumed: init again
-            current.received, current.bytes = verifier.manifest(), verifier.bytes
-            detail = f"{exc} (after {len(verifier.received)} tensors)"
-            self._refuse(current, "TransferFailed", detail)
+            problem = ("TransferFailed", f"{exc} (after {len(verifier.received)} tensors)")
         current.receive_seconds = time.perf_counter() - started
         current.received, current.bytes = verifier.manifest(), verifier.bytes
         if problem is None and (mismatch := verifier.refusal()) is not None:
             problem = ("TransferMismatch", mismatch)
-        if problem is not None:
+        try:  # one worker's refusal refuses every worker of the pod (refit_worker.peers)
+            peers.agree(RefitRejected(*problem) if problem is not None else None)
+        except RefitRejected as exc:
             held.clear()
-            self._refuse(current, *problem)
+            self._refuse(current, exc.code, exc.detail)
         self._load(current, held)
 
     def _check_promise(
@@ -270,7 +273,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 "TransferMismatch",
                 f"round {current.number} loaded {current.received.digest}, not {digest}",
             )
-        return current.to_json_dict()
+        return {**current.to_json_dict(), "rank": self.rank, "worldSize": self.world_size}
 
     def shutdown(self) -> None:
         if self.group is not None:
