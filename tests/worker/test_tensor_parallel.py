@@ -39,6 +39,10 @@ FRESH_TOL = 1e-4  # fp32 refit vs fp32 fresh load of the same layout
 HAZARDS = "tests.worker.hazard_extension.HazardExtension"
 BUDGET = 64 * 2**20  # the pod's staging budget: each of the two workers gets half
 Scores = list[list[float | None]]
+# vLLM's CPU build binds each worker's OpenMP threads to a NUMA node of its own by default and
+# refuses two workers on a one-node machine ("Not enough allowed NUMA nodes to bind threads of
+# 2 local CPUWorkers. Allowed NUMA nodes are [0]."): the workers share the cores unbound.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def tp_args(*extra: str) -> list[str]:
@@ -56,7 +60,7 @@ def root(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model: TinyModel, root: Path) -> Iterator[VllmServer]:
     config = json.dumps({"backend": TRANSFER_BACKEND})
-    env = {"REFIT_ALLOWED_ROOT": str(root), checkpoint.STAGING_BUDGET_ENV: str(BUDGET)}
+    env = {"REFIT_ALLOWED_ROOT": str(root), checkpoint.STAGING_BUDGET_ENV: str(BUDGET), **TP_ENV}
     with start_vllm_server(
         tiny_model,
         api_key="test-api-key",
@@ -138,7 +142,7 @@ def test_a_refitted_tp2_pod_equals_a_fresh_tp2_load(
     staged_refit(vllm_server, http, root / "A", "A")
     staged_refit(vllm_server, http, root / "B", "B")
     refitted = scores(vllm_server, http, ref_b)
-    env = {"REFIT_ALLOWED_ROOT": str(root)}
+    env = {"REFIT_ALLOWED_ROOT": str(root), **TP_ENV}
     with start_vllm_server(
         tiny_model, load_format="safetensors", model_dir=root / "B", env=env, extra_args=tp_args()
     ) as fresh:
@@ -167,9 +171,8 @@ def test_a_refusal_on_one_worker_leaves_every_worker_on_the_old_weights(
         code, detail = refusal(vllm_server, "refit_load", str(root / "B"), "B")
     finally:
         admin(vllm_server, http, "POST", "/wake_up", params={"tags": "kv_cache"})
-    # The first worker passed its own checks: it names the one that refused, and loaded nothing.
     assert code == "CheckpointChanged", detail
-    assert detail.startswith("worker 1 (CheckpointChanged) of this pod's 2 refused"), detail
+    assert "changed since it was staged" in detail, detail
     assert versions(vllm_server) == ["A", "A"]
     after = scores(vllm_server, http, ref_a)
     assert after == before
@@ -177,6 +180,27 @@ def test_a_refusal_on_one_worker_leaves_every_worker_on_the_old_weights(
     # The next refit loads on both.
     staged_refit(vllm_server, http, root / "B", "B")
     assert_matches(scores(vllm_server, http, ref_b), ref_b)
+
+
+def test_a_refusal_on_the_first_worker_is_answered_for_the_pod_and_later_calls_stay_in_step(
+    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path
+) -> None:
+    """vLLM's collective_rpc stops reading replies at the first failed worker: without
+    refit_worker.peers the second worker's reply would answer the next call."""
+    staged_refit(vllm_server, http, root / "A", "A")
+    rpc_all(vllm_server, "refit_stage", str(root / "B"))
+    rpc_all(vllm_server, "hazard_stale_staged_identity", 0)
+    code, detail = refusal(vllm_server, "refit_load", str(root / "B"), "B")
+    assert code == "CheckpointChanged", detail
+    assert detail.startswith("worker 0 (CheckpointChanged) of this pod's 2 refused"), detail
+    # Every later call gets its own replies, from both workers.
+    for _ in range(3):
+        assert versions(vllm_server) == ["A", "A"]
+        admin(vllm_server, http, "POST", "/reset_prefix_cache")
+    code, _detail = refusal(vllm_server, "refit_preflight", str(root / "missing"))
+    assert code == "CheckpointMissing"
+    assert versions(vllm_server) == ["A", "A"]
+    assert_matches(scores(vllm_server, http, tiny_model.reference("A")), tiny_model.reference("A"))
 
 
 def test_the_guard_and_the_fence_stand_before_every_worker(

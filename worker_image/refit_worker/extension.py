@@ -175,6 +175,7 @@ class RefitWorkerExtension:
             raise RefitRejected("LoadFailed", f"{type(exc).__name__}: {exc}") from exc
 
     # --- RPC methods (contract.RPC_*) ---
+    @peers.collective
     def refit_info(self) -> dict[str, Any]:
         import vllm
 
@@ -209,9 +210,11 @@ class RefitWorkerExtension:
         )
         return info.to_json_dict()
 
+    @peers.collective
     def refit_preflight(self, path: str) -> dict[str, Any]:
         return self._refit_check(path)
 
+    @peers.collective
     def refit_stage(self, path: str) -> dict[str, Any]:
         """Preflight, then stage the checkpoint for refit_load (see the module docstring).
         Staging the staged path again, unchanged, returns at the cost of a few stats."""
@@ -240,6 +243,7 @@ class RefitWorkerExtension:
             "note": staged.note(),
         }
 
+    @peers.collective
     def refit_load(self, path: str, version: str) -> dict[str, Any]:
         # Invariant: nothing below raises a code other than LoadFailed once reload_weights
         # has been called (module docstring); every other refusal comes first.
@@ -258,7 +262,10 @@ class RefitWorkerExtension:
                     result = self._refit_check(path)
             except Exception as exc:  # whatever it is, the other workers must hear of it
                 refusal = exc
-            peers.agree(refusal)  # one worker's refusal refuses every worker (refit_worker.peers)
+            # One worker's refusal refuses every worker, before any loads (refit_worker.peers).
+            refusal = peers.exchange(refusal)
+            if refusal is not None:
+                raise refusal
             switched = self._refit_switch_load_format()
             if staged is not None:
                 source, load_seconds = self._refit_load_staged(staged)
@@ -278,6 +285,7 @@ class RefitWorkerExtension:
             "source": source,
         }
 
+    @peers.collective
     def refit_probe_reference(self, path: str) -> dict[str, Any]:
         # Path rules and a readable manifest, not the shard hashes: the reference is read
         # after refit_load verified those, and hashing a large checkpoint twice is slow.
@@ -293,6 +301,7 @@ class RefitWorkerExtension:
         return reference.to_json_dict()
 
     # --- Broadcast refits (docs/broadcast.md) ---
+    @peers.collective
     def refit_received(self, digest: str = "", version: str = "") -> dict[str, Any]:
         """The last broadcast this worker's refit-gloo engine received: the manifest of what
         arrived, its digest, timings, and whether it was loaded. Raises the round's refusal

@@ -1,24 +1,33 @@
-"""The workers of one engine agree before any of them touches the model.
+"""The workers of one engine answer a refit call as one.
 
 With tensor or pipeline parallelism a pod runs several workers, and /collective_rpc (or a
-broadcast round) runs the same refit step on each of them. Each worker checks on its own
-(its staged identities, its view of the promise); without agreement a refusal on one
-worker would leave the others loading the new weights beside it on the old ones: a model
-that answers and is half new. So each worker says, before its reload, whether its own
-checks passed, and every worker of the engine learns every other's answer: one refusal
-refuses all of them, with the refusing worker's code, and nobody has loaded.
+broadcast round) runs the same refit step on each of them. Two things go wrong without
+agreement, both reproduced on vLLM 0.32 CPU with --tensor-parallel-size 2:
 
-The exchange is two all-reduces on vLLM's own CPU groups (the tensor-parallel group, then
-the pipeline-parallel one): summed over a grid of TP x PP entries they give every worker
-the whole grid. Data-parallel engines each agree among their own workers (each engine
-reloads on its own; a DP rank's refusal is its own engine's answer to its own request).
+- A refusal on one worker leaves the others loading the new weights beside it on the old
+  ones: a model that answers and is half new. So before a reload every worker says whether
+  its own checks passed, and one refusal refuses all of them before anybody loads.
+- vLLM's MultiprocExecutor.collective_rpc reads the workers' replies in rank order and
+  raises at the first failed one, leaving the later workers' replies in their queues: the
+  next call of any kind (/wake_up, /collective_rpc) reads those stale replies, and the pod
+  answers every later call one reply late. So a refusal is raised by the last worker only
+  (``answering``); the others return normally, and every reply is read.
+
+The exchange is two all-reduces on vLLM's own CPU groups (the tensor-parallel group, then the
+pipeline-parallel one): summed over a grid of TP x PP entries they give every worker the
+whole grid. Data-parallel engines each agree among their own workers: each DP engine loads
+on its own (docs/concepts.md, "Parallel layouts and multi-pod replicas").
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from refit_worker.contract import REJECTION_CODES, RefitRejected
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _groups() -> tuple[Any, Any] | None:
@@ -42,38 +51,65 @@ def worker_index() -> tuple[int, int]:
     return pp.rank_in_group * tp.world_size + tp.rank_in_group, tp.world_size * pp.world_size
 
 
-def agree(refusal: Exception | None) -> None:
-    """Exchange this worker's refusal (None: its checks passed; an error that is no
-    RefitRejected counts as LoadFailed for the others) with every worker of the engine;
-    raise its own refusal, or, when only another worker refused, the first refusing
-    worker's code with a detail naming every refusing worker. Returns only when every
-    worker passed. Every worker of the engine calls it at the same point (each runs the
-    same RPC): a worker that skipped it would leave the others waiting."""
+def answering() -> bool:
+    """Whether this worker raises the engine's refusal: the last one, whose reply vLLM's
+    collective_rpc reads last (module docstring)."""
+    index, count = worker_index()
+    return index == count - 1
+
+
+def exchange(error: Exception | None) -> Exception | None:
+    """Tell every worker of the engine whether this one failed (None: its step passed) and
+    return the engine's refusal: this worker's own error, else the first refusing peer's
+    code as a RefitRejected naming every refusing worker; None when every worker passed.
+    An error that is no RefitRejected counts as LoadFailed for the peers. Every worker of the
+    engine calls it at the same point (each runs the same step): a worker that skipped it
+    would leave the others waiting."""
     groups = _groups()
     if groups is None or groups[0].world_size * groups[1].world_size == 1:
-        if refusal is not None:
-            raise refusal
-        return
+        return error
     import torch
     import torch.distributed as dist
 
     tp, pp = groups
     index, count = worker_index()
     codes = torch.zeros(count, dtype=torch.int64)
-    if refusal is not None:
-        code = refusal.code if isinstance(refusal, RefitRejected) else "LoadFailed"
+    if error is not None:
+        code = error.code if isinstance(error, RefitRejected) else "LoadFailed"
         codes[index] = REJECTION_CODES.index(code) + 1
     for group in (tp, pp):
         if group.world_size > 1:
             dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group.cpu_group)
-    if refusal is not None:
-        raise refusal
+    if error is not None:
+        return error
     refused = [(i, REJECTION_CODES[c - 1]) for i, c in enumerate(codes.tolist()) if c]
-    if refused:
-        code = refused[0][1]
-        named = ", ".join(f"worker {i} ({c})" for i, c in refused)
-        raise RefitRejected(
-            code,
-            f"{named} of this pod's {count} refused; this worker ({index}) passed its own "
-            "checks and loaded nothing, so every worker keeps the weights it served",
-        )
+    if not refused:
+        return None
+    named = ", ".join(f"worker {i} ({c})" for i, c in refused)
+    return RefitRejected(
+        refused[0][1],
+        f"{named} of this pod's {count} refused; worker {index} passed its own checks",
+    )
+
+
+def collective(method: F) -> F:
+    """An extension RPC that answers as one: run on every worker, a failure on any is the
+    engine's refusal, raised by the answering worker only (the others return a note that
+    nobody reads)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = method(self, *args, **kwargs)
+        except Exception as exc:
+            error = exc
+        refusal = exchange(error)
+        if refusal is None:
+            return result
+        if answering():
+            raise refusal
+        return {"refusedByPod": str(refusal)}
+
+    return run  # type: ignore[return-value]
