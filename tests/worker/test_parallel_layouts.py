@@ -1,15 +1,16 @@
-"""Refits of a tensor-parallel pod on real vLLM CPU: one server with
---tensor-parallel-size 2 (two workers, VLLM::Worker_TP0 and _TP1) for the module, started
-from A's files with the refit-gloo engine and the test extension.
+"""Refits of a model-parallel pod on real vLLM CPU: one server per layout for the module,
+--tensor-parallel-size 2 (VLLM::Worker_TP0/_TP1) and --pipeline-parallel-size 2
+(VLLM::Worker_PP0/_PP1), each started from A's files with the refit-gloo engine and the test
+extension.
 
 Every worker stages, verifies and loads (each answers /collective_rpc with its own result);
 a checkpoint refit A -> B scores B's reference within 1e-4 and equals, token for token, a
-fresh TP-2 server started from B's files; a broadcast gives the two workers ranks 1 and 2 of
-world size 3 (the trainer and two receivers: the size /get_world_size reports plus one) and
-loads B on both. A refusal on one worker (its staged identity differs from the disk's) is a
-refusal on both, before either touches the model: the scores stay A's. The admin guard and
-the fencing token sit in front of every worker: a call without the token or with a stale
-fence reaches none. The pod's staging budget is shared by its workers.
+fresh server of the same layout started from B's files; a broadcast gives the two workers
+ranks 1 and 2 of world size 3 (the trainer and the /get_world_size receivers) and loads B on
+both. A refusal on either worker is a refusal on both, before either touches the model (the
+scores stay A's), and later calls still get their own replies (refit_worker.peers). The admin
+guard and the fencing token sit in front of every worker: a call without the token or with a
+stale fence reaches none. The pod's staging budget is shared by its workers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from tests.worker.test_staging import swap
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TP = 2
+TP = 2  # workers per pod, in either layout
+# layout -> (vLLM's flag, the workers' process title prefix)
+LAYOUTS = {
+    "tensor": ("--tensor-parallel-size", "VLLM::Worker_TP"),
+    "pipeline": ("--pipeline-parallel-size", "VLLM::Worker_PP"),
+}
 FRESH_TOL = 1e-4  # fp32 refit vs fp32 fresh load of the same layout
 HAZARDS = "tests.worker.hazard_extension.HazardExtension"
 BUDGET = 64 * 2**20  # the pod's staging budget: each of the two workers gets half
@@ -45,8 +51,13 @@ Scores = list[list[float | None]]
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-def tp_args(*extra: str) -> list[str]:
-    return ["--tensor-parallel-size", str(TP), "--worker-extension-cls", HAZARDS, *extra]
+def layout_args(layout: str, *extra: str) -> list[str]:
+    return [LAYOUTS[layout][0], str(TP), "--worker-extension-cls", HAZARDS, *extra]
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +69,7 @@ def root(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model: TinyModel, root: Path) -> Iterator[VllmServer]:
+def vllm_server(tiny_model: TinyModel, root: Path, layout: str) -> Iterator[VllmServer]:
     config = json.dumps({"backend": TRANSFER_BACKEND})
     env = {"REFIT_ALLOWED_ROOT": str(root), checkpoint.STAGING_BUDGET_ENV: str(BUDGET), **TP_ENV}
     with start_vllm_server(
@@ -67,7 +78,7 @@ def vllm_server(tiny_model: TinyModel, root: Path) -> Iterator[VllmServer]:
         load_format="safetensors",
         model_dir=root / "A",
         env=env,
-        extra_args=tp_args("--weight-transfer-config", config),
+        extra_args=layout_args(layout, "--weight-transfer-config", config),
     ) as server:
         yield server
 
@@ -112,22 +123,30 @@ def staged_refit(server: VllmServer, http: httpx.Client, path: Path, version: st
     return staged, swap(server, http, str(path), version)
 
 
-def test_the_server_runs_two_workers(vllm_server: VllmServer, http: httpx.Client) -> None:
+def test_the_server_runs_two_workers(
+    vllm_server: VllmServer, http: httpx.Client, layout: str
+) -> None:
     assert admin(vllm_server, http, "GET", "/get_world_size")["world_size"] == TP
     titles = sorted(t for t, _ in vllm_server.processes() if t.startswith("VLLM::Worker"))
-    assert titles == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
-    assert len(rpc_all(vllm_server, "refit_info")) == TP
+    assert titles == [f"{LAYOUTS[layout][1]}{i}" for i in range(TP)]
+    infos = rpc_all(vllm_server, "refit_info")
+    sizes = {"tensor": (TP, 1), "pipeline": (1, TP)}[layout]
+    for info in infos:
+        assert (info["tensor_parallel_size"], info["pipeline_parallel_size"]) == sizes
+        assert info["data_parallel_size"] == 1
+    assert len(infos) == TP
 
 
 def test_every_worker_stages_verifies_and_loads_B(
-    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path
+    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path, layout: str
 ) -> None:
     ref_a, ref_b = tiny_model.reference("A"), tiny_model.reference("B")
     assert_matches(scores(vllm_server, http, ref_a), ref_a)  # started from A's files
     staged, loaded = staged_refit(vllm_server, http, root / "B", "B")
     assert len(staged) == TP
     for worker in staged:  # each worker checked every tensor and holds its share
-        assert worker["tensorParallelSize"] == TP and worker["podWorkers"] == TP
+        assert worker["tensorParallelSize"] == (TP if layout == "tensor" else 1)
+        assert worker["podWorkers"] == TP
         assert worker["staged"] == "memory" and worker["budgetBytes"] == BUDGET // TP
         assert worker["parameters"] > 0
     assert loaded["source"] == "memory"
@@ -135,8 +154,8 @@ def test_every_worker_stages_verifies_and_loads_B(
     assert_matches(scores(vllm_server, http, ref_b), ref_b)
 
 
-def test_a_refitted_tp2_pod_equals_a_fresh_tp2_load(
-    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path
+def test_a_refitted_pod_equals_a_fresh_load_of_the_same_layout(
+    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path, layout: str
 ) -> None:
     ref_b = tiny_model.reference("B")
     staged_refit(vllm_server, http, root / "A", "A")
@@ -144,7 +163,11 @@ def test_a_refitted_tp2_pod_equals_a_fresh_tp2_load(
     refitted = scores(vllm_server, http, ref_b)
     env = {"REFIT_ALLOWED_ROOT": str(root), **TP_ENV}
     with start_vllm_server(
-        tiny_model, load_format="safetensors", model_dir=root / "B", env=env, extra_args=tp_args()
+        tiny_model,
+        load_format="safetensors",
+        model_dir=root / "B",
+        env=env,
+        extra_args=layout_args(layout),
     ) as fresh:
         expected = scores(fresh, http, ref_b)
     worst = max(
@@ -220,7 +243,7 @@ def test_the_guard_and_the_fence_stand_before_every_worker(
 
 
 def test_a_broadcast_ranks_each_worker_and_loads_B_on_both(
-    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path
+    vllm_server: VllmServer, tiny_model: TinyModel, http: httpx.Client, root: Path, layout: str
 ) -> None:
     staged_refit(vllm_server, http, root / "A", "A")
     tensors = broadcast.load_tensors(root / "B")
@@ -248,7 +271,7 @@ def test_a_broadcast_ranks_each_worker_and_loads_B_on_both(
                 sender.send(tensors)
                 answer = update.result()
             assert answer.status_code == 200, answer.text[:300]
-            print(f"\nTP {TP} broadcast round: {time.perf_counter() - started:.3f} s")
+            print(f"\n{layout} x{TP} broadcast round: {time.perf_counter() - started:.3f} s")
             admin(vllm_server, http, "POST", "/finish_weight_update", json={"weight_version": "B"})
             admin(vllm_server, http, "POST", "/reset_prefix_cache")
         finally:
