@@ -1,7 +1,6 @@
-"""Refits of a model-parallel pod on real vLLM CPU: one server per layout for the module,
---tensor-parallel-size 2 (VLLM::Worker_TP0/_TP1) and --pipeline-parallel-size 2
-(VLLM::Worker_PP0/_PP1), each started from A's files with the refit-gloo engine and the test
-extension.
+"""Refits of a model-parallel pod on real vLLM CPU: one server per layout for the module
+(--tensor-parallel-size 2: VLLM::Worker_TP0/_TP1; pipeline parallelism: see LAYOUTS), started
+from A's files with the refit-gloo engine and the test extension.
 
 Every worker stages, verifies and loads (each answers /collective_rpc with its own result);
 a checkpoint refit A -> B scores B's reference within 1e-4 and equals, token for token, a
@@ -30,6 +29,7 @@ from refit_worker.contract import FENCE_HEADER, TRANSFER_BACKEND, parse_rejectio
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
+from tests.worker.test_broadcast import post
 from tests.worker.test_reload import admin, assert_matches, differs, scores
 from tests.worker.test_staging import swap
 
@@ -37,9 +37,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TP = 2  # workers per pod, in either layout
 # layout -> (vLLM's flag, the workers' process title prefix)
+# Pipeline parallelism 2 starts on vLLM 0.32 CPU (VLLM::Worker_PP0/_PP1, refit_info reports
+# PP 2), but its engine dies on the first /v1/completions with prompt_logprobs (the probe's
+# request): EngineDeadError, before any refit. Not a layout this module can refit and probe.
 LAYOUTS = {
     "tensor": ("--tensor-parallel-size", "VLLM::Worker_TP"),
-    "pipeline": ("--pipeline-parallel-size", "VLLM::Worker_PP"),
 }
 FRESH_TOL = 1e-4  # fp32 refit vs fp32 fresh load of the same layout
 HAZARDS = "tests.worker.hazard_extension.HazardExtension"
@@ -87,16 +89,6 @@ def vllm_server(tiny_model: TinyModel, root: Path, layout: str) -> Iterator[Vllm
 def http() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=120) as c:
         yield c
-
-
-def post(server: VllmServer, path: str, body: Any = None, **headers: str) -> httpx.Response:
-    """One admin call on a connection of its own (vLLM closes it after a 500)."""
-    return httpx.post(
-        server.base_url + path,
-        json=body,
-        headers={**server.admin_headers(), "Connection": "close", **headers},
-        timeout=120,
-    )
 
 
 def rpc_all(server: VllmServer, method: str, *args: Any, **headers: str) -> list[Any]:
