@@ -11,6 +11,7 @@ from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
 from .api import WeightRefitSpec, WeightRefitStatus
 from .podflow import PodView
+from .reasons import Problem, Reason
 
 
 @dataclass(frozen=True)
@@ -21,29 +22,32 @@ class PreflightResult:
     infos: dict[str, RefitInfo | str] = field(default_factory=dict)  # str: why unreachable
     # A broadcast refit's: each pod's /get_world_size (str: why it did not answer).
     world_sizes: dict[str, int | str] = field(default_factory=dict)
-    problem: tuple[str, str] | None = None  # (reason, message)
+    problem: Problem | None = None
 
 
 def admission_problem(
     info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
-) -> tuple[str, str] | None:
+) -> Problem | None:
     """Why a pod must not be refitted, judged from its refit_info and the spec's
     ``sequence.sleepLevel``; None when it may."""
     if isinstance(info, str):
-        return "PodUnreachable", info
+        return Problem(Reason.PodUnreachable, info)
     if allow_unsafe:
         return None
     missing = [c for c in REQUIRED_CAPABILITIES if c not in info.capabilities]
     if missing:
-        return "UnsafeBackend", f"image lacks reload-safe capabilities: {', '.join(missing)}"
+        return Problem(
+            Reason.UnsafeBackend, f"image lacks reload-safe capabilities: {', '.join(missing)}"
+        )
     if info.unsafe_reasons:
-        return "UnsafeConfiguration", "; ".join(info.unsafe_reasons)
+        return Problem(Reason.UnsafeConfiguration, "; ".join(info.unsafe_reasons))
     if info.kv_cache_scales and sleep_level == 2:
         # Level 2 discards the scale parameters with the weights and the wake does not
         # restore them; a reload whose checkpoint lacks them leaves zeros (vLLM #57163).
-        return "UnsafeSleepLevel", (
+        return Problem(
+            Reason.UnsafeSleepLevel,
             f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
-            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1"
+            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1",
         )
     return None
 
@@ -59,23 +63,23 @@ def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRef
     return spec.model_copy(update={"sequence": status.sequence})
 
 
-def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
+def fleet_problem(pods: Sequence[PodView]) -> Problem | None:
     """What the Pod objects alone hold against the fleet. Judged before the preflight calls
     any pod: the admin token goes only to pods that pass (PodView.vetted)."""
     if not pods:
-        return "NoPodsSelected", "the fleet selector matches no pods"
+        return Problem(Reason.NoPodsSelected, "the fleet selector matches no pods")
     for pod in sorted(pods, key=lambda p: p.name):
         if not pod.has_gate:
-            return (
-                "MissingReadinessGate",
+            return Problem(
+                Reason.MissingReadinessGate,
                 f"pod {pod.name} does not declare the readiness gate in spec.readinessGates",
             )
         if not pod.running or not pod.ip:
-            return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
+            return Problem(Reason.PodNotRunning, f"pod {pod.name} is not Running with a pod IP")
     return None
 
 
-def layout_problem(infos: Mapping[str, RefitInfo | str]) -> tuple[str, str] | None:
+def layout_problem(infos: Mapping[str, RefitInfo | str]) -> Problem | None:
     """The fleet's pods must share one parallel layout (TP, PP, DP): one checkpoint, one
     probe reference and one rank plan serve them all."""
     pods_of: dict[str, list[str]] = {}
@@ -88,23 +92,27 @@ def layout_problem(infos: Mapping[str, RefitInfo | str]) -> tuple[str, str] | No
         f"{layout}: {', '.join(names[:3])}{' and more' if len(names) > 3 else ''}"
         for layout, names in sorted(pods_of.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     )
-    return "ParallelLayoutMismatch", f"the fleet's pods disagree on their parallel layout ({shown})"
+    return Problem(
+        Reason.ParallelLayoutMismatch,
+        f"the fleet's pods disagree on their parallel layout ({shown})",
+    )
 
 
 def world_size_problem(
     infos: Mapping[str, RefitInfo | str], world_sizes: Mapping[str, int | str]
-) -> tuple[str, str] | None:
+) -> Problem | None:
     """A broadcast gives each pod one rank per worker its refit_info reports (TP x PP x DP);
     the pod's /get_world_size must count the same workers, or the trainer's group would wait
     for ranks nobody joins (or refuse ranks nobody expected)."""
     for name, size in sorted(world_sizes.items()):
         if isinstance(size, str):
-            return "PodUnreachable", f"pod {name}: {size}"
+            return Problem(Reason.PodUnreachable, f"pod {name}: {size}")
         info = infos.get(name)
         if isinstance(info, RefitInfo) and size != info.workers:
-            return "BroadcastWorldSizeMismatch", (
+            return Problem(
+                Reason.BroadcastWorldSizeMismatch,
                 f"pod {name}: /get_world_size reports {size} workers but its layout "
-                f"{info.layout} runs {info.workers}; a broadcast would rank it wrongly"
+                f"{info.layout} runs {info.workers}; a broadcast would rank it wrongly",
             )
     return None
 
@@ -114,7 +122,7 @@ def preflight_problem(
     result: PreflightResult,
     allow_unsafe: bool,
     sleep_level: int,
-) -> tuple[str, str] | None:
+) -> Problem | None:
     problem = fleet_problem(pods)
     if problem is not None:
         return problem
@@ -124,5 +132,5 @@ def preflight_problem(
         info = result.infos.get(pod.name, "no refit_info answer")
         problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
-            return problem[0], f"pod {pod.name}: {problem[1]}"
+            return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
     return layout_problem(result.infos) or world_size_problem(result.infos, result.world_sizes)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from refit_worker.contract import API_GROUP
 
 from .api import BroadcastRound, RoundState
+from .reasons import Problem, Reason
 
 # The trainer's announcement: "I listen for round N" (the round's number, as a string).
 SENDING_ANNOTATION = f"{API_GROUP}/broadcast-sending"
@@ -161,13 +162,14 @@ class Rounds:
             self._on_change()
 
 
-def rank_problem(received: dict[str, object], rank: int, world: int) -> tuple[str, str] | None:
+def rank_problem(received: dict[str, object], rank: int, world: int) -> Problem | None:
     """What refit_received says against the round: the pod's first worker must have joined
     at the rank and world size the round gave it (older workers do not say: accepted)."""
     got = (received.get("rank"), received.get("worldSize"))
     if got in ((None, None), (rank, world)):
         return None
-    return "BroadcastWorldSizeMismatch", (
+    return Problem(
+        Reason.BroadcastWorldSizeMismatch,
         f"the pod's first worker joined as rank {got[0]} of {got[1]}, the round gave it rank "
-        f"{rank} of {world}"
+        f"{rank} of {world}",
     )

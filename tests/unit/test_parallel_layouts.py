@@ -75,4 +75,5 @@ def test_a_broadcast_refuses_a_pod_whose_world_size_is_not_its_layouts() -> None
 
 def test_a_broadcast_refuses_a_pod_that_does_not_say_its_world_size() -> None:
     problem = world_size_problem({"a": TP2}, {"a": "get_world_size failed (http): HTTP 404"})
-    assert problem == ("PodUnreachable", "pod a: get_world_size failed (http): HTTP 404")
+    assert problem is not None and problem.reason == "PodUnreachable"
+    assert problem.message == "pod a: get_world_size failed (http): HTTP 404"

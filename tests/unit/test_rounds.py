@@ -230,8 +230,8 @@ async def test_a_pod_without_workers_cannot_join() -> None:
 def test_the_pods_first_worker_must_sit_where_the_round_put_it() -> None:
     assert rank_problem({"rank": 3, "worldSize": 8}, 3, 8) is None
     assert rank_problem({}, 3, 8) is None  # an older worker does not say
-    reason, message = rank_problem({"rank": 1, "worldSize": 3}, 3, 8) or ("", "")
-    assert reason == "BroadcastWorldSizeMismatch"
-    assert message == (
+    problem = rank_problem({"rank": 1, "worldSize": 3}, 3, 8)
+    assert problem is not None and problem.reason == "BroadcastWorldSizeMismatch"
+    assert problem.message == (
         "the pod's first worker joined as rank 1 of 3, the round gave it rank 3 of 8"
     )
