@@ -4,7 +4,7 @@ pod's refit_info. Pure: the engine gathers the answers, runner asks for a late p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
@@ -20,6 +20,8 @@ class PreflightResult:
     fleet-level problems (missing Secret, unusable reference)."""
 
     infos: dict[str, RefitInfo | str] = field(default_factory=dict)  # str: why unreachable
+    # A broadcast refit's: each pod's /get_world_size (str: why it did not answer).
+    world_sizes: dict[str, int | str] = field(default_factory=dict)
     problem: Problem | None = None
 
 
@@ -77,6 +79,44 @@ def fleet_problem(pods: Sequence[PodView]) -> Problem | None:
     return None
 
 
+def layout_problem(infos: Mapping[str, RefitInfo | str]) -> Problem | None:
+    """The fleet's pods must share one parallel layout (TP, PP, DP): one checkpoint, one
+    probe reference and one rank plan serve them all."""
+    pods_of: dict[str, list[str]] = {}
+    for name, info in sorted(infos.items()):
+        if isinstance(info, RefitInfo):
+            pods_of.setdefault(info.layout, []).append(name)
+    if len(pods_of) < 2:
+        return None
+    shown = "; ".join(
+        f"{layout}: {', '.join(names[:3])}{' and more' if len(names) > 3 else ''}"
+        for layout, names in sorted(pods_of.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    )
+    return Problem(
+        Reason.ParallelLayoutMismatch,
+        f"the fleet's pods disagree on their parallel layout ({shown})",
+    )
+
+
+def world_size_problem(
+    infos: Mapping[str, RefitInfo | str], world_sizes: Mapping[str, int | str]
+) -> Problem | None:
+    """A broadcast gives each pod one rank per worker its refit_info reports (TP x PP x DP);
+    the pod's /get_world_size must count the same workers, or the trainer's group would wait
+    for ranks nobody joins (or refuse ranks nobody expected)."""
+    for name, size in sorted(world_sizes.items()):
+        if isinstance(size, str):
+            return Problem(Reason.PodUnreachable, f"pod {name}: {size}")
+        info = infos.get(name)
+        if isinstance(info, RefitInfo) and size != info.workers:
+            return Problem(
+                Reason.BroadcastWorldSizeMismatch,
+                f"pod {name}: /get_world_size reports {size} workers but its layout "
+                f"{info.layout} runs {info.workers}; a broadcast would rank it wrongly",
+            )
+    return None
+
+
 def preflight_problem(
     pods: Sequence[PodView],
     result: PreflightResult,
@@ -93,4 +133,4 @@ def preflight_problem(
         problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
             return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
-    return None
+    return layout_problem(result.infos) or world_size_problem(result.infos, result.world_sizes)

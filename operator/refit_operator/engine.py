@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -442,22 +442,23 @@ class Engine:
             return PreflightResult(problem=problem)
         reachable = sorted(st.pods, key=lambda p: p.name)
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
+        t_step = float(spec.sequence.step_timeout_seconds)
 
-        async def info(pod: PodView) -> RefitInfo | str:
-            async with sem:
-                try:
-                    return await self._client(view, st, pod).refit_info(
-                        timeout=float(spec.sequence.step_timeout_seconds)
-                    )
-                except WorkerError as e:
-                    return f"refit_info failed ({e.kind}): {e.message}"
+        async def each(ask: Callable[[WorkerClient], Awaitable[Any]], what: str) -> dict[str, Any]:
+            """Every reachable pod's answer, or why it gave none (a str)."""
 
-        infos = dict(
-            zip(
-                [p.name for p in reachable],
-                await asyncio.gather(*map(info, reachable)),
-                strict=True,
-            )
+            async def one(pod: PodView) -> Any:
+                async with sem:
+                    try:
+                        return await ask(self._client(view, st, pod))
+                    except WorkerError as e:
+                        return f"{what} failed ({e.kind}): {e.message}"
+
+            answers = await asyncio.gather(*map(one, reachable))
+            return dict(zip([p.name for p in reachable], answers, strict=True))
+
+        infos: dict[str, RefitInfo | str] = await each(
+            lambda c: c.refit_info(timeout=t_step), "refit_info"
         )
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         st.admitted = {
@@ -471,9 +472,13 @@ class Engine:
         problem = None
         if len(st.admitted) == len(reachable):  # else decide() refuses a pod already
             problem = await self._check_reference(view, st, reachable[0])
-        if problem is None and spec.broadcast is not None:
-            problem = await self._load_broadcast(view, st)
-        return PreflightResult(infos=infos, problem=problem)
+        world_sizes: dict[str, int | str] = {}
+        if spec.broadcast is not None:
+            if problem is None:
+                problem = await self._load_broadcast(view, st)
+
+            world_sizes = await each(lambda c: c.world_size(timeout=t_step), "get_world_size")
+        return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
     async def _check_reference(
         self, view: RefitView, st: _RefitState, pod: PodView

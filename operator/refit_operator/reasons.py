@@ -26,6 +26,10 @@ class Reason(StrEnum):
     UnsafeBackend = "UnsafeBackend"  # the image lacks a reload-safety capability
     UnsafeConfiguration = "UnsafeConfiguration"  # a configuration the backports do not cover
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales
+    ParallelLayoutMismatch = "ParallelLayoutMismatch"  # the pods report different TP/PP/DP
+    # a pod's /get_world_size is not its layout's workers, or a worker joined a broadcast at
+    # a rank other than its round's
+    BroadcastWorldSizeMismatch = "BroadcastWorldSizeMismatch"
     SecretMissing = "SecretMissing"  # the named Secret or key does not exist
     SecretForbidden = "SecretForbidden"  # RBAC forbids reading the named Secret
     ProbeUnauthorized = "ProbeUnauthorized"  # the pods answered the probe's /v1 with 401/403

@@ -3,8 +3,10 @@ and the handshake with the trainer (docs/broadcast.md, "A broadcast refit").
 
 A round is the pods whose passes the engine started together (one tick's batch). Each pass
 ``join``s its round when it reaches the receive step, out of traffic and awake. Once every
-member has joined or left (a pass that failed before), the round is Ready: ranks 1..n go to
-its pods in name order, the world size is n + 1 (the trainer is rank 0), and the status
+member has joined or left (a pass that failed before), the round is Ready: each pod gets
+as many consecutive ranks as it runs receiving workers (what it reported when it joined,
+vLLM's /get_world_size: TP x PP x DP), in name order from rank 1, and the world size is one
+more than their sum (the trainer is rank 0), and the status
 shows it with the condition ReceiversReady. The trainer then opens its rendezvous and
 announces the round on the WeightRefit (annotation ``SENDING_ANNOTATION``); only then do the
 members call the pods' ``/init_weight_transfer_engine``, so no pod ever joins the store of
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from refit_worker.contract import API_GROUP
 
 from .api import BroadcastRound, RoundState
+from .reasons import Problem, Reason
 
 # The trainer's announcement: "I listen for round N" (the round's number, as a string).
 SENDING_ANNOTATION = f"{API_GROUP}/broadcast-sending"
@@ -39,7 +42,8 @@ class _Round:
     members: set[str]
     joined: set[str] = field(default_factory=set)
     past: set[str] = field(default_factory=set)  # members past their receive (or gone)
-    ranks: dict[str, int] = field(default_factory=dict)  # set once Ready
+    workers: dict[str, int] = field(default_factory=dict)  # receiving workers per joined pod
+    ranks: dict[str, int] = field(default_factory=dict)  # each pod's first rank; set once Ready
     sending: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -52,7 +56,7 @@ class _Round:
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks) + 1 if self.ranks else 0
+        return sum(self.workers.get(p, 1) for p in self.ranks) + 1 if self.ranks else 0
 
 
 class Rounds:
@@ -77,13 +81,17 @@ class Rounds:
             self._of[p] = r
         self._settle()
 
-    async def join(self, pod: str, seconds: float) -> tuple[int, int]:
-        """Wait until the pod's round is Ready and the trainer announced it: (rank, world)."""
+    async def join(self, pod: str, seconds: float, workers: int = 1) -> tuple[int, int]:
+        """Wait until the pod's round is Ready and the trainer announced it: (the rank of the
+        pod's first worker, world size). ``workers``: how many ranks the pod takes."""
+        if workers < 1:
+            raise ValueError(f"pod {pod}: {workers} receiving workers")
         r = self._of.get(pod)
         if r is None:  # a pass the engine did not put in a round (cannot happen by design)
             self.open([pod])
             r = self._of[pod]
         r.joined.add(pod)
+        r.workers[pod] = workers
         self._settle()
         try:
             await asyncio.wait_for(r.sending.wait(), seconds)
@@ -106,6 +114,7 @@ class Rounds:
         if not r.ready:
             r.members.discard(pod)
             r.joined.discard(pod)
+            r.workers.pop(pod, None)
         self._settle()
 
     def trainer_sending(self, number: int) -> None:
@@ -143,8 +152,24 @@ class Rounds:
             if r.done:
                 continue
             if not r.ready and r.members and r.joined >= r.members:
-                r.ranks = {p: i + 1 for i, p in enumerate(sorted(r.members))}
+                rank = 1
+                for p in sorted(r.members):
+                    r.ranks[p] = rank
+                    rank += r.workers.get(p, 1)
                 changed = True
             break  # one round at a time
         if changed or (self._rounds and self._rounds[-1].done):
             self._on_change()
+
+
+def rank_problem(received: dict[str, object], rank: int, world: int) -> Problem | None:
+    """What refit_received says against the round: the pod's first worker must have joined
+    at the rank and world size the round gave it (older workers do not say: accepted)."""
+    got = (received.get("rank"), received.get("worldSize"))
+    if got in ((None, None), (rank, world)):
+        return None
+    return Problem(
+        Reason.BroadcastWorldSizeMismatch,
+        f"the pod's first worker joined as rank {got[0]} of {got[1]}, the round gave it rank "
+        f"{rank} of {world}",
+    )

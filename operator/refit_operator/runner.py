@@ -23,7 +23,7 @@ from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
 from .reasons import Problem, Reason, pass_event, step_timeout
 from .reconcile import PodStart
-from .rounds import Rounds, TrainerTimeout
+from .rounds import Rounds, TrainerTimeout, rank_problem
 from .worker import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -365,13 +365,17 @@ async def _receive(
     if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
         assert ctx.source_problem is not None
         raise StepFailed(ctx.source_problem.reason, ctx.source_problem.message, final=True)
+    workers = await worker.world_size(timeout=t_step)  # the ranks this pod takes
     try:
-        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
+        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds), workers)
     except TrainerTimeout as e:
         raise StepFailed(Reason.TrainerTimeout, str(e), final=True) from e
-    await receive_broadcast(
+    received = await receive_broadcast(
         worker, b, ctx.broadcast.manifest, rank, world, progress.version, t_step
     )
+    problem = rank_problem(received, rank, world)
+    if problem is not None:
+        raise StepFailed(problem.reason, problem.message)
 
 
 async def receive_broadcast(

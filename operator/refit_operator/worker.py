@@ -356,6 +356,14 @@ class WorkerClient:
         return result
 
     # --- vLLM dev / RL endpoints -----------------------------------------------------
+    async def world_size(self, *, timeout: float | None = None) -> int:
+        """How many workers of this pod receive a broadcast (TP x PP x DP)."""
+        doc = await self._json("GET", contract.WORLD_SIZE_PATH, timeout=timeout)
+        size = _field(doc, "world_size", int, "get_world_size")
+        if isinstance(size, bool) or size < 1:
+            raise WorkerError("protocol", f"get_world_size: {size!r} is not a worker count")
+        return int(size)
+
     async def pause(self, mode: str, *, timeout: float | None = None) -> None:
         doc = await self._json("POST", "/pause", timeout=timeout, params={"mode": mode})
         self._expect(doc, "status", "paused", "pause")

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from refit_operator.api import BroadcastRound
-from refit_operator.rounds import SENDING_ANNOTATION, Rounds, TrainerTimeout
+from refit_operator.rounds import SENDING_ANNOTATION, Rounds, TrainerTimeout, rank_problem
 
 WAIT = 5.0  # seconds a join may wait in these tests: never reached unless a test fails
 
@@ -202,3 +202,36 @@ async def test_a_pass_outside_every_round_joins_one_of_its_own() -> None:
     assert rounds.view() == BroadcastRound(round=1, world_size=2, receivers=1, state="Ready")
     rounds.trainer_sending(1)
     assert await task == (1, 2)
+
+
+async def test_a_pod_takes_one_rank_per_receiving_worker() -> None:
+    """A TP-2 pod (/get_world_size 2) takes two consecutive ranks; the world counts workers."""
+    rounds = Rounds(0, Changes())
+    rounds.open(["a", "b", "c"])
+    tasks = {
+        "a": asyncio.create_task(rounds.join("a", WAIT, 2)),
+        "b": asyncio.create_task(rounds.join("b", WAIT, 1)),
+        "c": asyncio.create_task(rounds.join("c", WAIT, 4)),
+    }
+    await settle()
+    assert rounds.view() == BroadcastRound(round=1, world_size=8, receivers=3, state="Ready")
+    rounds.trainer_sending(1)
+    await settle()
+    assert {p: t.result() for p, t in tasks.items()} == {"a": (1, 8), "b": (3, 8), "c": (4, 8)}
+
+
+async def test_a_pod_without_workers_cannot_join() -> None:
+    rounds = Rounds(0, Changes())
+    rounds.open(["a"])
+    with pytest.raises(ValueError, match="pod a: 0 receiving workers"):
+        await rounds.join("a", WAIT, 0)
+
+
+def test_the_pods_first_worker_must_sit_where_the_round_put_it() -> None:
+    assert rank_problem({"rank": 3, "worldSize": 8}, 3, 8) is None
+    assert rank_problem({}, 3, 8) is None  # an older worker does not say
+    problem = rank_problem({"rank": 1, "worldSize": 3}, 3, 8)
+    assert problem is not None and problem.reason == "BroadcastWorldSizeMismatch"
+    assert problem.message == (
+        "the pod's first worker joined as rank 1 of 3, the round gave it rank 3 of 8"
+    )

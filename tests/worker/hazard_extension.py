@@ -7,11 +7,12 @@ list: /collective_rpc turns any other result into its str().
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
 import torch
-from refit_worker import backports
+from refit_worker import backports, peers
 from refit_worker.backports import moe_reload
 from refit_worker.backports._patch import original_method
 from refit_worker.extension import RefitWorkerExtension
@@ -89,3 +90,18 @@ class HazardExtension(RefitWorkerExtension):
             impl = layer.impl
             impl.sinks = None if value is None else torch.full((impl.num_heads,), value)
         return {"layers": len(layers)}
+
+    def hazard_stale_staged_identity(self, worker: int) -> dict[str, Any]:
+        """On worker ``worker`` of the engine (refit_worker.peers.worker_index) only: record
+        the staged checkpoint's first file with another size, as if that worker had staged a
+        file that has changed since; its refit_load refuses CheckpointChanged, the other
+        workers' checks pass. Returns {"worker": index, "changed": file name or ""}."""
+        index, _count = peers.worker_index()
+        staged = getattr(self, "_refit_staged", None)
+        if index != worker or staged is None:
+            return {"worker": index, "changed": ""}
+        identity = staged.identity
+        name, file = next(iter(identity.files.items()))
+        files = {**identity.files, name: dataclasses.replace(file, size=file.size + 1)}
+        staged.identity = dataclasses.replace(identity, files=files)
+        return {"worker": index, "changed": name}

@@ -65,13 +65,13 @@ def tensors(tiny_model: TinyModel) -> dict[str, Tensors]:
     return {name: broadcast.load_tensors(tiny_model.checkpoints[name]) for name in ("A", "B")}
 
 
-def post(server: VllmServer, path: str, body: Any = None) -> httpx.Response:
+def post(server: VllmServer, path: str, body: Any = None, **headers: str) -> httpx.Response:
     """One admin call on a connection of its own (calls run concurrently, and vLLM closes
-    the connection after a 500)."""
+    the connection after a 500); `headers` add to the admin token."""
     return httpx.post(
         server.base_url + path,
         json=body,
-        headers={**server.admin_headers(), "Connection": "close"},
+        headers={**server.admin_headers(), "Connection": "close", **headers},
         timeout=120,
     )
 

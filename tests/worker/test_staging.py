@@ -115,6 +115,7 @@ def test_stage_then_load_uses_the_staged_bytes(
         "seconds": staged["seconds"],
         "staged": "memory",
         "budgetBytes": BUDGET_BYTES,
+        "podWorkers": 1,
         "note": f"held {checkpoint.format_bytes(size)} in memory (staging budget 4.0 MiB)",
     }
     assert staged["tensors"] > 0 and staged["parameters"] > 0

@@ -71,6 +71,8 @@ RPC_RECEIVED = "refit_received"
 # PEFT LoRA adapter_config.json vLLM can load; refit_adapter_check(path) -> AdapterCheck dict.
 RPC_ADAPTER_CHECK = "refit_adapter_check"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+# vLLM's RL route: the pod's receiving workers (TP x PP x DP), the ranks a broadcast gives it.
+WORLD_SIZE_PATH = "/get_world_size"
 # The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
 # gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.
@@ -381,6 +383,24 @@ class RefitInfo:
     # a wake does not restore them (vLLM #57163): the operator refuses level 2 for them.
     # Absent from older workers' answers: read as "".
     kv_cache_scales: str = ""
+    # The engine's parallel layout (vLLM's parallel_config): one pod runs TP x PP workers per
+    # data-parallel engine. Absent from older workers' answers: read as 1.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def layout(self) -> str:
+        """The layout as people write it: "TP2 PP1 DP1"."""
+        return (
+            f"TP{self.tensor_parallel_size} PP{self.pipeline_parallel_size} "
+            f"DP{self.data_parallel_size}"
+        )
+
+    @property
+    def workers(self) -> int:
+        """How many workers receive a broadcast in this pod (vLLM's /get_world_size)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -403,7 +423,19 @@ class RefitInfo:
             kv_cache_scales=_require(doc, "kv_cache_scales", str, where)
             if "kv_cache_scales" in doc
             else "",
+            **{
+                key: _parallel_size(doc, key, where)
+                for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+                if key in doc
+            },
         )
+
+
+def _parallel_size(doc: dict[str, Any], key: str, where: str) -> int:
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ContractError(f"{where}: {key} must be a positive integer, not {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------

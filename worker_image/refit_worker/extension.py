@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refit_worker import checkpoint, guard
+from refit_worker import checkpoint, guard, peers
 from refit_worker.contract import (
     ADAPTER_CONFIG_FILE,
     CAP_ADMIN_GUARD,
@@ -110,6 +110,14 @@ class RefitWorkerExtension:
 
     def _refit_model(self) -> Any:
         return self.model_runner.get_model()
+
+    def _refit_pod_workers(self) -> int:
+        """How many workers this pod runs: tensor x pipeline parallel (split over
+        --nnodes pods), times the data-parallel engines this pod hosts."""
+        cfg = self.vllm_config.parallel_config
+        if cfg.nnodes > 1:
+            return max(1, cfg.world_size // cfg.nnodes)
+        return max(1, cfg.world_size * max(1, cfg.data_parallel_size_local))
 
     def _refit_check(self, path: str) -> dict[str, Any]:
         started = time.perf_counter()
@@ -188,6 +196,7 @@ class RefitWorkerExtension:
             raise RefitRejected("LoadFailed", f"{type(exc).__name__}: {exc}") from exc
 
     # --- RPC methods (contract.RPC_*) ---
+    @peers.collective
     def refit_info(self) -> dict[str, Any]:
         import vllm
 
@@ -216,17 +225,24 @@ class RefitWorkerExtension:
             model=str(cfg.model_config.model),
             allowed_root=self._refit_allowed_root(),
             kv_cache_scales=unsafe.kv_cache_scales(cfg, self._refit_model()),
+            tensor_parallel_size=int(cfg.parallel_config.tensor_parallel_size),
+            pipeline_parallel_size=int(cfg.parallel_config.pipeline_parallel_size),
+            data_parallel_size=int(cfg.parallel_config.data_parallel_size),
         )
         return info.to_json_dict()
 
+    @peers.collective
     def refit_preflight(self, path: str) -> dict[str, Any]:
         return self._refit_check(path)
 
+    @peers.collective
     def refit_stage(self, path: str) -> dict[str, Any]:
         """Preflight, then stage the checkpoint for refit_load (see the module docstring).
         Staging the staged path again, unchanged, returns at the cost of a few stats."""
         started = time.perf_counter()
-        budget = checkpoint.staging_budget()  # ValueError on a malformed value
+        # The budget is the pod's (REFIT_STAGING_BUDGET_BYTES): each of its workers stages
+        # the whole checkpoint, so each gets its share and the pod never holds more.
+        budget = checkpoint.staging_budget() // self._refit_pod_workers()
         previous = getattr(self, "_refit_staged", None)
         self._refit_staged = None
         staged = checkpoint.stage_checkpoint(
@@ -243,23 +259,34 @@ class RefitWorkerExtension:
             **staged.summary,
             "seconds": round(time.perf_counter() - started, 4),
             "staged": staged.mode,
-            "budgetBytes": staged.budget,
+            "budgetBytes": staged.budget,  # this worker's share of the pod's budget
+            "podWorkers": self._refit_pod_workers(),
             "note": staged.note(),
         }
 
+    @peers.collective
     def refit_load(self, path: str, version: str) -> dict[str, Any]:
         # Invariant: nothing below raises a code other than LoadFailed once reload_weights
         # has been called (module docstring); every other refusal comes first.
         staged = self._refit_take_staged(path)
         try:
-            if not isinstance(version, str) or not version:
-                raise RefitRejected("LoadFailed", "version must be a non-empty string")
             started = time.perf_counter()
-            if staged is not None:
-                staged.check_before_load(self._refit_allowed_root())  # CheckpointChanged
-                result = {**staged.summary, "seconds": round(time.perf_counter() - started, 4)}
-            else:
-                result = self._refit_check(path)
+            refusal: Exception | None = None
+            result: dict[str, Any] = {}
+            try:
+                if not isinstance(version, str) or not version:
+                    raise RefitRejected("LoadFailed", "version must be a non-empty string")
+                if staged is not None:
+                    staged.check_before_load(self._refit_allowed_root())  # CheckpointChanged
+                    result = {**staged.summary, "seconds": round(time.perf_counter() - started, 4)}
+                else:
+                    result = self._refit_check(path)
+            except Exception as exc:  # whatever it is, the other workers must hear of it
+                refusal = exc
+            # One worker's refusal refuses every worker, before any loads (refit_worker.peers).
+            refusal = peers.exchange(refusal)
+            if refusal is not None:
+                raise refusal
             switched = self._refit_switch_load_format()
             if staged is not None:
                 source, load_seconds = self._refit_load_staged(staged)
@@ -279,6 +306,7 @@ class RefitWorkerExtension:
             "source": source,
         }
 
+    @peers.collective
     def refit_probe_reference(self, path: str) -> dict[str, Any]:
         # Path rules and a readable manifest, not the shard hashes: the reference is read
         # after refit_load verified those, and hashing a large checkpoint twice is slow.
@@ -308,6 +336,7 @@ class RefitWorkerExtension:
         }
 
     # --- Broadcast refits (docs/broadcast.md) ---
+    @peers.collective
     def refit_received(self, digest: str = "", version: str = "") -> dict[str, Any]:
         """The last broadcast this worker's refit-gloo engine received: the manifest of what
         arrived, its digest, timings, and whether it was loaded. Raises the round's refusal

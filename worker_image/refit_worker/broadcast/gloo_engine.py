@@ -45,6 +45,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from refit_worker import peers
 from refit_worker.broadcast.gloo_group import DEFAULT_TIMEOUT_SECONDS, Group
 from refit_worker.broadcast.packed_tensor import TransportError, receive
 from refit_worker.broadcast.promise import Verifier
@@ -121,6 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: Group | None = None
+        self.rank, self.world_size = 0, 0  # this worker's place in the last group it joined
         self.round: Round | None = None
         self._rounds = 0
 
@@ -142,6 +144,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             )
         except (RuntimeError, OSError, ValueError) as exc:  # torch's store and gloo errors
             raise RefitRejected("TransferFailed", f"joining {where} failed: {exc}") from exc
+        self.rank, self.world_size = rank, init_info.world_size
         log.info("refit-gloo: joined as %s", where)
 
     def start_weight_update(self) -> None:
@@ -158,8 +161,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         current = self.round
         if current is None:  # vLLM's worker refuses update_weights before start already
             raise RuntimeError("start_weight_update must come first")
-        if self.group is None:
-            self._refuse(current, "TransferFailed", "not initialized: init_weight_transfer_engine")
         problem: tuple[str, str] | None
         if current.state != "started":  # the update's one round was received already
             current = self.round = Round(current.number)
@@ -169,24 +170,37 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         verifier = Verifier(promise)
         held: deque[tuple[str, torch.Tensor]] = deque()
         started = time.perf_counter()
-        try:
-            assert self.group is not None
-            for name, tensor in receive(self.group):
-                if verifier.check(name, tensor):  # hashed and compared as it arrives
-                    held.append((name, tensor))
-        except TransportError as exc:
-            self.shutdown()  # a broken collective cannot be resumed: init again
-            current.received, current.bytes = verifier.manifest(), verifier.bytes
-            detail = f"{exc} (after {len(verifier.received)} tensors)"
-            self._refuse(current, "TransferFailed", detail)
+        if self.group is None:  # nothing to receive from; refused with the peers below
+            problem = ("TransferFailed", "not initialized: init_weight_transfer_engine")
+        else:
+            try:
+                for name, tensor in receive(self.group):
+                    if verifier.check(name, tensor):  # hashed and compared as it arrives
+                        held.append((name, tensor))
+            except TransportError as exc:
+                self.shutdown()  # a broken collective cannot be resumed: init again
+                problem = ("TransferFailed", f"{exc} (after {len(verifier.received)} tensors)")
         current.receive_seconds = time.perf_counter() - started
         current.received, current.bytes = verifier.manifest(), verifier.bytes
         if problem is None and (mismatch := verifier.refusal()) is not None:
             problem = ("TransferMismatch", mismatch)
-        if problem is not None:
-            held.clear()
-            self._refuse(current, *problem)
-        self._load(current, held)
+        # One worker's refusal refuses every worker of the pod before any loads, and only the
+        # answering worker raises it (refit_worker.peers); so again after the load.
+        refusal = peers.exchange(RefitRejected(*problem) if problem is not None else None)
+        if refusal is None:
+            try:
+                self._load(current, held)
+            except RefitRejected as exc:
+                refusal = exc
+            refusal = peers.exchange(refusal)
+        held.clear()
+        if refusal is not None:
+            code = refusal.code if isinstance(refusal, RefitRejected) else "LoadFailed"
+            detail = refusal.detail if isinstance(refusal, RefitRejected) else str(refusal)
+            if current.state != "refused":
+                self._record_refusal(current, code, detail)
+            if peers.answering():
+                raise refusal
 
     def _check_promise(
         self, current: Round, doc: Any
@@ -246,9 +260,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
     def _refuse(self, current: Round, code: str, detail: str) -> None:
+        self._record_refusal(current, code, detail)
+        raise RefitRejected(code, detail)
+
+    def _record_refusal(self, current: Round, code: str, detail: str) -> None:
         current.state, current.code, current.detail = "refused", code, detail
         log.warning("refit-gloo: round %d refused: %s: %s", current.number, code, detail)
-        raise RefitRejected(code, detail)
 
     def finish_weight_update(self) -> None:
         if self.round is not None:
@@ -270,7 +287,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 "TransferMismatch",
                 f"round {current.number} loaded {current.received.digest}, not {digest}",
             )
-        return current.to_json_dict()
+        return {**current.to_json_dict(), "rank": self.rank, "worldSize": self.world_size}
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -1,0 +1,79 @@
+"""Parallel layouts in the fleet preflight (docs/concepts.md, "Parallel layouts and
+multi-pod replicas"): the pods of a fleet share one layout, a broadcast's ranks follow each
+pod's /get_world_size, and refit_info carries the layout (older workers: TP1 PP1 DP1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from refit_operator.admission import PreflightResult, layout_problem, world_size_problem
+from refit_operator.api import WeightRefitStatus
+from refit_operator.reconcile import decide
+from refit_worker.contract import ContractError, RefitInfo
+
+from tests.unit.test_reconcile import info, observe, pod, refit, spec
+
+TP2 = info(tensor_parallel_size=2)
+
+
+def failed_reason(pre: PreflightResult, names: list[str]) -> tuple[str, str]:
+    d = decide(
+        observe(
+            refit(spec(), WeightRefitStatus(phase="Preflight")),
+            [pod(n) for n in names],
+            preflight=pre,
+        )
+    )
+    assert d.status.phase == "Failed"
+    ready = next(c for c in d.status.conditions if c.type == "Ready")
+    return ready.reason, ready.message
+
+
+def test_refit_info_carries_the_layout_and_older_workers_read_as_one_worker() -> None:
+    doc = json.loads(
+        json.dumps(dataclasses.asdict(info(tensor_parallel_size=2, data_parallel_size=2)))
+    )
+    parsed = RefitInfo.from_json_dict(doc)
+    assert (parsed.layout, parsed.workers) == ("TP2 PP1 DP2", 4)
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        del doc[key]
+    assert RefitInfo.from_json_dict(doc).layout == "TP1 PP1 DP1"
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "2", 1.5])
+def test_a_malformed_parallel_size_is_a_contract_error(bad: object) -> None:
+    doc = {**json.loads(json.dumps(dataclasses.asdict(info()))), "pipeline_parallel_size": bad}
+    with pytest.raises(ContractError, match="pipeline_parallel_size must be a positive integer"):
+        RefitInfo.from_json_dict(doc)
+
+
+def test_a_fleet_of_one_layout_passes() -> None:
+    assert layout_problem({"a": TP2, "b": TP2, "c": "unreachable"}) is None
+
+
+def test_pods_that_disagree_on_their_layout_are_refused_before_any_is_touched() -> None:
+    pre = PreflightResult(infos={"a": TP2, "b": TP2, "c": info()})
+    reason, message = failed_reason(pre, ["a", "b", "c"])
+    assert reason == "ParallelLayoutMismatch"
+    assert message == (
+        "the fleet's pods disagree on their parallel layout (TP2 PP1 DP1: a, b; TP1 PP1 DP1: c)"
+    )
+
+
+def test_a_broadcast_refuses_a_pod_whose_world_size_is_not_its_layouts() -> None:
+    assert world_size_problem({"a": TP2}, {"a": 2}) is None
+    pre = PreflightResult(infos={"a": TP2, "b": TP2}, world_sizes={"a": 2, "b": 4})
+    reason, message = failed_reason(pre, ["a", "b"])
+    assert reason == "BroadcastWorldSizeMismatch"
+    assert message == (
+        "pod b: /get_world_size reports 4 workers but its layout TP2 PP1 DP1 runs 2; a "
+        "broadcast would rank it wrongly"
+    )
+
+
+def test_a_broadcast_refuses_a_pod_that_does_not_say_its_world_size() -> None:
+    problem = world_size_problem({"a": TP2}, {"a": "get_world_size failed (http): HTTP 404"})
+    assert problem is not None and problem.reason == "PodUnreachable"
+    assert problem.message == "pod a: get_world_size failed (http): HTTP 404"
