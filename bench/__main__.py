@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
-    "explorer",
+    "explorer", "under_load",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -30,6 +30,7 @@ TITLES = {
     "broadcast": "broadcast vs checkpoint refit (real vLLM CPU); the transport vs raw TCP",
     "startup": "vLLM imports and server starts with and without the venv's bytecode",
     "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
+    "under_load": "refits under live traffic per drain mode vs the same refits idle (real vLLM)",
 }
 
 
@@ -82,6 +83,10 @@ def run_one(
         from bench import explorer
 
         return explorer.suite(quick, log)
+    if name == "under_load":
+        from bench import under_load
+
+        return under_load.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

@@ -64,15 +64,25 @@ class Laps:
         return time.perf_counter() - self.began
 
 
-async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
-    """One pod's full refit: the operator's sequence, then its probe; timed per step."""
+async def refit_cycle(
+    w: WorkerClient,
+    path: str,
+    version: str,
+    seq: Sequence | None = None,
+    traffic: Callable[[bool], None] | None = None,
+) -> Cycle:
+    """One pod's full refit: the operator's sequence, then its probe; timed per step.
+    ``traffic(False)`` before the drain and ``traffic(True)`` after a passed probe: what the
+    readiness condition does to the pod's endpoints (bench/under_load.py routes load by it)."""
     lap = Laps()
-    # The operator's own step code (runner.execute_step) with the API's default sequence.
+    # The operator's own step code (runner.execute_step), by default the API's default sequence.
     progress = podflow.start("bench", "bench", version, path, time.time())
     for step in podflow.STEPS:
         if step in ("probe", "ready"):
             continue
-        await runner.execute_step(w, Sequence(), progress, step, resumed=False)
+        if step == "drain" and traffic is not None:
+            traffic(False)
+        await runner.execute_step(w, seq or Sequence(), progress, step, resumed=False)
         lap(step)
     # The operator fetches a reference once per refit and path, not per pod: timed apart.
     reference = await w.probe_reference(path)
@@ -80,6 +90,8 @@ async def refit_cycle(w: WorkerClient, path: str, version: str) -> Cycle:
     scored = await w.score_prompts([list(p.token_ids) for p in reference.prompts])
     outcome = probe.evaluate(reference, scored, Thresholds())
     lap("probe")
+    if traffic is not None and outcome.verdict == "Pass":
+        traffic(True)
     tokens = sum(len(p.token_ids) for p in reference.prompts)
     return Cycle(lap.steps, lap.total(), tokens, outcome.verdict)
 

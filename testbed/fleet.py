@@ -223,8 +223,9 @@ def ready_violation(pod: dict[str, Any]) -> str | None:
     cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
     served = p.get("serving")
     staging = bool(served) and not p.get("left_traffic") and not p.get("restored")
-    written = (cond.get("reason"), cond.get("message"))
-    if staging and written == ("ProbePassed", f"weights {served} probed"):
+    message = str(cond.get("message") or "")
+    probed = f"weights {served} probed"  # then, after "; ", what its drain kept in flight
+    if staging and cond.get("reason") == "ProbePassed" and message.split(";")[0] == probed:
         return None
     # Restored only while no try of the pass may have changed the model (podflow.touched).
     if p.get("restored") and not p.get("touched") and cond.get("reason") == "PreviousWeights":

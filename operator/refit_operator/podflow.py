@@ -131,6 +131,9 @@ class Progress:
     left_traffic: float = 0.0  # epoch seconds this pass took the pod out of traffic (0: never)
     restored: bool = False  # the pass failed and the pod serves ``serving`` again
     staging: str = ""  # how the worker staged the checkpoint (memory, or why not)
+    # Requests a ``keep`` drain froze in flight ("" for none): they finish on ``version``
+    # after the resume, with tokens from both versions (said on the readiness condition).
+    drained: str = ""
     # A try of this pass's load (or receive) may have changed the model: it failed after the
     # worker may have begun (LoadFailed, a timeout, a lost connection), or it may have run
     # under an operator that stopped. From then on only a probe can say what the pod serves,
@@ -501,7 +504,8 @@ def readiness(progress: Progress) -> Readiness | None:
     load left the weights it served untouched. None: leave the condition as it is (a pod
     that serves while the checkpoint stages, or whose staging was refused)."""
     if progress.outcome == "Succeeded":
-        return Readiness(True, Reason.ProbePassed, f"weights {progress.version} probed")
+        kept = f"; {progress.drained}" if progress.drained else ""
+        return Readiness(True, Reason.ProbePassed, f"weights {progress.version} probed{kept}")
     if progress.restored:
         what = "adapter " if progress.source == "adapter" else ""
         return Readiness(

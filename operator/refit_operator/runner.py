@@ -251,8 +251,11 @@ async def _run_step(
         )
     seconds = times.monotonic() - began
     metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
-    if note:
-        progress = replace(progress, staging=note)
+    if note:  # how the stage held the checkpoint, or what the drain left in flight
+        if step == "drain":
+            progress = replace(progress, drained=note)
+        else:
+            progress = replace(progress, staging=note)
     return podflow.step_done(progress, step, seconds, times.now())
 
 
@@ -261,7 +264,7 @@ async def execute_step(
 ) -> str:
     """Run one step of the pod sequence other than the probe (the pass's own I/O; the bench's
     refit cycle runs the same code). Returns the stage step's note (how the worker staged
-    the checkpoint), "" for the other steps."""
+    the checkpoint) or the drain's (requests a ``keep`` drain froze), "" otherwise."""
     t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
     if not podflow.step_applies(step, seq.sleep_level, progress.source):
         return ""
@@ -271,10 +274,14 @@ async def execute_step(
         staged = await worker.stage(progress.path, timeout=t_load)
         return str(staged.get("note", ""))[:200]
     if step == "drain":  # the record before it set the readiness condition False
-        await worker.pause(seq.drain_mode, timeout=t_step)
-        await _wait_drained(worker, float(seq.drain_timeout_seconds), t_step)
+        return await _drain(worker, seq, progress.version)
     elif step == "sleep":
-        await worker.sleep(seq.sleep_level, timeout=t_step)
+        # vLLM's sleep pauses the scheduler again, in its own mode: keep, so that the
+        # requests a keep drain froze survive it; otherwise abort, so that anything queued
+        # since the drain (sent through an endpoint that had not yet dropped the pod) is
+        # aborted, visibly, rather than run on weights no probe has passed.
+        mode = "keep" if seq.drain_mode == "keep" else "abort"
+        await worker.sleep(seq.sleep_level, mode=mode, timeout=t_step)
     elif step == "wakeWeights":
         await worker.wake_up(["weights"], timeout=t_step)
     elif step == "load":
@@ -287,7 +294,10 @@ async def execute_step(
     elif step == "wakeKV":
         await worker.wake_up(["kv_cache"], timeout=t_step)
     elif step == "resetCache":
-        await worker.reset_prefix_cache(timeout=t_step)
+        # A keep drain's frozen requests hold KV blocks computed on the old weights: vLLM
+        # refuses the reset while they do, so they are preempted and recompute on the new.
+        keep = seq.drain_mode == "keep"
+        await worker.reset_prefix_cache(reset_running=keep, timeout=t_step)
         # Unpause so the probe can be served; the pod is still out of Service endpoints.
         await worker.resume(timeout=t_step)
     elif step == "stampVersion":
@@ -473,8 +483,38 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
         await asyncio.sleep(DRAIN_POLL_SECONDS / 2)
 
 
-async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> None:
+async def _drain(worker: WorkerClient, seq: Sequence, version: str) -> str:
+    """Pause the pod in the refit's drain mode, within ``drainTimeoutSeconds``; the note on
+    requests a ``keep`` drain left frozen ("" for none, and for the other modes)."""
+    t_step, limit = float(seq.step_timeout_seconds), float(seq.drain_timeout_seconds)
     deadline = times.monotonic() + limit
+    if seq.drain_mode == "wait":
+        # vLLM's /pause?mode=wait answers only once the requests in flight finished: its
+        # wait is the drain, so drainTimeoutSeconds bounds it (not the step timeout). A
+        # request that outlives it fails the drain closed: the pod stays paused, out of
+        # traffic, and the request still finishes on the old weights.
+        try:
+            await worker.pause("wait", timeout=limit)
+        except WorkerError as e:
+            if e.kind != "timeout":
+                raise
+            raise StepFailed(
+                Reason.DrainTimeout,
+                f"requests still in flight after {limit:.0f}s (pause mode wait)",
+            ) from e
+    else:
+        await worker.pause(seq.drain_mode, timeout=t_step)
+    if seq.drain_mode == "keep":
+        # Frozen, not drained: they stay in flight through the refit by design and finish on
+        # the new weights after the resume (vLLM's weight-version spans name both versions).
+        # Waiting for them would only ever end in DrainTimeout.
+        kept = await worker.requests_in_flight(timeout=t_step)
+        return f"{kept} requests kept in flight, to finish on {version}" if kept else ""
+    await _wait_drained(worker, deadline, limit, t_step)
+    return ""
+
+
+async def _wait_drained(worker: WorkerClient, deadline: float, limit: float, t_step: float) -> None:
     while True:
         left = await worker.requests_in_flight(timeout=t_step)
         if left == 0:

@@ -398,8 +398,13 @@ class WorkerClient:
         doc = await self._json("GET", "/is_sleeping", timeout=timeout)
         return bool(_field(doc, "is_sleeping", bool, "is_sleeping"))
 
-    async def reset_prefix_cache(self, *, timeout: float | None = None) -> None:
-        doc = await self._json("POST", "/reset_prefix_cache", timeout=timeout)
+    async def reset_prefix_cache(
+        self, *, reset_running: bool = False, timeout: float | None = None
+    ) -> None:
+        """``reset_running``: preempt the requests that hold blocks (a keep drain's frozen
+        ones) so that they recompute their prefix on the new weights, instead of a refusal."""
+        params = {"reset_running_requests": "true"} if reset_running else None
+        doc = await self._json("POST", "/reset_prefix_cache", timeout=timeout, params=params)
         if not _field(doc, "success", bool, "reset_prefix_cache"):
             # vLLM refuses while blocks are still held (running requests); a retry may pass.
             raise WorkerError("rejected", "reset_prefix_cache refused: cache blocks still held")

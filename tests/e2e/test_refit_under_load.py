@@ -1,0 +1,267 @@
+"""Refits under live traffic, on real parts: the `refit-operator` process on the real API
+server refits two real vLLM CPU pods while a load generator (testbed/loadgen.py) keeps
+sending completions to them, routed as a gateway that follows the pods' readiness would
+(GateRouter: only pods whose readiness gate is True), and records every request's outcome,
+latency, pod and the weight versions that produced its tokens (vLLM's per-output spans).
+
+One fleet for the module, one refit per drain mode, each from what the last left:
+``wait`` (checkpoint, Rolling), ``abort`` (checkpoint, AllAtOnce; a streaming client that
+retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce). (DrainTimeout is
+held by tests/unit/test_drain.py on the simulated worker: the tiny model generates its
+longest answer, 500 tokens, in under a second here.) Every test checks what
+the issue asks of its mode on the load's own records and the pods' pass records: requests
+admitted before a pod left traffic finish on the old weights (or are aborted cleanly, or,
+with keep, finish on both versions, said so), none is served by unprobed weights, none is
+lost without an error the client saw.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from testbed.controlplane import ControlPlane
+from testbed.fleet import Fleet
+from testbed.loadgen import OUTCOMES, GateRouter, LoadGenerator, Record
+from testbed.operator_process import Operators
+from testbed.tiny_model import TinyModel
+from testbed.vllm_server import VllmServer, free_port, start_timeout, start_vllm_server
+
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PODS = ("vllm-0", "vllm-1")
+HOSTS = ("127.0.0.4", "127.0.0.5")
+END = {"Succeeded", "Failed", "Halted", "RolledBack"}
+ADMIN = {"adminTokenSecretRef": {"name": "vllm-admin"}}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
+    """Two pods' servers on one port at two loopback addresses, started from A's files, with
+    vLLM's token-in-token-out endpoint (--enable-scale-out: what the load speaks)."""
+    port = free_port(HOSTS[0])
+    args: dict[str, Any] = dict(
+        load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
+        admin_token="load-admin-token", extra_args=["--enable-scale-out"],
+        timeout=start_timeout(2),
+    )  # fmt: skip
+    with (
+        start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,
+        start_vllm_server(tiny_model, host=HOSTS[1], **args) as b,
+    ):
+        yield [a, b]
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    control_plane: ControlPlane,
+    weightrefit_crd: str,
+    servers: list[VllmServer],
+    tiny_model: TinyModel,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Fleet, Operators]]:
+    """One namespace and operator for the module (the pods keep the fencing tokens they
+    admitted, so one Lease serves every test), the two pods serving A after an idle refit."""
+    ns = control_plane.create_namespace("under-load")
+    logs = tmp_path_factory.mktemp("under-load-logs")
+    op, fl = Operators(control_plane.kubeconfig, ns, logs), Fleet(control_plane, ns)
+    try:
+        token = base64.b64encode(servers[0].admin_token.encode()).decode()
+        fl.core.create_namespaced_secret(
+            ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
+        )
+        for name, server in zip(PODS, servers, strict=True):
+
+            class Pod:  # what Fleet.add_pod needs of a worker
+                ip = server.host
+
+            fl.add_pod(name, Pod())  # type: ignore[arg-type]
+        op.start()
+        st = refit(fl, op, tiny_model, "to-a", "A", servers[0].port)
+        assert st["phase"] == "Succeeded", (st, op.logs())
+        yield fl, op
+    finally:
+        op.stop_all()
+        fl.close()
+    assert not fl.violations, "\n".join(fl.violations)
+
+
+def refit(
+    fl: Fleet, op: Operators, tiny_model: TinyModel, name: str, version: str, port: int,
+    **spec: Any,
+) -> dict[str, Any]:  # fmt: skip
+    seq = {"sleepLevel": 1, **spec.pop("sequence", {})}
+    fl.apply_refit(name, version, tiny_model.checkpoints[version], port, fleet=ADMIN,
+                   sequence=seq, **spec)  # fmt: skip
+    return dict(fl.wait_phase(name, END, 240, op)["status"])
+
+
+@pytest.fixture
+def router(fleet: tuple[Fleet, Operators], servers: list[VllmServer]) -> Iterator[GateRouter]:
+    fl, _ = fleet
+    r = GateRouter(fl.pods, servers[0].port, interval=0.02).start()
+    yield r
+    r.stop()
+
+
+def under_load(
+    fl: Fleet, op: Operators, tiny_model: TinyModel, router: GateRouter, servers: list[VllmServer],
+    name: str, version: str, *, load: dict[str, Any], **spec: Any,
+) -> tuple[dict[str, Any], list[Record], LoadGenerator]:  # fmt: skip
+    """The refit run while the load runs: the load starts first (every pod busy), stops
+    once the refit ended and each pod served a few requests at its end state."""
+    gen = LoadGenerator(router.targets, deadline_s=200, timeout_s=60, **load).start()
+    try:
+        fl.wait_for(lambda: sum(r.outcome == "ok" for r in gen.records) >= 8, 60, "load")
+        st = refit(fl, op, tiny_model, name, version, servers[0].port, **spec)
+        seen = len(gen.records)
+        fl.wait_for(lambda: len(gen.records) >= seen + 8, 60, "load after the refit")
+    finally:
+        records = gen.stop()
+    return st, records, gen
+
+
+def pass_record(fl: Fleet, pod: str) -> dict[str, Any]:
+    record = fl.progress(fl.pod(pod))
+    assert record is not None
+    return record
+
+
+def by_pod(records: list[Record], pod: str) -> list[Record]:
+    return [r for r in records if r.pod == pod]
+
+
+def summary(records: list[Record]) -> str:
+    return json.dumps([r.to_json() for r in records][-60:], indent=None)[:20000]
+
+
+def check_no_unprobed_weights(fl: Fleet, records: list[Record], old: str, new: str) -> None:
+    """For each pod: a request that reached it before its pass's probe passed (``finished``)
+    has no token from the new weights, except a keep drain's frozen requests (caller); a
+    request after it has only the new weights' tokens. Returns nothing; asserts."""
+    for pod in PODS:
+        done = pass_record(fl, pod)["finished"]
+        for r in by_pod(records, pod):
+            if r.outcome != "ok":
+                continue
+            if r.start < done:
+                assert r.versions == (old,), (pod, done, r)
+            else:
+                assert r.versions == (new,), (pod, done, r)
+
+
+def check_routed_in_traffic(router: GateRouter, records: list[Record]) -> None:
+    """Every request went to a pod the router had in traffic when it was sent (the
+    gateway's view; the pods' own records say when each left and came back)."""
+    for r in records:
+        if not r.pod:
+            continue
+        for began, ended in router.out_of_traffic(r.pod):
+            assert not began <= r.start < ended, (r, began, ended)
+
+
+def check_nothing_lost(records: list[Record]) -> None:
+    assert records, "no request was sent"
+    odd = [r for r in records if r.outcome not in OUTCOMES]
+    assert not odd, odd
+    # Never a hang cut short or a body taken for complete: vLLM's abort is a clean answer.
+    broken = [r for r in records if r.outcome in ("timeout", "truncated", "connection")]
+    assert not broken, summary(broken)
+
+
+def test_wait_rolling_checkpoint_under_load(fleet, servers, tiny_model, router):
+    """Rolling, one pod at a time: the other pod serves throughout, requests admitted before
+    a pod's drain finish on A, nothing is aborted, nothing reaches unprobed weights."""
+    fl, op = fleet
+    st, records, _ = under_load(
+        fl, op, tiny_model, router, servers, "wait-b", "B",
+        load={"streams": 4, "max_tokens": 200},
+        strategy={"type": "Rolling", "maxUnavailable": 1},
+        sequence={"drainMode": "wait"},
+    )  # fmt: skip
+    assert st["phase"] == "Succeeded", (st, op.logs())
+    check_nothing_lost(records)
+    # wait never aborts; Rolling always leaves one pod in traffic.
+    assert {r.outcome for r in records} == {"ok"}, summary(records)
+    check_no_unprobed_weights(fl, records, "A", "B")
+    check_routed_in_traffic(router, records)
+    for pod in PODS:
+        rec = pass_record(fl, pod)
+        # Some requests were admitted before the pod left traffic and finished there on A.
+        before = [r for r in by_pod(records, pod) if r.start < rec["left_traffic"]]
+        assert before and all(r.versions == ("A",) for r in before), (pod, rec)
+        # The drain's wait was real: the pod had requests to wait for (wall time of the step).
+        assert rec["step_seconds"]["drain"] > 0, rec["step_seconds"]
+    # Rolling: the two pods were never out of traffic together.
+    assert all(names for _, names in router.history[1:]), router.history
+
+
+def test_abort_all_at_once_checkpoint_under_load_with_a_retrying_client(
+    fleet, servers, tiny_model, router
+):
+    """abort fails the requests in flight with vLLM's clean abort: a complete answer whose
+    finish reason is "abort" (streamed: its final chunk and [DONE]), never a hang or a cut
+    body. The client retries (as docs/concepts.md says a rollout worker should) and every
+    logical request ends served; no token of the aborted ones came from B."""
+    fl, op = fleet
+    st, records, gen = under_load(
+        fl, op, tiny_model, router, servers, "abort-a", "A",
+        load={"streams": 4, "max_tokens": 400, "stream": True, "retries": 8},
+        sequence={"drainMode": "abort"},
+    )  # fmt: skip
+    assert st["phase"] == "Succeeded", (st, op.logs())
+    check_nothing_lost(records)
+    aborted = [r for r in records if r.outcome == "aborted"]
+    assert aborted, summary(records)
+    for r in aborted:
+        assert r.finish_reason == "abort" and r.status == 200, r
+        assert r.tokens < 400 and all(v == "B" for v in r.versions), r
+        # Aborted when its pod's drain paused it: before that pod's probe.
+        assert r.end <= pass_record(fl, r.pod)["finished"], r
+    check_no_unprobed_weights(fl, [r for r in records if r.outcome == "ok"], "B", "A")
+    check_routed_in_traffic(router, records)
+    # The retrying client lost nothing: each logical request's last attempt was served.
+    last: dict[int, Record] = {}
+    for r in records:
+        last[r.request] = r
+    unserved = [r for r in last.values() if r.outcome != "ok"]
+    # Only requests cut short when the load stopped may end unserved (one per stream).
+    assert len(unserved) <= gen.streams, summary(unserved)
+    assert all(r.end >= max(x.start for x in records) - 5 for r in unserved), unserved
+
+
+def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, router):
+    """keep freezes the requests in flight and finishes them after the refit: they complete,
+    their spans name both versions (A's tokens, then B's), and each pod's record and readiness
+    condition say how many its drain kept."""
+    fl, op = fleet
+    st, records, _ = under_load(
+        fl, op, tiny_model, router, servers, "keep-b", "B",
+        load={"streams": 4, "max_tokens": 400},
+        sequence={"drainMode": "keep"},
+    )  # fmt: skip
+    assert st["phase"] == "Succeeded", (st, op.logs())
+    check_nothing_lost(records)
+    assert {r.outcome for r in records} <= {"ok", "no_target"}, summary(records)
+    crossed = [r for r in records if r.versions == ("A", "B")]
+    assert crossed, summary(records)
+    for r in crossed:
+        rec = pass_record(fl, r.pod)
+        # Admitted on A before the pod left traffic, finished on B after its probe passed.
+        assert r.start < rec["left_traffic"] < rec["finished"] <= r.end, (r, rec)
+    plain = [r for r in records if r.outcome == "ok" and r not in crossed]
+    check_no_unprobed_weights(fl, plain, "A", "B")
+    check_routed_in_traffic(router, records)
+    for pod in PODS:
+        rec = pass_record(fl, pod)
+        n = sum(r.pod == pod for r in crossed)
+        if n:
+            assert rec["drained"].endswith("requests kept in flight, to finish on B"), rec
+            cond = next(
+                c for c in fl.pod(pod)["status"]["conditions"] if c["type"].startswith("refit")
+            )
+            assert cond["message"] == f"weights B probed; {rec['drained']}", cond
