@@ -134,6 +134,11 @@ class Lease:
         self.holding = False  # acquired by this object (its renewals keep the epoch)
         self.valid_until = 0.0  # monotonic: acting is safe before this moment
         self._passes = 0
+        # monotonic: when this process created the Lease (absent: deleted, or never made).
+        # A holder that led before the deletion may act until its own deadline, which it
+        # counts from a renewal before the deletion: its claims stay its own for a lease
+        # duration from here (holders_alive), as a takeover of a held Lease waits it out.
+        self.created_at: float | None = None
         # Set by the renewal thread, read before every call on the main loop.
         self.lost = threading.Event()
         self.observer = Observer()
@@ -208,6 +213,7 @@ class Lease:
                 body = self._body(None, now)
                 await api.create_namespaced_lease(self.namespace, body)
                 self._held(body, sent)
+                self.created_at = sent
                 return True
             spec = old.get("spec") or {}
             holder = spec.get("holderIdentity")
@@ -232,6 +238,12 @@ class Lease:
         A Lease this process may not read (RBAC) or cannot read now leaves its holders
         alive: nothing proves they stopped."""
         alive: set[tuple[str, str, int]] = set()
+        if self.created_at is not None:  # see __init__: this Lease was absent, then ours
+            held_for = times.monotonic() - self.created_at
+            alive |= {
+                h for h in holders
+                if h[0] == self.key and h[1] != self.identity and held_for < (h[2] or self.duration)
+            }  # fmt: skip
         for lease in {h[0] for h in holders}:
             namespace, _, name = lease.partition("/")
             try:
