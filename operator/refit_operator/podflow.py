@@ -41,6 +41,9 @@ STEPS: tuple[str, ...] = (
     "wakeKV",
     "resetCache",
     "stampVersion",  # stamp (refit_load already does) and read back the weight version
+    # Read back what the model holds (vLLM's /weight_checker and the buffers' digests) and
+    # compare with the pods of the same layout at this version (checksums.py).
+    "checksum",
     "probe",
     "ready",  # vouch for the weights (the pod's readiness probe), then condition True
 )
@@ -58,6 +61,7 @@ _FINAL_CODES = frozenset(
         "TensorMismatch",
         "ProbeReferenceInvalid",
         "CheckpointChanged",
+        "WeightChecksumMismatch",  # checksums.CHECKSUM_MISMATCH
     }
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
@@ -124,6 +128,10 @@ class Progress:
     # container that restarted since, or an operator that resumes the pass, never vouches
     # for weights nobody probed.
     process: str = ""
+    # The read-back after the load (checksums.py): the layout of the pod's tensors and one
+    # digest over them ("" before the checksum step).
+    layout: str = ""
+    checksum: str = ""
 
     @property
     def finished_pass(self) -> bool:

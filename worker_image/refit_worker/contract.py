@@ -60,6 +60,15 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
 # checked against the promised transfer manifest's digest; refit_received(digest, version).
 RPC_RECEIVED = "refit_received"
+# The read-back (docs/concepts.md, "Read-back checksums"): SHA-256 of every module buffer that
+# is not a parameter, keyed and hashed as vLLM's /weight_checker keys and hashes parameters
+# (vllm/model_executor/model_loader/weight_checksum.py covers named_parameters() only), plus
+# the model's dtype: {"dtype": str, "buffers": {key: hex digest}}.
+RPC_BUFFER_DIGESTS = "refit_buffer_digests"
+# vLLM's own weight checker (vllm/entrypoints/rl/online/api_router.py): POST {"action":
+# "checksum"} answers {"checksums": {"dp0:pp0:pcp0:tp0:<param>": sha256 hex}}, one key per
+# parameter of every worker, read after process_weights_after_loading.
+WEIGHT_CHECKER_PATH = "/weight_checker"
 # The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
 # gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.
