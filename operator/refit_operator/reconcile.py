@@ -183,6 +183,11 @@ def pod_state(
         return "passed" if pod.verified(version) and not rollback else "todo"
     if p.outcome == "Succeeded":
         return "passed" if p.restarts == pod.restarts else "todo"
+    if p.outcome in ("Failed", "Inconclusive") and p.restarts != pod.restarts:
+        # The container restarted since the pass began: whatever the pass judged, the new
+        # process holds none of it (its boot weights), so it is a pod to refit like any
+        # restarted one, not a failure that stays.
+        return "todo"
     if p.outcome == "Failed":
         return "failed"
     if p.outcome == "Inconclusive":

@@ -99,11 +99,12 @@ class HazardExtension(RefitWorkerExtension):
         named = model.named_parameters() if kind == "parameter" else model.named_buffers()
         return dict(named)[name]
 
-    def hazard_tensor_names(self, kind: str) -> list[str]:
-        """The model's parameters, or its buffers that are not parameters, by name."""
+    def hazard_tensor_sizes(self, kind: str) -> dict[str, int]:
+        """The model's parameters, or its buffers that are not parameters: name -> elements
+        (0 for a linear weight vLLM's CPU build moved into a oneDNN or SGL pack)."""
         model = self._refit_model()
         named = model.named_parameters() if kind == "parameter" else model.named_buffers()
-        return [n for n, _ in named]
+        return {n: int(t.numel()) for n, t in named}
 
     def hazard_skew_after_load(self, kind: str, name: str, delta: float) -> dict[str, Any]:
         """From now on, after every load, add ``delta`` to the first element of the
