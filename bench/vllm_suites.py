@@ -233,8 +233,9 @@ def probe_cost(quick: bool, log: Log) -> SuiteOut:
             [c.steps["checksum"] for c in cycles],
             "s",
             note="the checksum step: POST /weight_checker (SHA-256 of every parameter) and "
-            f"refit_buffer_digests (every other buffer) over {tiny_bytes(tiny)} bytes, folded "
-            "and judged",
+            f"refit_buffer_digests (every other buffer) of a {tiny_bytes(tiny)}-byte model, "
+            "folded and judged; vLLM's CPU build packs the linear weights and leaves empty "
+            "parameters, so here embeddings, norms and buffers are hashed",
         ),
         Metric("read-back share of the refit cycle", [100 * f for f in readback], "%", "< 20"),
     ]
