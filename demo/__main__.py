@@ -335,7 +335,7 @@ def run_step(
     live.show(refits.get(name), result.pods)
     live.done()
     result.phase = result.status.get("phase", "")
-    result.reason = result.reason or reason_of(result.status)[0]
+    result.reason = result.reason or reason_of(result.status).reason
     return result
 
 

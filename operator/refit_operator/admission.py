@@ -11,6 +11,7 @@ from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
 from .api import WeightRefitSpec, WeightRefitStatus
 from .podflow import PodView
+from .reasons import Problem, Reason
 
 
 @dataclass(frozen=True)
@@ -19,29 +20,32 @@ class PreflightResult:
     fleet-level problems (missing Secret, unusable reference)."""
 
     infos: dict[str, RefitInfo | str] = field(default_factory=dict)  # str: why unreachable
-    problem: tuple[str, str] | None = None  # (reason, message)
+    problem: Problem | None = None
 
 
 def admission_problem(
     info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
-) -> tuple[str, str] | None:
+) -> Problem | None:
     """Why a pod must not be refitted, judged from its refit_info and the spec's
     ``sequence.sleepLevel``; None when it may."""
     if isinstance(info, str):
-        return "PodUnreachable", info
+        return Problem(Reason.PodUnreachable, info)
     if allow_unsafe:
         return None
     missing = [c for c in REQUIRED_CAPABILITIES if c not in info.capabilities]
     if missing:
-        return "UnsafeBackend", f"image lacks reload-safe capabilities: {', '.join(missing)}"
+        return Problem(
+            Reason.UnsafeBackend, f"image lacks reload-safe capabilities: {', '.join(missing)}"
+        )
     if info.unsafe_reasons:
-        return "UnsafeConfiguration", "; ".join(info.unsafe_reasons)
+        return Problem(Reason.UnsafeConfiguration, "; ".join(info.unsafe_reasons))
     if info.kv_cache_scales and sleep_level == 2:
         # Level 2 discards the scale parameters with the weights and the wake does not
         # restore them; a reload whose checkpoint lacks them leaves zeros (vLLM #57163).
-        return "UnsafeSleepLevel", (
+        return Problem(
+            Reason.UnsafeSleepLevel,
             f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
-            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1"
+            "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1",
         )
     return None
 
@@ -57,19 +61,19 @@ def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRef
     return spec.model_copy(update={"sequence": status.sequence})
 
 
-def fleet_problem(pods: Sequence[PodView]) -> tuple[str, str] | None:
+def fleet_problem(pods: Sequence[PodView]) -> Problem | None:
     """What the Pod objects alone hold against the fleet. Judged before the preflight calls
     any pod: the admin token goes only to pods that pass (PodView.vetted)."""
     if not pods:
-        return "NoPodsSelected", "the fleet selector matches no pods"
+        return Problem(Reason.NoPodsSelected, "the fleet selector matches no pods")
     for pod in sorted(pods, key=lambda p: p.name):
         if not pod.has_gate:
-            return (
-                "MissingReadinessGate",
+            return Problem(
+                Reason.MissingReadinessGate,
                 f"pod {pod.name} does not declare the readiness gate in spec.readinessGates",
             )
         if not pod.running or not pod.ip:
-            return "PodNotRunning", f"pod {pod.name} is not Running with a pod IP"
+            return Problem(Reason.PodNotRunning, f"pod {pod.name} is not Running with a pod IP")
     return None
 
 
@@ -78,7 +82,7 @@ def preflight_problem(
     result: PreflightResult,
     allow_unsafe: bool,
     sleep_level: int,
-) -> tuple[str, str] | None:
+) -> Problem | None:
     problem = fleet_problem(pods)
     if problem is not None:
         return problem
@@ -88,5 +92,5 @@ def preflight_problem(
         info = result.infos.get(pod.name, "no refit_info answer")
         problem = admission_problem(info, allow_unsafe, sleep_level)
         if problem is not None:
-            return problem[0], f"pod {pod.name}: {problem[1]}"
+            return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
     return None

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from .api import STATUS_CHECKSUMS_LIMIT, VersionChecksum
 from .podflow import Progress
+from .reasons import Problem, Reason
 
 # The pod's model differs from its peers' (or from the checksum recorded for that version and
 # layout): final, since loading the same bytes again cannot fix a fault that loading made.
-CHECKSUM_MISMATCH = "WeightChecksumMismatch"
+CHECKSUM_MISMATCH = Reason.WeightChecksumMismatch
 LAYOUT_HEX = 12  # a layout names a set of tensor keys and a dtype: a short hash tells them apart
 DIGEST_HEX = 32  # 128 bits of SHA-256: collisions are not the failure this guards against
 
@@ -74,8 +75,8 @@ def peers(records: Iterable[tuple[str, Progress]], version: str, layout: str) ->
 
 def judge(
     own: Readback, version: str, recorded: str | None, witnesses: Sequence[Peer]
-) -> tuple[str, str] | None:
-    """(reason, message) when ``own`` disagrees; None when it agrees or is the first.
+) -> Problem | None:
+    """The problem when ``own`` disagrees; None when it agrees or is the first.
 
     The checksum recorded for (version, layout) wins: it is what pods served with a passed
     probe. Without one, the peers whose probe passed decide, else all peers: the digest most
@@ -86,9 +87,10 @@ def judge(
     if recorded:
         if own.digest == recorded:
             return None
-        return CHECKSUM_MISMATCH, (
+        return Problem(
+            CHECKSUM_MISMATCH,
             f"runtime weights {own.digest[:12]} differ from {recorded[:12]}, the checksum "
-            f"recorded for {where} ({own.tensors} tensors read back)"
+            f"recorded for {where} ({own.tensors} tensors read back)",
         )
     reference = [p for p in witnesses if p.confirmed] or list(witnesses)
     if not reference:
@@ -98,9 +100,10 @@ def judge(
         return None
     named = sorted(p.pod for p in reference if p.digest == agreed)
     shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
-    return CHECKSUM_MISMATCH, (
+    return Problem(
+        CHECKSUM_MISMATCH,
         f"runtime weights {own.digest[:12]} differ from {agreed[:12]}, which {shown} "
-        f"hold{'s' if count == 1 else ''} at {where} ({own.tensors} tensors read back)"
+        f"hold{'s' if count == 1 else ''} at {where} ({own.tensors} tensors read back)",
     )
 
 

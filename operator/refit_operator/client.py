@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
 from . import api, times
+from .reasons import Reason
 from .rounds import SENDING_ANNOTATION
 from .views import reason_of
 
@@ -79,7 +80,8 @@ class RefitFailed(RefitError):
         self.name = name
         self.status = dict(status)
         self.phase = str(status.get("phase", ""))
-        self.reason, self.message = reason_of(status)
+        problem = reason_of(status)
+        self.reason, self.message = problem.reason, problem.message
         self.cause = cause or self.reason
         now = {f.pod: f for f in pod_failures(status)}
         merged = {f.pod: f for f in earlier} | now
@@ -106,7 +108,7 @@ class History:
             if f.reason:
                 self.failures[f.pod] = f
         if status.get("phase") in ("RollingBack", "Halted", "Failed"):
-            self.cause = reason_of(status)[0]
+            self.cause = reason_of(status).reason
 
     def failed(self, name: str, status: Mapping[str, Any]) -> RefitFailed:
         return RefitFailed(name, status, earlier=list(self.failures.values()), cause=self.cause)
@@ -594,7 +596,7 @@ class RefitClient:
             return  # Events are best effort; the status still says how the refit ended
         for e in events:
             m = _POD_EVENT.match(e.get("message", ""))
-            if e.get("reason") in ("PodRefitFailed", "PodRefitInconclusive") and m:
+            if e.get("reason") in (Reason.PodRefitFailed, Reason.PodRefitInconclusive) and m:
                 phase = e["reason"].removeprefix("PodRefit")
                 history.failures[m[1]] = PodFailure(m[1], phase, m[2], m[3])
             elif e.get("type") == "Warning" and "rolling back to" in e.get("message", ""):
@@ -646,7 +648,7 @@ def _follow(
 def _round_ready(status: Mapping[str, Any]) -> tuple[int, int] | None:
     """(round, world size) while the operator reports a round's receivers ready."""
     ready = any(
-        c.get("type") == "ReceiversReady" and c.get("status") == "True"
+        c.get("type") == Reason.ReceiversReady and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
     b = status.get("broadcast") or {}

@@ -26,6 +26,7 @@ from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
 from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
 from .podflow import STEPS, PodView, Progress
+from .reasons import Problem, Reason
 from .reconcile import Decision, Observed, RefitView
 from .rounds import SENDING_ANNOTATION, Rounds
 from .runner import BroadcastSource, PassContext, run_pass
@@ -328,8 +329,8 @@ class Engine:
         if d.need_preflight:
             d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
         # A restarted pod before vLLM is back up and the kubelet would mark it Ready.
-        for name, (reason, message) in d.withdraw.items():
-            await self.cluster.withdraw(st.by_name[name], namespace, reason, message)
+        for name, why in d.withdraw.items():
+            await self.cluster.withdraw(st.by_name[name], namespace, why.reason, why.message)
         if d.start:
             await self._start(namespace, doc, view, st, d)
         if d.stage_ahead:
@@ -484,16 +485,16 @@ class Engine:
 
     async def _check_reference(
         self, view: RefitView, st: _RefitState, pod: PodView
-    ) -> tuple[str, str] | None:
+    ) -> Problem | None:
         """Fetch the probe reference and score it on one pod (one request for all prompts): a
         reference the model cannot score fails the refit before any pod is touched."""
         client = self._client(view, st, pod)
         try:
             reference = await self._reference(view, st, view.spec.path, client)
         except probe.ReferenceMismatch as e:
-            return e.reason, str(e)
+            return Problem(e.reason, str(e))
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
-            return "ReferenceInvalid", f"probe reference unusable: {e}"
+            return Problem(Reason.ReferenceInvalid, f"probe reference unusable: {e}")
         try:
             await client.score_prompts(
                 [list(p.token_ids) for p in reference.prompts],
@@ -501,17 +502,17 @@ class Engine:
             )
         except WorkerError as e:
             if e.kind == "http" and e.status in (401, 403):
-                return (
-                    "ProbeUnauthorized",
+                return Problem(
+                    Reason.ProbeUnauthorized,
                     f"pod {pod.name} refused the probe's /v1 request (HTTP {e.status}): set "
                     "spec.fleet.apiKeySecretRef to the Secret holding the pods' --api-key",
                 )
             if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
-                return (
-                    "ReferenceUnscorable",
+                return Problem(
+                    Reason.ReferenceUnscorable,
                     f"pod {pod.name} cannot score the reference: {e.message}",
                 )
-            return "PodUnreachable", f"pod {pod.name}: scoring failed: {e.message}"
+            return Problem(Reason.PodUnreachable, f"pod {pod.name}: scoring failed: {e.message}")
         return None
 
     async def _reference(
@@ -539,54 +540,68 @@ class Engine:
         st.references[path] = reference
         return reference
 
-    async def _load_broadcast(self, view: RefitView, st: _RefitState) -> tuple[str, str] | None:
+    async def _load_broadcast(self, view: RefitView, st: _RefitState) -> Problem | None:
         """Read the trainer's transfer manifest from its ConfigMap and check it against the
         spec's digest, before any pod is touched; a problem or None."""
         b = view.spec.broadcast
         assert b is not None
         ref = b.manifest.config_map_ref
-        text = await self._read_key("ConfigMap", view.namespace, ref.name, ref.key, "Manifest")
-        if isinstance(text, tuple):
+        text = await self._read_key(
+            "ConfigMap", view.namespace, ref.name, ref.key,
+            missing=Reason.ManifestMissing, forbidden=Reason.ManifestForbidden,
+        )  # fmt: skip
+        if isinstance(text, Problem):
             return text
         try:
             manifest = TransferManifest.from_json_dict(json.loads(text))
         except (ValueError, ContractError) as e:
-            return "ManifestInvalid", f"ConfigMap {ref.name} key {ref.key!r}: {e}"
+            return Problem(Reason.ManifestInvalid, f"ConfigMap {ref.name} key {ref.key!r}: {e}")
         if manifest.digest != b.manifest.digest:
-            return "ManifestMismatch", (
+            return Problem(
+                Reason.ManifestMismatch,
                 f"ConfigMap {ref.name} holds the manifest {manifest.digest}, not "
-                f"spec.broadcast.manifest.digest {b.manifest.digest}"
+                f"spec.broadcast.manifest.digest {b.manifest.digest}",
             )
         shown = view.status.broadcast.round if view.status.broadcast is not None else 0
         rounds = Rounds(shown, st.wake.set)
         st.broadcast = BroadcastSource(b, manifest.to_json_dict(), rounds)
         return None
 
-    async def _load_secrets(self, view: RefitView, st: _RefitState) -> tuple[str, str] | None:
+    async def _load_secrets(self, view: RefitView, st: _RefitState) -> Problem | None:
         """Read the admin token and the /v1 API key the spec names; a problem or None."""
         fleet = view.spec.fleet
         for ref, attr in ((fleet.admin_token_secret_ref, "token"),
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
-            value = await self._read_key("Secret", view.namespace, ref.name, ref.key, "Secret")
-            if isinstance(value, tuple):
+            value = await self._read_key(
+                "Secret", view.namespace, ref.name, ref.key,
+                missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
+            )  # fmt: skip
+            if isinstance(value, Problem):
                 return value
             setattr(st, attr, value)
         st.secrets_loaded = True
         return None
 
     async def _read_key(
-        self, kind: str, namespace: str, name: str, key: str, what: str
-    ) -> str | tuple[str, str]:
-        """A Secret's or ConfigMap's value, or the problem: (``<what>Forbidden``, ...) when
-        RBAC forbids the read, (``<what>Missing``, ...) when the object or key is absent."""
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        key: str,
+        *,
+        missing: Reason,
+        forbidden: Reason,
+    ) -> str | Problem:
+        """A Secret's or ConfigMap's value, or the problem: ``forbidden`` when RBAC forbids
+        the read, ``missing`` when the object or key is absent."""
         try:
             value = await self.cluster.read_key(kind, namespace, name, key)
         except AccessDenied as e:
-            return f"{what}Forbidden", str(e)
+            return Problem(forbidden, str(e))
         if value is None:
-            return f"{what}Missing", f"{kind} {name} has no key {key!r}"
+            return Problem(missing, f"{kind} {name} has no key {key!r}")
         return value
 
     # ---------------------------------------------------------------- pod passes
@@ -610,7 +625,9 @@ class Engine:
         if view.spec.broadcast is not None and st.broadcast is None:
             problem = await self._load_broadcast(view, st)  # after a restart, as the secrets
             if problem is not None:  # each pass fails with it: the gate then decides
-                log.error("%s: no broadcast source: %s: %s", view.name, *problem)
+                log.error(
+                    "%s: no broadcast source: %s: %s", view.name, problem.reason, problem.message
+                )
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
             return await self._reference(view, st, path, client)

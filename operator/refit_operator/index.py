@@ -12,7 +12,7 @@ from typing import Any
 from . import history, plan, times
 from .api import TERMINAL_PHASES, Previous, WeightRefitSpec
 from .podflow import PodView
-from .reconcile import MOVED_ON
+from .reasons import Reason
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Known:
             meta.get("namespace", ""), meta["name"], meta["uid"], times.order_of(meta),
             status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
             bool(meta.get("deletionTimestamp")),
-            status.get("phase") == "Superseded" and _ready_reason(status) == MOVED_ON,
+            status.get("phase") == "Superseded" and _ready_reason(status) == Reason.PodsMovedOn,
             stamp, bool(stamp),
         )  # fmt: skip
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 from . import times
 from .api import TERMINAL_PHASES, LabelSelector, ProbeSpec, Strategy, max_unavailable_count
+from .reasons import Reason
 
 # Where a pod stands for one refit. "blocked": another refit's pass, or another operator
 # process's pass, holds it (wait; out of traffic, so it counts as in flight);
@@ -71,13 +72,13 @@ def gate(states: dict[str, PodState], probe: ProbeSpec) -> Gate:
     if failed > probe.failure_limit:
         return Gate(
             True,
-            "FailureLimitExceeded",
+            Reason.FailureLimitExceeded,
             f"{failed} pods failed (failureLimit {probe.failure_limit})",
         )
     if inconclusive > probe.inconclusive_limit:
         return Gate(
             True,
-            "InconclusiveLimitExceeded",
+            Reason.InconclusiveLimitExceeded,
             f"{inconclusive} pods inconclusive (inconclusiveLimit {probe.inconclusive_limit})",
         )
     return Gate(False)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
 from . import times
+from .reasons import Reason
 
 # Where a pod's record lives on the pod (docs/operator.md).
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
@@ -52,25 +53,25 @@ STEPS: tuple[str, ...] = (
 # at the drain, and the load's read-back keeps it from loading twice.
 CHECKPOINT_STEPS = frozenset({"stage"})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
-_FINAL_CODES = frozenset(
+_FINAL_CODES: frozenset[str] = frozenset(
     {
-        "PathNotAllowed",
-        "CheckpointMissing",
-        "ManifestInvalid",
-        "ManifestMismatch",
-        "TensorMismatch",
-        "ProbeReferenceInvalid",
-        "CheckpointChanged",
-        "WeightChecksumMismatch",  # checksums.CHECKSUM_MISMATCH
+        Reason.PathNotAllowed,
+        Reason.CheckpointMissing,
+        Reason.ManifestInvalid,
+        Reason.ManifestMismatch,
+        Reason.TensorMismatch,
+        Reason.ProbeReferenceInvalid,
+        Reason.CheckpointChanged,
+        Reason.WeightChecksumMismatch,  # checksums.judge
     }
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
 # pod still holds the weights it served, so it can go back to serving them.
-UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {"ProbeReferenceInvalid"}) | {
+UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {Reason.ProbeReferenceInvalid}) | {
     # A broadcast refused before its load (refit_worker.broadcast.gloo_engine), or never sent.
-    "TransferMismatch",
-    "TransferFailed",
-    "TrainerTimeout",
+    Reason.TransferMismatch,
+    Reason.TransferFailed,
+    Reason.TrainerTimeout,
 }
 # The steps that change the weights: a refusal of theirs before the model was touched lets
 # the pod go back to what it served.
@@ -444,22 +445,22 @@ def readiness(progress: Progress) -> Readiness | None:
     load left the weights it served untouched. None: leave the condition as it is (a pod
     that serves while the checkpoint stages, or whose staging was refused)."""
     if progress.outcome == "Succeeded":
-        return Readiness(True, "ProbePassed", f"weights {progress.version} probed")
+        return Readiness(True, Reason.ProbePassed, f"weights {progress.version} probed")
     if progress.restored:
         return Readiness(
             True,
-            "PreviousWeights",
+            Reason.PreviousWeights,
             f"serving {progress.serving} again: {progress.version} refused "
             f"({progress.reason}: {progress.message})",
         )
     if progress.in_traffic:
         return None
     if progress.finished_pass:
-        reason = progress.reason or "RefitFailed"
+        reason = progress.reason or Reason.RefitFailed
         return Readiness(False, reason, f"{reason}: {progress.message}")
     what = "rollback" if progress.rollback else "refit"
     staged = f"; {progress.staging}" if progress.staging else ""  # memory, or why not
-    return Readiness(False, "Refitting", f"{what} to {progress.version} in progress{staged}")
+    return Readiness(False, Reason.Refitting, f"{what} to {progress.version} in progress{staged}")
 
 
 def load_needed(read_back_version: str | None, target: str) -> bool:

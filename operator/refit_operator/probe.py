@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from refit_worker.contract import ProbeReference
 
 from .api import PodProbe, Thresholds, Verdict
+from .reasons import Reason
 
 # Logprobs a little above zero come from rounding in low precision, not from a broken model.
 _LOGPROB_SLACK = 1e-3
@@ -59,7 +60,7 @@ def inconclusive(reason: str, message: str) -> ProbeOutcome:
 class ReferenceMismatch(Exception):
     """A probe reference computed for another version than the one the refit brings."""
 
-    reason = "ReferenceVersionMismatch"
+    reason = Reason.ReferenceVersionMismatch
 
 
 def check_reference_version(reference: ProbeReference, version: str, where: str) -> None:
@@ -84,11 +85,11 @@ def evaluate(
 ) -> ProbeOutcome:
     """Judge one pod. ``scored[i]`` is the pod's logprob list for ``reference.prompts[i]``."""
     if not scored:
-        return inconclusive("ProbeNoData", "the pod returned no probe logprobs")
+        return inconclusive(Reason.ProbeNoData, "the pod returned no probe logprobs")
     if len(scored) != len(reference.prompts):
         return ProbeOutcome(
             "Fail",
-            "ProbeGarbage",
+            Reason.ProbeGarbage,
             f"the pod scored {len(scored)} prompts, the reference has {len(reference.prompts)}",
         )
     ref_lps: list[float] = []
@@ -97,7 +98,7 @@ def evaluate(
         if len(got) != len(prompt.token_ids):
             return ProbeOutcome(
                 "Fail",
-                "ProbeGarbage",
+                Reason.ProbeGarbage,
                 f"prompt {i}: {len(got)} logprobs for {len(prompt.token_ids)} tokens",
             )
         for j in range(1, len(prompt.token_ids)):
@@ -105,21 +106,23 @@ def evaluate(
             if ref is None:
                 continue
             if pod is None:
-                return inconclusive("ProbeNoData", f"prompt {i} token {j}: no logprob returned")
+                return inconclusive(
+                    Reason.ProbeNoData, f"prompt {i} token {j}: no logprob returned"
+                )
             if not isinstance(pod, int | float):
-                return ProbeOutcome("Fail", "ProbeGarbage", f"prompt {i} token {j}: {pod!r}")
+                return ProbeOutcome("Fail", Reason.ProbeGarbage, f"prompt {i} token {j}: {pod!r}")
             if not math.isfinite(pod):
-                return inconclusive("ProbeNaN", f"prompt {i} token {j}: logprob is {pod}")
+                return inconclusive(Reason.ProbeNaN, f"prompt {i} token {j}: logprob is {pod}")
             if pod > _LOGPROB_SLACK:
                 return ProbeOutcome(
-                    "Fail", "ProbeGarbage", f"prompt {i} token {j}: logprob {pod} is above 0"
+                    "Fail", Reason.ProbeGarbage, f"prompt {i} token {j}: logprob {pod} is above 0"
                 )
             ref_lps.append(float(ref))
             pod_lps.append(float(pod))
     if not ref_lps:
-        return inconclusive("ProbeNoData", "the reference scores no tokens")
+        return inconclusive(Reason.ProbeNoData, "the reference scores no tokens")
     if not all(math.isfinite(x) for x in ref_lps):
-        return inconclusive("ReferenceInvalid", "the reference holds NaN or infinite logprobs")
+        return inconclusive(Reason.ReferenceInvalid, "the reference holds NaN or infinite logprobs")
 
     diffs = [abs(p - r) for p, r in zip(pod_lps, ref_lps, strict=True)]
     mean_abs, max_abs = sum(diffs) / len(diffs), max(diffs)
@@ -129,12 +132,12 @@ def evaluate(
         f"max {max_abs:.4f} over {len(diffs)} tokens"
     )
     passed = ProbeOutcome(
-        "Pass", "ProbePassed", summary, nll, ref_nll, mean_abs, max_abs, len(diffs)
+        "Pass", Reason.ProbePassed, summary, nll, ref_nll, mean_abs, max_abs, len(diffs)
     )
     checks = [
-        (mean_abs > thresholds.mean_abs_logprob_diff, "LogprobDrift", "mean |Δlogprob|"),
-        (max_abs > thresholds.max_abs_logprob_diff, "LogprobDrift", "max |Δlogprob|"),
-        (abs(nll - ref_nll) > thresholds.nll_diff, "NllDrift", "|NLL - reference NLL|"),
+        (mean_abs > thresholds.mean_abs_logprob_diff, Reason.LogprobDrift, "mean |Δlogprob|"),
+        (max_abs > thresholds.max_abs_logprob_diff, Reason.LogprobDrift, "max |Δlogprob|"),
+        (abs(nll - ref_nll) > thresholds.nll_diff, Reason.NllDrift, "|NLL - reference NLL|"),
     ]
     for failed, reason, what in checks:
         if failed:
@@ -148,5 +151,5 @@ def evaluate(
                 f"NLL {nll:.4f} differs from the median {median:.4f} of {len(peer_nlls)} pods "
                 f"at the same version by more than {thresholds.pod_agreement}"
             )
-            return replace(passed, verdict="Fail", reason="PodDisagreement", message=message)
+            return replace(passed, verdict="Fail", reason=Reason.PodDisagreement, message=message)
     return passed

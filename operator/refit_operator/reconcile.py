@@ -22,6 +22,7 @@ from .api import (
     WeightRefitStatus,
 )
 from .podflow import PodView
+from .reasons import Problem, Reason
 from .status import conditions, pod_results, probe_summary
 from .times import rfc3339
 
@@ -98,7 +99,7 @@ class Decision:
     # traffic while their container restarted since their pass (the weights it loaded are
     # gone), before any pass can begin on them; serving another fleet's weights (moved here by
     # their labels); left by a rollback with no checkpoint to go back to.
-    withdraw: dict[str, tuple[str, str]] = field(default_factory=dict)
+    withdraw: dict[str, Problem] = field(default_factory=dict)
 
     @property
     def dormant(self) -> bool:
@@ -202,10 +203,10 @@ def decide(obs: Observed) -> Decision:
         if not p.ready or p.progress is None or p.name in obs.in_flight or p.claim is not None:
             continue  # a claimed pod is its pass's
         if p.progress.restarts != p.restarts:
-            d.withdraw[p.name] = ("ContainerRestarted", _RESTARTED)
+            d.withdraw[p.name] = Problem(Reason.ContainerRestarted, _RESTARTED)
         elif p.name not in starting and foreign(p, obs.fleet, obs.refits):
             # A pass starting now takes it out in its first write.
-            d.withdraw[p.name] = ("FleetChanged", (
+            d.withdraw[p.name] = Problem(Reason.FleetChanged, (
                 f"the pod's labels moved it out of the fleet of refit {p.progress.refit}, "
                 f"whose weights ({p.progress.version}) it serves; out of traffic until a pass "
                 "of its fleet's refit"))  # fmt: skip
@@ -218,10 +219,8 @@ _RESTARTED = (
     "the container restarted and lost the weights its pass loaded; out of traffic until a "
     "pass brings it back"
 )
-RECEIVERS_READY = "ReceiversReady"
-# The reason of a refit Superseded because every pod moved on to a newer refit that Succeeded
-# (the fleet served its version; index.py keeps it as a rollback candidate).
-MOVED_ON = "PodsMovedOn"
+# The condition the trainer waits for is named as its True reason.
+RECEIVERS_READY = Reason.ReceiversReady
 
 
 def _receivers(st: WeightRefitStatus, obs: Observed) -> None:
@@ -238,9 +237,9 @@ def _receivers(st: WeightRefitStatus, obs: Observed) -> None:
     r = st.broadcast
     where = f"{b.rendezvous.host}:{b.rendezvous.port}"
     if st.phase in TERMINAL_PHASES:
-        ready, reason, message = False, "RefitFinished", f"the refit is {st.phase}"
+        ready, reason, message = False, Reason.RefitFinished, f"the refit is {st.phase}"
     elif r is None:
-        ready, reason, message = False, "NoRound", "no pods on their way to a transfer yet"
+        ready, reason, message = False, Reason.NoRound, "no pods on their way to a transfer yet"
     elif r.state in ("Ready", "Sending"):
         ready, reason = True, RECEIVERS_READY
         message = (
@@ -248,10 +247,10 @@ def _receivers(st: WeightRefitStatus, obs: Observed) -> None:
             f"trainer (rank 0 of world size {r.world_size}) at {where}"
         )
     elif r.state == "Done":
-        ready, reason = False, "RoundDone"
+        ready, reason = False, Reason.RoundDone
         message = f"round {r.round} received; no pods waiting for a send"
     else:
-        ready, reason = False, "Joining"
+        ready, reason = False, Reason.Joining
         message = f"round {r.round}: {r.receivers} pods on their way to the transfer"
     status: Literal["True", "False"] = "True" if ready else "False"
     old = next((c for c in obs.refit.status.conditions if c.type == RECEIVERS_READY), None)
@@ -363,7 +362,7 @@ def _decide(obs: Observed) -> Decision:
         )
         st.target_pods = len(obs.pods)
         if problem is not None:
-            transition("Failed", problem[0], problem[1], "Warning")
+            transition("Failed", problem.reason, problem.message, "Warning")
             d.idle = True
             return d
         st.sequence = spec.sequence.model_copy()  # what this preflight admitted the pods for
@@ -384,7 +383,7 @@ def _decide(obs: Observed) -> Decision:
 
 def _superseded_by_pods(st: WeightRefitStatus) -> bool:
     ready = next((c for c in st.conditions if c.type == "Ready"), None)
-    return st.phase == "Superseded" and ready is not None and ready.reason == MOVED_ON
+    return st.phase == "Superseded" and ready is not None and ready.reason == Reason.PodsMovedOn
 
 
 def _orphans(obs: Observed) -> list[PodView]:
@@ -439,7 +438,9 @@ def _progress(
     ):
         # Only a newer refit that Succeeded takes over: pods it failed on, or rolled back,
         # leave this one the fleet's last good version (and rollback target).
-        transition("Superseded", MOVED_ON, f"every pod of this refit moved on to {newest}")
+        transition(
+            "Superseded", Reason.PodsMovedOn, f"every pod of this refit moved on to {newest}"
+        )
         d.idle = True
         return
     resumes = [
@@ -485,7 +486,7 @@ def _progress(
     g = plan.gate(states, spec.probe)
     if timed_out and not g.tripped:
         limit = spec.sequence.total_timeout_seconds
-        g = plan.Gate(True, "TotalTimeoutExceeded", f"the refit ran past {limit}s")
+        g = plan.Gate(True, Reason.TotalTimeoutExceeded, f"the refit ran past {limit}s")
     if not g.tripped:
         starts = plan.next_pods(states, spec.strategy)
         ready = _startable(obs)
@@ -619,7 +620,7 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
     for n in nothing:
         pod = by_name[n]
         if pod.ready and pod.claim is None and n not in obs.in_flight:
-            d.withdraw[n] = ("NoRollbackTarget", _NOTHING_BACK.format(refit=refit.name))
+            d.withdraw[n] = Problem(Reason.NoRollbackTarget, _NOTHING_BACK.format(refit=refit.name))
     # Finished once those are out of traffic: a finished refit withdraws nothing more.
     if plan.all_settled(states) and not obs.in_flight and not d.start and not d.withdraw:
         bad = sorted(n for n, s in states.items() if s != "passed")
@@ -640,7 +641,8 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
                 f"({_names(nothing)})"))  # fmt: skip
         msg = "; ".join(parts) or "no pod to roll back"
         if bad or nothing:
-            transition("Failed", "RollbackFailed" if bad else "NoRollbackTarget", msg, "Warning")
+            reason = Reason.RollbackFailed if bad else Reason.NoRollbackTarget
+            transition("Failed", reason, msg, "Warning")
         else:
-            transition("RolledBack", "RolledBack", msg, "Warning")
+            transition("RolledBack", Reason.RolledBack, msg, "Warning")
         d.idle = True

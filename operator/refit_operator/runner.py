@@ -21,6 +21,7 @@ from .admission import admission_problem
 from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Kube
 from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
+from .reasons import Problem, Reason, pass_event, step_timeout
 from .reconcile import PodStart
 from .rounds import Rounds, TrainerTimeout
 from .worker import WorkerClient, WorkerError
@@ -31,7 +32,7 @@ DRAIN_POLL_SECONDS = 0.5
 
 
 class StepFailed(Exception):
-    """A step's own verdict (not a transport error): reason is CamelCase."""
+    """A step's own verdict (not a transport error): reason is a Reason."""
 
     def __init__(self, reason: str, message: str, *, final: bool = False) -> None:
         super().__init__(message)
@@ -75,10 +76,10 @@ class PassContext:
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     live: dict[str, Progress] = field(default_factory=dict)  # pod -> its pass's progress now
     broadcast: BroadcastSource | None = None  # spec.broadcast: the passes receive from it
-    # Why spec.broadcast has no source now (reason, message): its manifest ConfigMap, read
+    # Why spec.broadcast has no source now: its manifest ConfigMap, read
     # again after an operator restart, is gone or changed. No pass can receive: new broadcast
     # passes are refused like an admission problem, a resumed one fails at its receive.
-    source_problem: tuple[str, str] | None = None
+    source_problem: Problem | None = None
     # The Lease this operator process leads on (``namespace/name``) and its seconds: written
     # into each claim, so that other processes judge from it whether this one may still act.
     lease: str = ""
@@ -88,13 +89,13 @@ class PassContext:
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
     """(reason, final) for a transport or worker error in ``step``."""
     if e.kind == "rejected" and e.code:
-        return e.code, e.code != "LoadFailed"
+        return e.code, e.code != Reason.LoadFailed
     return {
-        "timeout": (f"{step[0].upper()}{step[1:]}Timeout", False),
-        "connect": ("PodUnreachable", False),
-        "protocol": ("WorkerProtocolError", False),
-        "http": ("WorkerHttpError", False),
-        "rejected": ("WorkerRejected", False),
+        "timeout": (step_timeout(step), False),
+        "connect": (Reason.PodUnreachable, False),
+        "protocol": (Reason.WorkerProtocolError, False),
+        "http": (Reason.WorkerHttpError, False),
+        "rejected": (Reason.WorkerRejected, False),
     }[e.kind]
 
 
@@ -137,7 +138,13 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
             progress = podflow.step_failed(
-                progress, progress.step, *refused, times.now(), retries=0, final=True
+                progress,
+                progress.step,
+                refused.reason,
+                refused.message,
+                times.now(),
+                retries=0,
+                final=True,
             )
             handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
             ctx.live[pod.name] = progress
@@ -174,11 +181,9 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             await handle.record(progress, podflow.readiness(progress) if leaves else None)
 
 
-async def _admission(
-    ctx: PassContext, pod: PodView, worker: WorkerClient
-) -> tuple[str, str] | None:
+async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Problem | None:
     if not pod.has_gate:
-        return "MissingReadinessGate", "the pod does not declare the readiness gate"
+        return Problem(Reason.MissingReadinessGate, "the pod does not declare the readiness gate")
     if ctx.admitted.get(pod.name) == (pod.uid, pod.restarts):
         return None  # checked by the fleet preflight, and the container has not restarted
     try:
@@ -213,7 +218,7 @@ async def _run_step(
             )
             progress = replace(progress, layout=got.layout, checksum=got.digest)
             if refused is not None:
-                raise StepFailed(*refused, final=True)
+                raise StepFailed(refused.reason, refused.message, final=True)
         if step == "receive" and podflow.step_applies(
             step, ctx.spec.sequence.sleep_level, progress.source
         ):
@@ -240,7 +245,7 @@ async def _run_step(
         final = final or step == "receive"
         result = "timeout" if e.kind == "timeout" else "failure"
         metrics.step_finished(ctx.namespace, ctx.fleet, step, result, times.monotonic() - began)
-        await _event(ctx, "PodStepRetry" if not final else "PodStepFailed",
+        await _event(ctx, Reason.PodStepRetry if not final else Reason.PodStepFailed,
                      f"pod {pod.name}: {step}: {reason}: {e.message}", "Warning")  # fmt: skip
         return podflow.step_failed(
             progress, step, reason, e.message, times.now(), retries=retries, final=final
@@ -248,7 +253,7 @@ async def _run_step(
     except StepFailed as e:
         metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", times.monotonic() - began)
         await _event(
-            ctx, "PodStepFailed" if e.final else "PodStepRetry",
+            ctx, Reason.PodStepFailed if e.final else Reason.PodStepRetry,
             f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning",
         )  # fmt: skip
         return podflow.step_failed(
@@ -298,7 +303,7 @@ async def execute_step(
         got = await worker.weight_version(timeout=t_step)
         if got != progress.version:
             raise StepFailed(
-                "VersionMismatch", f"pod reports {got!r}, expected {progress.version!r}"
+                Reason.VersionMismatch, f"pod reports {got!r}, expected {progress.version!r}"
             )
     elif step == "checksum":
         await read_back(worker, t_step)  # the pass judges it against its peers (_run_step)
@@ -317,7 +322,7 @@ async def read_back(worker: WorkerClient, t_step: float) -> checksums.Readback:
     parameters = await worker.weight_checksums(timeout=t_step)
     dtype, buffers = await worker.buffer_digests(timeout=t_step)
     if not parameters:
-        raise StepFailed("WorkerProtocolError", "the weight checker read back no parameter")
+        raise StepFailed(Reason.WorkerProtocolError, "the weight checker read back no parameter")
     return checksums.read_back(dtype, parameters, buffers)
 
 
@@ -340,11 +345,11 @@ async def _receive(
             # Not loaded here: receive it again, in a new round.
     if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
         assert ctx.source_problem is not None
-        raise StepFailed(*ctx.source_problem, final=True)
+        raise StepFailed(ctx.source_problem.reason, ctx.source_problem.message, final=True)
     try:
         rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds))
     except TrainerTimeout as e:
-        raise StepFailed("TrainerTimeout", str(e), final=True) from e
+        raise StepFailed(Reason.TrainerTimeout, str(e), final=True) from e
     await receive_broadcast(
         worker, b, ctx.broadcast.manifest, rank, world, progress.version, t_step
     )
@@ -414,7 +419,7 @@ async def mark_ready(
         if e.code == contract.PROCESS_CHANGED:
             # The container restarted after the probe: the process is not the one probed.
             # Fail closed (it stays unready); the restart is the next pass's to handle.
-            raise StepFailed("ContainerRestarted", e.message, final=True) from e
+            raise StepFailed(Reason.ContainerRestarted, e.message, final=True) from e
         # A worker image from before /refit/ready (its readiness probe cannot wait for the
         # vouch either): nothing to do. Any other refusal is the step's failure.
         if (e.kind, e.status) != ("http", 404):
@@ -438,7 +443,7 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
             return
         if times.monotonic() >= deadline:
             raise StepFailed(
-                "DrainTimeout",
+                Reason.DrainTimeout,
                 f"the pod is still Ready {limit:.0f}s after its readiness condition was set "
                 "False (is its kubelet reporting?)",
             )
@@ -452,7 +457,9 @@ async def _wait_drained(worker: WorkerClient, limit: float, t_step: float) -> No
         if left == 0:
             return
         if times.monotonic() >= deadline:
-            raise StepFailed("DrainTimeout", f"{left} requests still in flight after {limit:.0f}s")
+            raise StepFailed(
+                Reason.DrainTimeout, f"{left} requests still in flight after {limit:.0f}s"
+            )
         await asyncio.sleep(DRAIN_POLL_SECONDS)
 
 
@@ -479,11 +486,11 @@ async def _probe(
         if e.code == contract.STALE_FENCE:
             raise ClaimLost(f"pod {pod.name}: probe: {e.message}") from e
         if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
-            outcome = probe.inconclusive("ReferenceUnscorable", e.message)
+            outcome = probe.inconclusive(Reason.ReferenceUnscorable, e.message)
         elif e.kind == "protocol":
-            outcome = probe.ProbeOutcome("Fail", "ProbeGarbage", e.message)
+            outcome = probe.ProbeOutcome("Fail", Reason.ProbeGarbage, e.message)
         elif progress.attempts < seq.retries:
-            reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
+            reason = Reason.ProbeTimeout if e.kind == "timeout" else Reason.ProbeNoData
             metrics.step_finished(
                 ctx.namespace, ctx.fleet, "probe", "failure", times.monotonic() - began
             )
@@ -491,7 +498,7 @@ async def _probe(
                 progress, "probe", reason, e.message, times.now(), retries=seq.retries
             )
         else:
-            reason = "ProbeTimeout" if e.kind == "timeout" else "ProbeNoData"
+            reason = Reason.ProbeTimeout if e.kind == "timeout" else Reason.ProbeNoData
             outcome = probe.inconclusive(reason, e.message)
     if outcome is None:
         outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
@@ -530,7 +537,7 @@ async def _finish(ctx: PassContext, pod: ClaimedPod, progress: Progress) -> None
     if progress.outcome == "Succeeded":
         return
     msg = f"{progress.reason}: {progress.message}"
-    await _event(ctx, f"PodRefit{progress.outcome}", f"pod {pod.name}: {msg}", "Warning")
+    await _event(ctx, pass_event(progress.outcome), f"pod {pod.name}: {msg}", "Warning")
 
 
 async def _event(ctx: PassContext, reason: str, message: str, etype: str = "Normal") -> None:

@@ -11,6 +11,7 @@ from typing import Final, Literal
 from . import traffic
 from .api import STATUS_PODS_LIMIT, Condition, PodProbe, PodResult, ProbeSummary
 from .podflow import PodView, Progress
+from .reasons import Reason
 from .times import rfc3339
 
 
@@ -31,11 +32,11 @@ def conditions(
     degraded = phase in ("Failed", "Halted", "RollingBack", "RolledBack") or (
         ready and tolerated > 0
     )
-    why_degraded = "PodsFailedWithinLimits" if ready else reason
+    why_degraded = Reason.PodsFailedWithinLimits if ready else reason
     wanted = [
         ("Ready", ready, reason if not ready else "Succeeded"),
         ("Progressing", progressing, reason if progressing else phase),
-        ("Degraded", degraded, why_degraded if degraded else "AsExpected"),
+        ("Degraded", degraded, why_degraded if degraded else Reason.AsExpected),
     ]
     before = {c.type: c for c in old}
     out = []
@@ -91,7 +92,7 @@ def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
             "phase": pod_phase(p, deleting),
             "step": p.step if p.step else "ready",
             "version": p.version if p.outcome == "Succeeded" else "",
-            "reason": "PodDeleted" if deleting else p.reason,
+            "reason": Reason.PodDeleted if deleting else p.reason,
             "message": p.message,
             "attempts": p.attempts,
             "startTime": rfc3339(p.started) if p.started else "",
@@ -141,12 +142,12 @@ def pod_results(
     for r in old:
         if r.name not in seen and r.phase in ATTENTION:
             if r.phase != "Dropped":
-                update = {"phase": "Dropped", "reason": "PodDeleted", "message": _DELETED}
+                update = {"phase": "Dropped", "reason": Reason.PodDeleted, "message": _DELETED}
                 r = r.model_copy(update=update)
             ranked.append((_worst_first("Dropped", r.name), r))
     listed = {key[1] for key, _ in ranked}
     for n in sorted(vanished - listed - seen):
-        gone = PodResult(name=n, phase="Dropped", reason="PodDeleted", message=_DELETED)
+        gone = PodResult(name=n, phase="Dropped", reason=Reason.PodDeleted, message=_DELETED)
         ranked.append((_worst_first("Dropped", n), gone))
     ranked.sort(key=lambda t: t[0])
     out = []

@@ -12,10 +12,11 @@ from refit_worker.contract import READINESS_GATE
 
 from . import api, plan, reconcile, times, traffic
 from .podflow import PodView, Progress
+from .reasons import Problem
 from .status import fleet_results
 
 
-def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
+def reason_of(status: Mapping[str, Any]) -> Problem:
     """The operator's reason and message for the refit's current phase."""
     conds = {c.get("type"): c for c in status.get("conditions") or []}
     phase = status.get("phase", "")
@@ -24,8 +25,10 @@ def reason_of(status: Mapping[str, Any]) -> tuple[str, str]:
     for ctype in ("Degraded", "Ready"):
         c = conds.get(ctype)
         if c and c.get("status") == ("True" if ctype == "Degraded" else "False"):
-            return str(c.get("reason", phase)), str(c.get("message", status.get("message", "")))
-    return str(phase), str(status.get("message", ""))
+            return Problem(
+                str(c.get("reason", phase)), str(c.get("message", status.get("message", "")))
+            )
+    return Problem(str(phase), str(status.get("message", "")))
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -141,7 +144,8 @@ def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = (
     meta, spec, status = doc["metadata"], doc.get("spec") or {}, doc.get("status") or {}
     phase = status.get("phase") or "Pending"
     strat = spec.get("strategy") or {}
-    reason, message = reason_of(status) if status else ("", "")
+    why = reason_of(status) if status else Problem("", "")
+    reason, message = why.reason, why.message
     lines = [
         f"WeightRefit {meta['namespace']}/{meta['name']}: {version_of(doc)} "
         f"({strat.get('type', 'AllAtOnce')}, canary {strat.get('canary', 0)}) "
@@ -201,7 +205,7 @@ def refit_rows(
     rows: list[list[object]] = []
     for d in docs:
         st = d.get("status") or {}
-        reason = reason_of(st)[0] if st else ""
+        reason = reason_of(st).reason if st else ""
         rows.append([
             d["metadata"]["name"], version_of(d), st.get("phase") or "Pending",
             f"{st.get('updatedPods', 0)}/{st.get('targetPods', 0)}", st.get("failedPods", 0),
@@ -334,7 +338,7 @@ def history_rows(docs: Sequence[Mapping[str, Any]]) -> list[list[object]]:
         st = d.get("status") or {}
         start, end = times.parse(st.get("startTime", "")), times.parse(st.get("completionTime", ""))
         took = duration((end - start).total_seconds()) if start and end else "-"
-        reason = reason_of(st)[0] if st else ""
+        reason = reason_of(st).reason if st else ""
         rows.append([
             ("* " if d["metadata"]["name"] == current else "  ") + d["metadata"]["name"],
             version_of(d), st.get("phase") or "Pending",

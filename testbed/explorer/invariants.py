@@ -32,7 +32,7 @@ from refit_operator import times
 from refit_operator.api import LabelSelector
 from refit_operator.engine import Engine
 from refit_operator.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
-from refit_operator.reconcile import MOVED_ON
+from refit_operator.reasons import Reason
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store
@@ -164,7 +164,9 @@ class Checker:
             self._check_succeeded(new)
         elif now == "RolledBack" and was != "RolledBack":
             self._check_rolled_back(new)
-        elif now == "Superseded" and was != "Superseded" and _ready_reason(new) == MOVED_ON:
+        elif (
+            now == "Superseded" and was != "Superseded" and _ready_reason(new) == Reason.PodsMovedOn
+        ):
             self._check_moved_on(new)
 
     def _handover(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
@@ -313,7 +315,7 @@ class Checker:
         message = (refit.get("status") or {}).get("message", "")
         m = re.fullmatch(r"every pod of this refit moved on to (\S+)", message)
         if m is None:
-            self._said(f"refit {name} Superseded ({MOVED_ON}) says {message!r}")
+            self._said(f"refit {name} Superseded ({Reason.PodsMovedOn}) says {message!r}")
             return
         # "Newer" in the one order the operator documents (docs/concepts.md, "Which refit is
         # newer"): creationTimestamp, the creation stamp, the name; a pod's record carries
@@ -342,14 +344,14 @@ class Checker:
                     else (f"{p.refit}'s {'rollback ' if p.rollback else ''}pass at {p.version}")
                 )
                 self._said(
-                    f"refit {name} Superseded ({MOVED_ON}: moved on to {m[1]}) while "
+                    f"refit {name} Superseded ({Reason.PodsMovedOn}: moved on to {m[1]}) while "
                     f"pod {pod_name} is driven by {what}, no newer refit"
                 )
                 return
             drivers.append((order, p.refit))
         if drivers and max(drivers)[1] != m[1]:
             self._said(
-                f"refit {name} Superseded ({MOVED_ON}) says its pods moved on to "
+                f"refit {name} Superseded ({Reason.PodsMovedOn}) says its pods moved on to "
                 f"{m[1]}; the newest that drives them is {max(drivers)[1]}"
             )
 

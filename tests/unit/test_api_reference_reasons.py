@@ -1,48 +1,68 @@
-"""Every reason the operator can report is explained in docs/troubleshooting.md.
+"""Every reason the operator can report is named in its catalogue (refit_operator.reasons) and
+explained in docs/troubleshooting.md.
 
-Reasons are CamelCase string literals in the operator's decision and I/O modules, the
-worker's rejection codes (contract.REJECTION_CODES), and the per-step timeout reasons the
-runner builds from the step names. A new reason without a doc entry fails here."""
+The catalogue holds the worker's rejection codes (contract.REJECTION_CODES) and the timeout
+reason of every step the runner runs; no operator module writes a catalogued reason as a bare
+literal, and every other CamelCase literal there is a phase, a spec value or an API name. A
+new reason without a catalogue entry or a doc entry fails here."""
 
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+from typing import get_args
 
-from refit_operator import podflow
+from refit_operator import api, podflow
+from refit_operator.reasons import Reason, step_timeout
 from refit_worker import contract
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "troubleshooting.md"
-MODULES = ("api", "plan", "podflow", "probe", "reconcile", "runner", "engine", "cluster",
-           "handlers", "worker")  # fmt: skip
+OPERATOR = REPO / "operator" / "refit_operator"
 CAMEL = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 # CamelCase literals that are spec values, API names or prefixes, not reasons.
 NOT_REASONS = {"AllAtOnce", "LatestWins", "ConfigMap", "DoesNotExist", "NotIn", "WeightRefit",
-               "BearerToken", "InProgress", "PodRefit", "ContainersReady"}  # fmt: skip
+               "BearerToken", "PodRefit", "ContainersReady"}  # fmt: skip
+PHASES = set(get_args(api.Phase)) | set(get_args(api.PodPhase))
 
 
-def operator_reasons() -> set[str]:
-    found = set()
-    for name in MODULES:
-        path = REPO / "operator" / "refit_operator" / f"{name}.py"
-        if not path.exists():
+def camel_literals() -> dict[str, set[str]]:
+    """Module -> the CamelCase string literals in its source (the catalogue's own left out)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(OPERATOR.glob("*.py")):
+        if path.stem == "reasons":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 if CAMEL.match(node.value):
-                    found.add(node.value)
-    timeouts = {f"{s[0].upper()}{s[1:]}Timeout" for s in podflow.STEPS if s != "ready"}
-    return (found - NOT_REASONS) | set(contract.REJECTION_CODES) | timeouts
+                    found.setdefault(path.stem, set()).add(node.value)
+    return found
 
 
-def test_the_scan_finds_reasons():
-    reasons = operator_reasons()
-    assert {"FailureLimitExceeded", "NllDrift", "ManifestMismatch", "LoadTimeout"} <= reasons
+def test_each_name_is_its_value():
+    assert [m.name for m in Reason] == [m.value for m in Reason]
+
+
+def test_the_catalogue_holds_the_worker_codes_and_every_step_timeout():
+    assert set(contract.REJECTION_CODES) <= set(Reason)
+    for step in (*podflow.STEPS, podflow.RESTORE):
+        assert step_timeout(step) in Reason
+
+
+def test_no_reason_is_written_outside_the_catalogue():
+    catalogued = set(Reason) - PHASES  # RolledBack is both a reason and a phase
+    stray = {m: sorted(v & catalogued) for m, v in camel_literals().items() if v & catalogued}
+    assert not stray, f"use refit_operator.reasons.Reason for these: {stray}"
+    unknown = {
+        m: sorted(v - set(Reason) - PHASES - NOT_REASONS)
+        for m, v in camel_literals().items()
+        if v - set(Reason) - PHASES - NOT_REASONS
+    }
+    assert not unknown, f"add these reasons to refit_operator.reasons (or NOT_REASONS): {unknown}"
 
 
 def test_every_reason_is_in_the_troubleshooting_doc():
     doc = DOC.read_text()
-    missing = sorted(r for r in operator_reasons() if f"`{r}`" not in doc)
+    missing = sorted(r.value for r in Reason if f"`{r.value}`" not in doc)
     assert not missing, f"add these reasons to docs/troubleshooting.md: {missing}"

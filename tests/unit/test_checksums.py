@@ -34,15 +34,15 @@ def test_the_first_records_later_pods_must_agree():
     assert judge(own, "v1", None, []) is None  # the first of its version and layout
     assert judge(own, "v1", None, [Peer("p0", own.digest, False)]) is None
     refused = judge(own, "v1", None, [Peer("p0", "f" * 32, False)])
-    assert refused is not None and refused[0] == CHECKSUM_MISMATCH
-    assert "p0" in refused[1] and own.layout in refused[1] and "v1" in refused[1]
+    assert refused is not None and refused.reason == CHECKSUM_MISMATCH
+    assert "p0" in refused.message and own.layout in refused.message and "v1" in refused.message
 
 
 def test_a_recorded_checksum_wins_over_peers_and_probed_peers_over_unprobed():
     own = read_back("float32", PARAMS, BUFFERS)
     agreeing = [Peer("p0", own.digest, True)]
     refused = judge(own, "v1", "e" * 32, agreeing)
-    assert refused is not None and "recorded" in refused[1]
+    assert refused is not None and "recorded" in refused.message
     assert judge(own, "v1", own.digest, [Peer("p0", "e" * 32, False)]) is None
     # A probed peer outweighs any number of unprobed ones.
     peers = [Peer("p0", own.digest, True), Peer("p1", "e" * 32, False), Peer("p2", "e" * 32, False)]

@@ -14,6 +14,7 @@ from refit_operator.client import (
     pod_failures,
     reason_of,
 )
+from refit_operator.reasons import Problem
 
 
 def test_build_refit_sets_only_what_was_asked():
@@ -91,8 +92,8 @@ def test_reason_of_superseded_comes_from_ready():
             {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": ""},
         ],
     }
-    assert reason_of(st) == ("Superseded", "by b")
-    assert reason_of({"phase": "Failed", "message": "x"}) == ("Failed", "x")
+    assert reason_of(st) == Problem("Superseded", "by b")
+    assert reason_of({"phase": "Failed", "message": "x"}) == Problem("Failed", "x")
     assert pod_failures({}) == []
 
 

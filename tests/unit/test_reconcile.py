@@ -7,6 +7,7 @@ from refit_operator.admission import PreflightResult, admitted_spec, fleet_probl
 from refit_operator.api import LabelSelector, Previous, WeightRefitSpec, WeightRefitStatus
 from refit_operator.plan import RefitRef
 from refit_operator.podflow import PodView
+from refit_operator.reasons import Problem
 from refit_operator.reconcile import Observed, RefitView, decide
 from refit_operator.times import rfc3339
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
@@ -87,7 +88,11 @@ def test_bad_input_fails_preflight_and_touches_nothing():
             PreflightResult(infos={"p0": info(unsafe_reasons=("fp8 kv under full graphs",))}),
             "UnsafeConfiguration",
         ),
-        ([pod("p0")], PreflightResult(problem=("SecretMissing", "no secret")), "SecretMissing"),
+        (
+            [pod("p0")],
+            PreflightResult(problem=Problem("SecretMissing", "no secret")),
+            "SecretMissing",
+        ),
     ]
     for pods, pre, reason in cases:
         st = WeightRefitStatus(phase="Preflight")
@@ -111,14 +116,14 @@ def test_what_the_pod_objects_say_is_judged_before_any_pod_answered():
                            (pod("p9", ip=""), "PodNotRunning")):  # fmt: skip
         assert not flawed.vetted and all(p.vetted for p in fit)
         pods = [*fit, flawed]
-        assert fleet_problem(pods) is not None and fleet_problem(pods)[0] == reason
+        assert fleet_problem(pods) is not None and fleet_problem(pods).reason == reason
         # Nothing asked (no infos, no secret read): still that reason, for that pod.
         d = decide(observe(refit(s, st), pods, preflight=PreflightResult()))
         assert d.status.phase == "Failed" and d.start == []
         assert d.status.message.startswith("pod p9"), d.status.message
         assert next(c for c in d.status.conditions if c.type == "Ready").reason == reason
     assert fleet_problem(fit) is None
-    assert fleet_problem([])[0] == "NoPodsSelected"
+    assert fleet_problem([]).reason == "NoPodsSelected"
 
 
 def test_staging_ahead_asks_only_vetted_pods():
@@ -215,7 +220,7 @@ def test_rollback_without_a_checkpoint_any_pod_served_fails_closed():
     prog = podflow.start("wr", "uid", "v2", "/ckpt/v2", NOW)
     d = decide(observe(r, [pod("p0", done(prog, "Failed"), ready=False), pod("p1", done(prog))]))
     assert d.status.phase == "RollingBack" and d.start == []
-    assert list(d.withdraw) == ["p1"] and d.withdraw["p1"][0] == "NoRollbackTarget"
+    assert list(d.withdraw) == ["p1"] and d.withdraw["p1"].reason == "NoRollbackTarget"
     r = refit(s, d.status)
     d = decide(observe(r, [pod("p0", done(prog, "Failed"), ready=False),
                            pod("p1", done(prog), ready=False)]))  # fmt: skip
@@ -282,7 +287,7 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     restarted = pod("p1", prog, restarts=1, containers_up=False)
     d = decide(observe(r, [pod("p0", prog), restarted], fleet=fleet))
     assert list(d.withdraw) == ["p1"] and d.start == []
-    assert d.withdraw["p1"][0] == "ContainerRestarted"
+    assert d.withdraw["p1"].reason == "ContainerRestarted"
     # A pod another pass holds is that pass's to take out (its claim write does).
     held = replace(restarted, claim=podflow.Claim("other", "u2", 7, "op"))
     d = decide(observe(r, [pod("p0", prog), held], fleet=fleet))

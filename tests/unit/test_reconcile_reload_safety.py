@@ -37,9 +37,9 @@ CT = info(kv_cache_dtype="fp8_e4m3", kv_cache_scales="compressed-tensors")
 )
 def test_level_2_with_checkpoint_kv_scales(level: int, allow: bool, reason: str | None):
     problem = admission_problem(CT, allow, level)
-    assert (problem and problem[0]) == reason
+    assert (problem and problem.reason) == reason
     if problem:
-        assert "compressed-tensors" in problem[1] and "#57163" in problem[1]
+        assert "compressed-tensors" in problem.message and "#57163" in problem.message
 
 
 def test_level_2_without_checkpoint_kv_scales_is_admitted():

@@ -93,8 +93,8 @@ def test_a_pod_moved_into_another_fleet_is_refitted_by_that_fleets_target_out_of
     # also when its target cannot start a pass now (its containers are not up).
     d = decide(replace(obs, pods=[ref0, replace(moved, containers_up=False)]))
     assert d.start == [] and d.watching
-    assert d.withdraw["gen-3"][0] == "FleetChanged"
-    assert "policy" in d.withdraw["gen-3"][1]
+    assert d.withdraw["gen-3"].reason == "FleetChanged"
+    assert "policy" in d.withdraw["gen-3"].message
 
 
 def test_a_pod_still_in_the_newer_refits_fleet_has_moved_on():
@@ -151,7 +151,7 @@ def test_a_halted_refits_pods_are_watched_by_the_target_and_a_restarted_one_conv
     restarted = replace(ok, restarts=1)
     d = decide(observe(OLDER, [restarted, bad], fleet, [OLDER, HALTED]))
     assert [(x.pod, x.version) for x in d.start] == [("p0", "v1")]
-    assert d.withdraw["p0"][0] == "ContainerRestarted"
+    assert d.withdraw["p0"].reason == "ContainerRestarted"
     assert (d.status.target_pods, d.status.updated_pods) == (1, 0)
     # The failed pod stays out of traffic (Halt) until it, too, restarts.
     d = decide(observe(OLDER, [ok, replace(bad, restarts=1)], fleet, [OLDER, HALTED]))
@@ -192,7 +192,7 @@ def test_after_the_target_is_deleted_a_restarted_pod_is_converged_by_the_refit_b
     assert d.status.phase == "Succeeded", d.status.message
     assert [e.reason for e in d.events] == ["Succeeded"] and "p1" in d.events[0].message
     assert [(x.pod, x.version) for x in d.start] == [("p1", "v1")]
-    assert d.withdraw["p1"][0] == "ContainerRestarted"
+    assert d.withdraw["p1"].reason == "ContainerRestarted"
     assert {c.type: c.status for c in d.status.conditions}["Ready"] == "True"
 
 
@@ -270,7 +270,7 @@ def test_a_pod_with_no_checkpoint_to_go_back_to_fails_closed_and_one_left_untouc
     d = decide(observe(r, pods, [ref(r)], [r]))
     assert d.status.phase == "RollingBack"
     assert sorted(x.pod for x in d.start) == ["a", "e"]
-    assert {n: w[0] for n, w in d.withdraw.items()} == {"b": "NoRollbackTarget",
+    assert {n: w.reason for n, w in d.withdraw.items()} == {"b": "NoRollbackTarget",
                                                          "c": "NoRollbackTarget"}  # fmt: skip
     back = replace(passed(r, rollback=True), version="a1", path="/ckpt/a1")
     done = [pod("a", back, TIERS), replace(pods[1], ready=False), replace(pods[2], ready=False),
