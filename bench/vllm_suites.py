@@ -215,9 +215,13 @@ def probe_cost(quick: bool, log: Log) -> SuiteOut:
         run_cycles(server, ckpts, 2)
         cycles = run_cycles(server, ckpts, n)
     fractions = [c.steps["probe"] / c.total for c in cycles]
+    # The read-back before the probe (the checksum step: vLLM's /weight_checker and the
+    # buffers' digests), in the same cycles.
+    readback = [c.steps["checksum"] / c.total for c in cycles]
     tokens = cycles[0].probe_tokens
     ref = tiny.reference("A")
-    log(f"probe_cost: {tokens} tokens, fraction {median(fractions):.2%}")
+    log(f"probe_cost: {tokens} tokens, fraction {median(fractions):.2%}, "
+        f"read-back {median(readback):.2%}")  # fmt: skip
     metrics = [
         Metric(
             "probe tokens per pod",
@@ -236,8 +240,24 @@ def probe_cost(quick: bool, log: Log) -> SuiteOut:
             f"median {median([c.steps['probeReference'] for c in cycles]):.4f} s",
         ),
         Metric("probe share of the refit cycle", [100 * f for f in fractions], "%", "< 20"),
+        Metric(
+            "read-back checksum time per pod",
+            [c.steps["checksum"] for c in cycles],
+            "s",
+            note="the checksum step: POST /weight_checker (SHA-256 of every parameter) and "
+            f"refit_buffer_digests (every other buffer) of a {tiny_bytes(tiny)}-byte model, "
+            "folded and judged; vLLM's CPU build packs the linear weights and leaves empty "
+            "parameters, so here embeddings, norms and buffers are hashed",
+        ),
+        Metric("read-back share of the refit cycle", [100 * f for f in readback], "%", "< 20"),
     ]
-    notes = []
+    rate = digest_rate("sha256")
+    notes = [
+        f"computed, not measured: vLLM hashes on one CPU core per worker after a device-to-"
+        f"host copy; SHA-256 here runs at {rate:.0f} MB/s, so a worker holding 16 GB (an 8B "
+        f"model in bf16, one GPU) would spend about {16e3 / rate:.0f} s reading back, and a "
+        f"70B model at TP 8 (about 17.6 GB per worker, in parallel) about {17.6e3 / rate:.0f} s"
+    ]
     for name, params in GPU_MODELS.items():
         flops = 2 * params * (tokens + len(ref.prompts))
         notes.append(
@@ -427,6 +447,11 @@ def tensor_read(files: list[Path]) -> float:
                 src = fh.get_tensor(name)
                 torch.empty_like(src).copy_(src)
     return time.perf_counter() - began
+
+
+def tiny_bytes(tiny: TinyModel) -> int:
+    """Bytes of the tiny model's weights (checkpoint A's safetensors files)."""
+    return sum(f.stat().st_size for f in tiny.checkpoints["A"].glob("*.safetensors"))
 
 
 def digest_rate(algorithm: str) -> float:

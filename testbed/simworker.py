@@ -70,6 +70,9 @@ Steps and faults
     ``garbage``               ``completions``: random logprobs in [-50, 10]
     ``drift`` (float)         ``completions``: every scored logprob + value
     ``missing``               ``completions``: the actual tokens' entries are absent
+    ``skew`` (str)            ``weight_checker`` / ``refit_buffer_digests``: the digest
+                              of the parameter / buffer is another (the pod's runtime
+                              weights differ from its peers' though it loaded the same)
     ========================  ====================================================
 
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
@@ -158,6 +161,7 @@ HTTP_STEPS = {
     "/reset_prefix_cache": "reset_prefix_cache",
     "/update_weight_version": "update_weight_version",
     "/weight_info": "weight_info",
+    contract.WEIGHT_CHECKER_PATH: "weight_checker",
     "/collective_rpc": "collective_rpc",
 }
 RPC_STEPS = (
@@ -166,6 +170,7 @@ RPC_STEPS = (
     contract.RPC_STAGE,
     contract.RPC_LOAD,
     contract.RPC_PROBE_REFERENCE,
+    contract.RPC_BUFFER_DIGESTS,
 )
 STEPS = tuple(s for s in HTTP_STEPS.values() if s != "collective_rpc") + RPC_STEPS
 ANY_STEP_FAULTS = frozenset({"error", "hang", "delay", "crash", "malformed"})
@@ -174,7 +179,12 @@ STEP_FAULTS: dict[str, frozenset[str]] = {
     contract.RPC_INFO: frozenset({"wrong_version"}),
     "reset_prefix_cache": frozenset({"refuse"}),
     "completions": frozenset({"nan", "garbage", "drift", "missing"}),
+    "weight_checker": frozenset({"skew"}),
+    contract.RPC_BUFFER_DIGESTS: frozenset({"skew"}),
 }
+# The simulated model's tensors as vLLM's weight checker keys them (one worker, rank 0).
+SIM_RANK_PREFIX = "dp0:pp0:pcp0:tp0:"
+SIM_BUFFER = "sim.rotary_cache"
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -773,6 +783,40 @@ class SimServer:
         if fault is not None and fault.kind == "wrong_version":
             version = str(fault.value or "sim-wrong-version")
         return web.json_response({"weight_version": version})
+
+    async def on_weight_checker(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        """vLLM's weight checker: SHA-256 per parameter of what the pod holds (its loaded
+        weights' seed and drift, dummy or discarded), keyed with the worker's rank prefix."""
+        action = body.get("action") if isinstance(body, dict) else None
+        if action not in ("checksum", "compare", "reset"):
+            return vllm_error(400, "body.action: Input should be 'checksum', 'reset' or "
+                              "'compare'", "Bad Request")  # fmt: skip
+        if action == "reset":
+            pod.weights_discarded = True
+            return web.json_response({"status": "reset"})
+        held = "discarded" if pod.weights_discarded else f"{pod.seed}|{pod.drift}"
+        if fault is not None and fault.kind == "skew":
+            held += f"|skew:{fault.value}"
+        digest = hashlib.sha256(held.encode()).hexdigest()
+        checksums = {SIM_RANK_PREFIX + SIM_TENSOR: digest}
+        if action == "checksum":
+            return web.json_response({"checksums": checksums})
+        baseline = body.get("baseline")
+        if not isinstance(baseline, dict):
+            return vllm_error(400, "action='compare' requires a 'baseline' object", "Bad Request")
+        keys = sorted(k for k in checksums.keys() | baseline.keys()
+                      if checksums.get(k) != baseline.get(k))  # fmt: skip
+        return web.json_response({"match": not keys, "mismatches": keys})
+
+    async def on_refit_buffer_digests(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        def digests(pod: PodState) -> dict[str, Any]:
+            held = "rotary" if fault is None else f"rotary|skew:{fault.value}"
+            digest = hashlib.sha256(held.encode()).hexdigest()
+            return {"dtype": "float32", "buffers": {SIM_RANK_PREFIX + SIM_BUFFER: digest}}
+
+        return await self._rpc(request, pod, body, digests)
 
     # --- refit_worker extension RPCs ----------------------------------------------
     async def _rpc(

@@ -40,6 +40,9 @@ Verdict = Literal["Pass", "Fail", "Inconclusive"]
 # stays a few KiB at any fleet size, far below etcd's 1.5 MiB request limit, and 50 is more
 # than a person reads in `kubectl get -o yaml`; `kubectl refit status` shows every pod.
 STATUS_PODS_LIMIT: Final = 50
+# status.checksums: one read-back digest per (version, layout); a refit has its version and
+# its rollback's, each in as many layouts as the fleet mixes (tensor-parallel sizes, dtypes).
+STATUS_CHECKSUMS_LIMIT: Final = 8
 
 
 class _Model(BaseModel):
@@ -255,6 +258,8 @@ class PodResult(_Model):
     completion_time: str = ""
     step_seconds: dict[str, float] = Field(default_factory=dict)
     probe: PodProbe | None = None
+    # The read-back checksum of the pod's runtime weights (checksums.py), "" before its read.
+    checksum: str = ""
     # Seconds from the pass taking the pod out of traffic to putting it back (readiness
     # condition False -> True); None while it is out, or when the pass left it out.
     out_of_traffic_seconds: float | None = None
@@ -264,6 +269,14 @@ class Previous(_Model):
     version: str = ""
     path: str = ""
     refit: str = ""
+
+
+class VersionChecksum(_Model):
+    """The read-back checksum pods of one layout served a version with (checksums.py)."""
+
+    version: str
+    layout: str
+    digest: str
 
 
 class ProbeSummary(_Model):
@@ -312,6 +325,8 @@ class WeightRefitStatus(_Model):
     start_time: str = ""
     completion_time: str = ""
     probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
+    # The agreed read-back checksum per (version, layout), at most STATUS_CHECKSUMS_LIMIT.
+    checksums: list[VersionChecksum] = Field(default_factory=list)
     out_of_traffic: OutOfTrafficSummary = Field(default_factory=OutOfTrafficSummary)
     # Only the pods that need a person's attention, worst first, at most STATUS_PODS_LIMIT;
     # every pod's full record is its progress annotation (see status.pod_results).

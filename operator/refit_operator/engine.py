@@ -19,7 +19,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from . import admission, history, metrics, plan, probe, reconcile, times
+from . import admission, checksums, history, metrics, plan, probe, reconcile, times
 from .admission import PreflightResult
 from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
@@ -80,6 +80,14 @@ class _RefitState:
     def listed(self, pods: list[PodView]) -> None:
         """This tick's pods: what the tick's decisions and the passes it starts act on."""
         self.pods, self.by_name, self.peers = pods, {p.name: p for p in pods}, {}
+
+    def peer_checksums(self, version: str, layout: str, me: str) -> list[checksums.Peer]:
+        """The other pods' read-backs at (version, layout): their records as listed this
+        tick, overlaid with the live progress of the passes in flight (a pod that read back
+        a moment ago under AllAtOnce is a peer already)."""
+        records = {p.name: p.progress for p in self.pods if p.progress is not None}
+        records.update(self.live)
+        return checksums.peers(((n, p) for n, p in records.items() if n != me), version, layout)
 
     def peer_nlls(self, version: str) -> list[float]:
         if version not in self.peers:
@@ -635,7 +643,10 @@ class Engine:
             fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
             client=lambda pod, fence: self._client(view, st, pod, fence),
             next_fence=self.next_fence, reference=reference,
-            peer_nlls=st.peer_nlls,
+            peer_nlls=st.peer_nlls, peer_checksums=st.peer_checksums,
+            recorded_checksum=lambda v, layout: checksums.recorded(
+                view.status.checksums, v, layout
+            ),
             admitted=st.admitted, live=st.live, broadcast=st.broadcast, source_problem=problem,
             lease=self.lease.key if self.lease else "",
             lease_seconds=self.lease.duration if self.lease else 0,

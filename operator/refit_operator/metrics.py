@@ -118,6 +118,8 @@ class Metrics:
         self._pod_refit: dict[tuple[str, str, str], str] = {}
         # (namespace, fleet) -> (refit, version) of the current fleet-state series.
         self._fleet_refit: dict[tuple[str, str], tuple[str, str]] = {}
+        # (namespace, fleet, pod) -> (layout, checksum) of its current checksum-info series.
+        self._pod_checksum: dict[tuple[str, str, str], tuple[str, str]] = {}
         # Fleets whose counters and histograms exist (at 0) already; see _ensure_fleet.
         self._fleets: set[tuple[str, str]] = set()
 
@@ -145,6 +147,14 @@ class Metrics:
             "refit_probe_logprob_abs_diff_max_nats",
             "Largest single-token |logprob_pod - logprob_reference| of the probe.",
             pod_labels,
+            registry=r,
+        )
+        self.pod_weights_checksum = Gauge(
+            "refit_pod_weights_checksum_info",
+            "The read-back checksum of the pod's runtime weights after its last load (vLLM's "
+            "weight checker and the buffers' digests), with the layout it was read in: pods "
+            "of one layout serving one version show one checksum.",
+            ("namespace", "fleet", "pod", "layout", "checksum"),
             registry=r,
         )
         self.probe_verdict = Gauge(
@@ -339,9 +349,24 @@ class Metrics:
         self.threshold_max_abs_diff.labels(*labels).set(max_abs_diff)
         self.threshold_nll_diff.labels(*labels).set(nll_diff)
 
+    def pod_checksum(
+        self, namespace: str, fleet: str, pod: str, layout: str, checksum: str
+    ) -> None:
+        """The pod's read-back (checksums.py): one series per pod, the latest."""
+        key = (_name("namespace", namespace), _name("fleet", fleet), _name("pod", pod))
+        with self._lock:
+            previous = self._pod_checksum.get(key)
+            if previous is not None and previous != (layout, checksum):
+                self._remove(self.pod_weights_checksum, (*key, *previous))
+            self._pod_checksum[key] = (layout, checksum)
+            self.pod_weights_checksum.labels(*key, layout, checksum).set(1)
+
     def forget_pod(self, namespace: str, fleet: str, pod: str) -> None:
         """Drop every series of a pod that left the fleet."""
         with self._lock:
+            checksum = self._pod_checksum.pop((namespace, fleet, pod), None)
+            if checksum is not None:
+                self._remove(self.pod_weights_checksum, (namespace, fleet, pod, *checksum))
             refit = self._pod_refit.pop((namespace, fleet, pod), None)
             if refit is not None:
                 self._remove_pod_series(namespace, fleet, pod, refit)
@@ -474,6 +499,10 @@ class Metrics:
                 if key[:2] == (namespace, fleet):
                     del self._pod_refit[key]
                     self._remove_pod_series(namespace, fleet, key[2], pod_refit)
+            for key, checksum in list(self._pod_checksum.items()):
+                if key[:2] == (namespace, fleet):
+                    del self._pod_checksum[key]
+                    self._remove(self.pod_weights_checksum, (*key, *checksum))
 
     def forget_refit(self, namespace: str, fleet: str, refit: str) -> None:
         """Drop every series labelled with a refit that no longer exists (deleted by the
@@ -530,6 +559,7 @@ METRICS: Final = Metrics()
 step_finished = METRICS.step_finished
 pod_out_of_traffic = METRICS.pod_out_of_traffic
 probe_result = METRICS.probe_result
+pod_checksum = METRICS.pod_checksum
 probe_thresholds = METRICS.probe_thresholds
 refit_finished = METRICS.refit_finished
 fleet_state = METRICS.fleet_state

@@ -42,6 +42,9 @@ STEPS: tuple[str, ...] = (
     "wakeKV",
     "resetCache",
     "stampVersion",  # stamp (refit_load already does) and read back the weight version
+    # Read back what the model holds (vLLM's /weight_checker and the buffers' digests) and
+    # compare with the pods of the same layout at this version (checksums.py).
+    "checksum",
     "probe",
     "ready",  # vouch for the weights (the pod's readiness probe), then condition True
 )
@@ -75,6 +78,7 @@ _FINAL_CODES: frozenset[str] = frozenset(
         Reason.ProbeReferenceInvalid,
         Reason.CheckpointChanged,
         Reason.AdapterInvalid,
+        Reason.WeightChecksumMismatch,  # checksums.judge
     }
 )
 # Refusals of the load that the worker raises before it touches the model (contract.py): the
@@ -156,6 +160,10 @@ class Progress:
         if self.step == "probeStaged":
             return staged_adapter_name(self.adapter, self.version)
         return self.adapter
+    # The read-back after the load (checksums.py): the layout of the pod's tensors and one
+    # digest over them ("" before the checksum step).
+    layout: str = ""
+    checksum: str = ""
 
     @property
     def finished_pass(self) -> bool:

@@ -73,6 +73,8 @@ class Reason(StrEnum):
     WorkerHttpError = "WorkerHttpError"  # an unexpected HTTP status
     WorkerRejected = "WorkerRejected"  # a refusal without a contract code
     VersionMismatch = "VersionMismatch"  # the stamped version did not read back
+    # the read-back of the runtime weights differs from its peers' or the recorded one
+    WeightChecksumMismatch = "WeightChecksumMismatch"
     ContainerRestarted = "ContainerRestarted"  # the container restarted: its weights are gone
     FleetChanged = "FleetChanged"  # the pod's labels moved it into another fleet
     PodDeleted = "PodDeleted"  # the pod was deleted while the refit ran
@@ -87,6 +89,7 @@ class Reason(StrEnum):
     WakeKVTimeout = "WakeKVTimeout"
     ResetCacheTimeout = "ResetCacheTimeout"
     StampVersionTimeout = "StampVersionTimeout"
+    ChecksumTimeout = "ChecksumTimeout"
     ProbeTimeout = "ProbeTimeout"  # also the probe's own scoring request
     ReadyTimeout = "ReadyTimeout"
     RestoreTimeout = "RestoreTimeout"

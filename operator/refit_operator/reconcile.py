@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from . import plan, times, traffic
+from . import checksums, plan, times, traffic
 from .admission import PreflightResult, preflight_problem
 from .api import (
     TERMINAL_PHASES,
@@ -184,6 +184,11 @@ def pod_state(
         return "passed" if pod.verified(version) and not rollback else "todo"
     if p.outcome == "Succeeded":
         return "passed" if p.restarts == pod.restarts else "todo"
+    if p.outcome in ("Failed", "Inconclusive") and p.restarts != pod.restarts:
+        # The container restarted since the pass began: whatever the pass judged, the new
+        # process holds none of it (its boot weights), so it is a pod to refit like any
+        # restarted one, not a failure that stays.
+        return "todo"
     if p.outcome == "Failed":
         return "failed"
     if p.outcome == "Inconclusive":
@@ -325,6 +330,7 @@ def _decide(obs: Observed) -> Decision:
         obs.pods, refit.uid, st.pods, None if st.phase == "RollingBack" else old.probe_summary
     )
     mine = [(p.name, p.progress) for p in obs.pods if p.progress and p.progress.uid == refit.uid]
+    st.checksums = checksums.status_checksums(old.checksums, [p for _, p in mine], refit.uid)
     st.out_of_traffic = traffic.summarize_out_of_traffic(
         mine, None if st.phase == "RollingBack" else old.out_of_traffic
     )

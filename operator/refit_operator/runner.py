@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
-from . import metrics, podflow, probe, times
+from . import checksums, metrics, podflow, probe, times
 from .admission import admission_problem
 from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Kube
@@ -67,6 +67,10 @@ class PassContext:
     next_fence: Callable[[], int]  # the fallback token (podflow.claim_fence)
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
+    # (version, layout, this pod) -> the other pods' read-backs (checksums.peers), and the
+    # checksum the refit's status recorded for (version, layout), if any.
+    peer_checksums: Callable[[str, str, str], list[checksums.Peer]] = lambda v, lay, pod: []
+    recorded_checksum: Callable[[str, str], str | None] = lambda v, lay: None
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
     # with no restart since is not asked for its refit_info again.
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
@@ -203,6 +207,18 @@ async def _run_step(
     try:
         if step in ("probe", "probeStaged"):
             return await _probe(ctx, pod, worker, progress)
+        if step == "checksum":
+            got = await read_back(worker, float(ctx.spec.sequence.step_timeout_seconds))
+            metrics.pod_checksum(ctx.namespace, ctx.fleet, pod.name, got.layout, got.digest)
+            refused = checksums.judge(
+                got,
+                progress.version,
+                ctx.recorded_checksum(progress.version, got.layout),
+                ctx.peer_checksums(progress.version, got.layout, pod.name),
+            )
+            progress = replace(progress, layout=got.layout, checksum=got.digest)
+            if refused is not None:
+                raise StepFailed(refused.reason, refused.message, final=True)
         if step == "receive" and podflow.step_applies(
             step, ctx.spec.sequence.sleep_level, progress.source
         ):
@@ -223,7 +239,7 @@ async def _run_step(
                 ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
             )
             return podflow.restored(progress, times.now())
-        else:
+        elif step != "checksum":
             if step == "drain":
                 await _wait_out_of_endpoints(ctx, pod)
             note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
@@ -307,6 +323,8 @@ async def execute_step(
             raise StepFailed(
                 Reason.VersionMismatch, f"pod reports {got!r}, expected {progress.version!r}"
             )
+    elif step == "checksum":
+        await read_back(worker, t_step)  # the pass judges it against its peers (_run_step)
     elif step == "ready":
         # The probe passed: vouch for this process's weights, so its readiness probe passes
         # (refit_worker.readiness); the pass's last record then sets the condition True.
@@ -353,6 +371,14 @@ async def restore_adapter(worker: WorkerClient, seq: Sequence, progress: Progres
             f"{progress.message}; the pod no longer lists adapter {progress.adapter!r}",
             final=True,
         )
+async def read_back(worker: WorkerClient, t_step: float) -> checksums.Readback:
+    """What the pod's model holds now: vLLM's per-parameter digests (/weight_checker, through
+    the guard with the pass's fencing token) and the extension's per-buffer digests."""
+    parameters = await worker.weight_checksums(timeout=t_step)
+    dtype, buffers = await worker.buffer_digests(timeout=t_step)
+    if not parameters:
+        raise StepFailed(Reason.WorkerProtocolError, "the weight checker read back no parameter")
+    return checksums.read_back(dtype, parameters, buffers)
 
 
 async def _receive(

@@ -100,6 +100,7 @@ def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
             "stepSeconds": p.step_seconds,
             "outOfTrafficSeconds": traffic.pod_seconds(p),
             "probe": p.probe,
+            "checksum": p.checksum,
         }
     )
 

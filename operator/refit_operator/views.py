@@ -104,7 +104,7 @@ def pod_rows(
             ready.get(r.name, "-"), p.get("attempts", 0), probe.get("verdict", "-"),
             _num(probe.get("nll")), _num(probe.get("referenceNll")),
             _num(probe.get("meanAbsLogprobDiff")), _num(probe.get("maxAbsLogprobDiff")),
-            seconds(out), p.get("reason") or "",
+            (p.get("checksum") or "-")[:CHECKSUM_SHOWN], seconds(out), p.get("reason") or "",
         ])  # fmt: skip
     return rows
 
@@ -128,7 +128,8 @@ def _gate(pod: Mapping[str, Any]) -> str:
 
 
 POD_HEADERS = ("POD", "PHASE", "STEP", "VERSION", "READY", "ATTEMPTS", "PROBE", "NLL",
-               "REF-NLL", "MEAN|Δ|", "MAX|Δ|", "OUT-OF-TRAFFIC", "REASON")  # fmt: skip
+               "REF-NLL", "MEAN|Δ|", "MAX|Δ|", "CHECKSUM", "OUT-OF-TRAFFIC", "REASON")  # fmt: skip
+CHECKSUM_SHOWN = 12  # hex digits of a read-back checksum in tables: enough to tell pods apart
 
 
 def version_of(doc: Mapping[str, Any]) -> str:
@@ -166,6 +167,12 @@ def describe(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]] = (
     prev = status.get("previous") or {}
     if prev.get("version"):
         lines.append(f"Previous: {prev['version']} (from {prev.get('refit') or '?'})")
+    agreed = [
+        f"{c['version']} ({c['layout']}): {str(c['digest'])[:CHECKSUM_SHOWN]}"
+        for c in status.get("checksums") or []
+    ]
+    if agreed:
+        lines.append(f"Checksums: {', '.join(agreed)}")
     rows = pod_rows(doc, fleet_pods)
     lines.append("")
     lines.append(table(POD_HEADERS, rows) if rows else "no pods yet")

@@ -83,6 +83,13 @@ def _field(doc: Any, key: str, kind: type, where: str) -> Any:
     return value
 
 
+def _digests(doc: dict[Any, Any]) -> dict[str, str]:
+    """A {tensor key: hex digest} answer, checked: anything else is a protocol error."""
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        raise WorkerError("protocol", "checksums: keys and digests must be strings")
+    return dict(doc)
+
+
 def _logprob(entry: Any, token_id: int, where: str) -> float | None:
     """The logprob of token_id in one prompt_logprobs entry; None when it is absent."""
     if entry is None:
@@ -347,6 +354,12 @@ class WorkerClient:
         exactly the manifest ``digest``); records ``version`` as the worker's version."""
         return await self._rpc_dict(contract.RPC_RECEIVED, [digest, version], timeout)
 
+    async def buffer_digests(self, *, timeout: float | None = None) -> tuple[str, dict[str, str]]:
+        """(model dtype, {key: SHA-256}) of every module buffer that is not a parameter."""
+        doc = await self._rpc_dict(contract.RPC_BUFFER_DIGESTS, [], timeout)
+        dtype = _field(doc, "dtype", str, contract.RPC_BUFFER_DIGESTS)
+        return dtype, _digests(_field(doc, "buffers", dict, contract.RPC_BUFFER_DIGESTS))
+
     async def _rpc_dict(
         self, method: str, args: list[Any], timeout: float | None
     ) -> dict[str, Any]:
@@ -472,6 +485,13 @@ class WorkerClient:
             return None
         process = doc.get("process") if isinstance(doc, dict) else None
         return process if isinstance(process, str) and process else None
+
+    async def weight_checksums(self, *, timeout: float | None = None) -> dict[str, str]:
+        """vLLM's own SHA-256 of every parameter each worker holds (``POST /weight_checker``
+        ``{"action": "checksum"}``), read after process_weights_after_loading."""
+        path = contract.WEIGHT_CHECKER_PATH
+        doc = await self._json("POST", path, timeout=timeout, json={"action": "checksum"})
+        return _digests(_field(doc, "checksums", dict, "weight_checker"))
 
     async def weight_version(self, *, timeout: float | None = None) -> str:
         doc = await self._json("GET", "/weight_info", timeout=timeout)

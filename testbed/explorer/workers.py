@@ -32,7 +32,8 @@ from testbed.simworker import RPC_STEPS, Fault, PodState, SimServer, make_sim_ch
 # What vLLM's engine core runs one at a time (utility calls between steps): a call that
 # outlives its client still holds the core, and the next one waits for it.
 ENGINE_CORE_STEPS = frozenset(RPC_STEPS) | {
-    "pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "update_weight_version"
+    "pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "update_weight_version",
+    "weight_checker",
 }  # fmt: skip
 
 

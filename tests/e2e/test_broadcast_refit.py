@@ -3,6 +3,12 @@ server drives two real vLLM CPU servers (the refit-gloo engine, the admin guard,
 extension), and a real trainer process (`testbed.broadcast_trainer`, through
 `refit_operator.client`) sends the tensors over gloo once per round.
 
+Every pass reads back its pod's runtime weights after the load or receive (vLLM's weight
+checker and the buffers' digests, through the guard with the pass's fence): pods of one
+layout at one version agree, and a pod whose parameter or non-parameter buffer was skewed
+after its load (tests/worker/hazard_extension.py) fails with WeightChecksumMismatch before
+its probe, though the probe alone passes it.
+
 Each test starts from a checkpoint refit to A (the pods serve A, probed; A is the rollback
 target), then broadcasts. Faults are the trainer's own (a process that dies mid-send, sends
 too late, expects a rank that never joins, or changes a tensor after promising it) and a
@@ -39,6 +45,8 @@ PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.2", "127.0.0.3")
 END = {"Succeeded", "Failed", "Halted", "RolledBack"}
 TRANSFER_TIMEOUT = 15  # spec.broadcast.timeoutSeconds of the fault cases
+# The refit RPCs plus the test-only hooks that skew a tensor after every load.
+HAZARDS = "tests.worker.hazard_extension.HazardExtension"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +59,8 @@ def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     port = free_port(HOSTS[0])
     args = dict(
         load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
-        admin_token="broadcast-admin-token", extra_args=["--weight-transfer-config", config],
+        admin_token="broadcast-admin-token",
+        extra_args=["--weight-transfer-config", config, "--worker-extension-cls", HAZARDS],
     )  # fmt: skip
     with (
         start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,  # type: ignore[arg-type]
@@ -181,6 +190,9 @@ def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
         assert record["step_seconds"]["receive"] > 0, record["step_seconds"]
         assert record["step_seconds"]["stage"] < 0.05, record["step_seconds"]
     assert serving(fl, servers) == {p: ("B-bcast", True) for p in PODS}
+    # Read back after the receive: both pods hold the same runtime weights.
+    read = {(pod_record(fl, n)["layout"], pod_record(fl, n)["checksum"]) for n in PODS}
+    assert len(read) == 1 and all(read.pop()), [pod_record(fl, n) for n in PODS]
     # A broadcast is no rollback target: the next refit's previous is still the checkpoint A.
     # Rolling, one pod at a time: one send per batch, the client loops by itself.
     out = train(
@@ -335,3 +347,77 @@ def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
     assert dead["outcome"] == "Failed" and not dead["restored"], dead
     assert dead["reason"] in ("PodUnreachable", "ReceiveTimeout"), dead
     assert fl.ready(fl.pod(PODS[1])) is False
+
+
+def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
+    fleet, servers, tiny_model
+):
+    """After the fixture's AllAtOnce refit to A both pods read back one checksum, which the
+    refit records once. Then one pod's runtime tensors are skewed after every load: a
+    parameter (one element of a norm's weight + 1e-4), then a buffer that is no parameter (the
+    rotary cache).
+    A Rolling refit reads back the other pod first; the skewed one fails with
+    WeightChecksumMismatch at the checksum step, never probed, and stays out of traffic,
+    while the probe alone (the same reference, thresholds and code) passes it."""
+    import httpx
+    from refit_operator.api import Thresholds
+    from refit_operator.probe import evaluate
+
+    from tests.worker.test_reload import scores
+
+    fl, op = fleet
+    good, skewed = servers
+    records = {n: pod_record(fl, n) for n in PODS}
+    layout, digest = records["vllm-0"]["layout"], records["vllm-0"]["checksum"]
+    assert layout and digest and records["vllm-0"]["step_seconds"]["checksum"] > 0
+    assert {(r["layout"], r["checksum"]) for r in records.values()} == {(layout, digest)}
+    st = fl.refit("to-a")["status"]
+    assert st["checksums"] == [{"version": "A", "layout": layout, "digest": digest}]
+    with httpx.Client(timeout=120) as http:
+        parameters = skewed.rpc(http, "hazard_tensor_sizes", "parameter")
+        buffers = skewed.rpc(http, "hazard_tensor_sizes", "buffer")
+        # vLLM's /weight_checker hashes parameters only: the buffers are the worker's part.
+        assert buffers and not set(buffers) & set(parameters), buffers
+        # vLLM's CPU build moves every unquantized linear weight into a oneDNN (or SGL) pack
+        # and leaves an empty parameter (model_executor/layers/utils.py,
+        # dispatch_cpu_unquantized_gemm): on CPU the read-back sees embeddings, norms and
+        # buffers, not the linear weights (docs/concepts.md, "Read-back checksums").
+        empty = sorted(n for n, size in parameters.items() if size == 0)
+        assert any(n.endswith("mlp.down_proj.weight") for n in empty), parameters
+        # A norm's weight, and the rotary cache (a buffer no checkpoint carries).
+        weight = next(p for p in parameters if p.endswith("post_attention_layernorm.weight"))
+        rotary = next(b for b in buffers if b.endswith("rotary_emb.cos_sin_cache"))
+        cases = [
+            ("skew-parameter", "B", "parameter", weight),
+            ("skew-buffer", "A", "buffer", rotary),
+        ]
+        try:
+            for name, version, kind, tensor in cases:
+                skewed.rpc(http, "hazard_clear_skews")
+                skewed.rpc(http, "hazard_skew_after_load", kind, tensor, 1e-4)
+                fl.apply_refit(
+                    name, version, tiny_model.checkpoints[version], good.port,
+                    fleet={"adminTokenSecretRef": {"name": "vllm-admin"}},
+                    sequence={"sleepLevel": 1},
+                    strategy={"type": "Rolling", "maxUnavailable": 1},
+                )  # fmt: skip
+                st = fl.wait_phase(name, END, 180, op)["status"]
+                assert st["phase"] == "Halted", (kind, st, op.logs())
+                first, bad = pod_record(fl, "vllm-0"), pod_record(fl, "vllm-1")
+                assert first["outcome"] == "Succeeded" and first["probe"]["verdict"] == "Pass"
+                assert (bad["outcome"], bad["reason"]) == ("Failed", "WeightChecksumMismatch")
+                assert bad["step"] == "checksum" and bad["probe"] is None, (kind, bad)
+                assert bad["layout"] == first["layout"] and bad["checksum"] != first["checksum"]
+                assert "vllm-0" in bad["message"], bad["message"]
+                assert fl.ready(fl.pod("vllm-1")) is False
+                assert st["pods"][0]["reason"] == "WeightChecksumMismatch"
+                assert st["pods"][0]["checksum"] == bad["checksum"]
+                assert st["checksums"] == [
+                    {"version": version, "layout": first["layout"], "digest": first["checksum"]}
+                ]
+                # The probe alone would have let the skewed pod into traffic.
+                ref = tiny_model.reference(version)
+                verdict = evaluate(ref, scores(skewed, http, ref), Thresholds())
+                assert verdict.verdict == "Pass", (kind, verdict)
+        finally:
+            skewed.rpc(http, "hazard_clear_skews")

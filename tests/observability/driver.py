@@ -73,6 +73,8 @@ def stage_progress(m: Metrics, now: float) -> None:
     for i in range(4):
         _walk(m, "app=rollout", i, until="probe")
         drift = i == 3
+        # The read-back before the probe: the pods of one layout agree.
+        m.pod_checksum(NS, "app=rollout", f"vllm-{i}", "0123456789ab", "5e" * 16)
         m.probe_result(
             NS,
             "app=rollout",

@@ -139,11 +139,13 @@ def test_describe_shows_pods_the_status_does_not_list_from_their_records():
     doc["metadata"]["namespace"] = "ns"
     doc["status"] = {
         "phase": "Halted", "updatedPods": 1, "targetPods": 2, "failedPods": 1,
-        "pods": [{"name": "b", "phase": "Failed", "step": "probe", "reason": "NllDrift",
-                  "probe": {"verdict": "Fail", "nll": 3.0, "referenceNll": 2.5}}],
+        "pods": [{"name": "b", "phase": "Failed", "step": "checksum",
+                  "reason": "WeightChecksumMismatch", "checksum": "9" * 32}],
+        "checksums": [{"version": "v2", "layout": "0123456789ab", "digest": "5" * 32}],
     }  # fmt: skip
     passed = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "step": "",
               "outcome": "Succeeded", "attempts": 1, "step_seconds": {"load": 1.5},
+              "layout": "0123456789ab", "checksum": "5" * 32,
               "probe": {"verdict": "Pass", "nll": 2.5, "referenceNll": 2.5, "tokens": 64,
                         "meanAbsLogprobDiff": 1e-6, "maxAbsLogprobDiff": 3e-6}}  # fmt: skip
     other = {**passed, "refit": "older", "uid": "u0", "version": "v1"}
@@ -152,8 +154,11 @@ def test_describe_shows_pods_the_status_does_not_list_from_their_records():
     lines = text.splitlines()
     row = {line.split()[0]: line.split() for line in lines if line[:2] in ("a ", "b ", "c ")}
     assert row["a"] == ["a", "Succeeded", "ready", "v2", "yes", "1", "Pass", "2.5000", "2.5000",
-                        "0.0000", "0.0000", "-"]  # fmt: skip
-    assert row["b"][1] == "Failed" and row["b"][-1] == "NllDrift"
+                        "0.0000", "0.0000", "5" * 12, "-"]  # fmt: skip
+    # The read-back checksum per pod, and the one the refit recorded for its version.
+    assert row["b"][1] == "Failed" and row["b"][-1] == "WeightChecksumMismatch"
+    assert "9" * 12 in row["b"]
+    assert f"Checksums: v2 (0123456789ab): {'5' * 12}" in text
     assert row["c"][1:4] == ["Pending", "-", "-"]  # another refit's record: not this refit's
     assert "1 pod(s) shown Pending carry another refit's record now (older)" in text
 

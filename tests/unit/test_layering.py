@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
-PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history", "reasons",
-        "times", "views", "index", "traffic"}  # fmt: skip
+PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history",
+        "reasons", "times", "views", "index", "traffic", "checksums"}  # fmt: skip
 # rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
 # it sits with the engine and the runner that await it, not in the pure core.
 IO_MODULES = {"cluster", "worker", "engine", "runner", "leader", "handlers", "main", "client",

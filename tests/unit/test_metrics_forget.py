@@ -132,3 +132,19 @@ def test_time_out_of_traffic_is_validated() -> None:
         m.pod_out_of_traffic("rl", "", 1.0)
     # The bad calls recorded nothing, not even the fleet's zeroed series.
     assert not [n for n, labels in series(m.registry) if labels.get("namespace") == "rl"]
+
+
+def test_a_pods_read_back_checksum_is_one_series_replaced_and_forgotten() -> None:
+    m = Metrics(CollectorRegistry())
+    m.pod_checksum("rl", "app=a", "p0", "L1", "d1")
+    m.pod_checksum("rl", "app=a", "p0", "L1", "d2")  # the next load's read-back replaces it
+    m.pod_checksum("rl", "app=a", "p1", "L1", "d2")
+    got = sorted(
+        (labels["pod"], labels["checksum"])
+        for name, labels in series(m.registry)
+        if name == "refit_pod_weights_checksum_info"
+    )
+    assert got == [("p0", "d2"), ("p1", "d2")]
+    m.forget_pod("rl", "app=a", "p0")
+    m.forget_fleet("rl", "app=a")
+    assert not [n for n, _ in series(m.registry) if n == "refit_pod_weights_checksum_info"]

@@ -14,7 +14,7 @@ def fresh() -> Progress:
 def test_steps_in_the_documented_order():
     assert STEPS == (
         "stage", "drain", "sleep", "wakeWeights", "load", "receive", "wakeKV", "resetCache",
-        "stampVersion", "probe", "ready",
+        "stampVersion", "checksum", "probe", "ready",
     )  # fmt: skip
 
 

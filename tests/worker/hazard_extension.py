@@ -105,3 +105,57 @@ class HazardExtension(RefitWorkerExtension):
         files = {**identity.files, name: dataclasses.replace(file, size=file.size + 1)}
         staged.identity = dataclasses.replace(identity, files=files)
         return {"worker": index, "changed": name}
+    # --- runtime skew (the read-back checksums, docs/concepts.md) ---
+    _hazard_skews: list[tuple[str, str, float]]
+    _hazard_originals: dict[str, Any]
+
+    def _hazard_tensor(self, kind: str, name: str) -> Any:
+        model = self._refit_model()
+        named = model.named_parameters() if kind == "parameter" else model.named_buffers()
+        return dict(named)[name]
+
+    def hazard_tensor_sizes(self, kind: str) -> dict[str, int]:
+        """The model's parameters, or its buffers that are not parameters: name -> elements
+        (0 for a linear weight vLLM's CPU build moved into a oneDNN or SGL pack)."""
+        model = self._refit_model()
+        named = model.named_parameters() if kind == "parameter" else model.named_buffers()
+        return {n: int(t.numel()) for n, t in named}
+
+    def hazard_skew_after_load(self, kind: str, name: str, delta: float) -> dict[str, Any]:
+        """From now on, after every load, add ``delta`` to the first element of the
+        parameter or buffer ``name``, and now too: a load path that leaves one tensor of one
+        pod different from what its peers hold (a skipped buffer, a post-load transform gone
+        wrong). ``hazard_clear_skews`` undoes it."""
+        tensor = self._hazard_tensor(kind, name)  # KeyError: no such tensor
+        if tensor.numel() == 0:
+            raise ValueError(f"{kind} {name} is empty: nothing to skew")
+        self._hazard_originals = getattr(self, "_hazard_originals", {})
+        if kind != "parameter":  # a load rewrites parameters; nothing rewrites a buffer
+            self._hazard_originals.setdefault(name, tensor.detach().clone())
+        self._hazard_skews = [*getattr(self, "_hazard_skews", []), (kind, name, delta)]
+        self._hazard_apply_skews()
+        return {"tensor": name, "dtype": str(tensor.dtype), "elements": int(tensor.numel())}
+
+    def _hazard_apply_skews(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for kind, name, delta in getattr(self, "_hazard_skews", []):
+                self._hazard_tensor(kind, name).view(-1)[0] += delta
+
+    def hazard_clear_skews(self) -> dict[str, int]:
+        """Stop skewing, and put back every skewed buffer's value from before its skew (a
+        parameter gets its loaded value back at the next load; a buffer, which no load
+        writes, would keep the skew)."""
+        import torch
+
+        originals = getattr(self, "_hazard_originals", {})
+        with torch.no_grad():
+            for name, value in originals.items():
+                self._hazard_tensor("buffer", name).copy_(value)
+        self._hazard_skews, self._hazard_originals = [], {}
+        return {"restored": len(originals)}
+
+    def _refit_reload(self, **source: Any) -> None:
+        super()._refit_reload(**source)
+        self._hazard_apply_skews()

@@ -43,6 +43,9 @@ pytestmark = pytest.mark.vllm
 VERSION = "contract-1"
 # Free-form fields whose inner shape is nobody's contract.
 FREE_FORM = frozenset({"extra"})
+# Answers keyed by tensor name (the weight checker's, the buffer digests'): the real model has
+# its tensors, the simulator one of each kind; both must key them the same way (below).
+TENSOR_KEYED = frozenset({"checksums", "buffers"})
 # Result fields whose values (not only types) both must agree on.
 ENUM_FIELDS = ("staged", "source", "switchedLoadFormatFrom")
 
@@ -61,6 +64,8 @@ def shape(value: Any, key: str = "") -> Any:
     """The JSON type structure of a value: what the two implementations must share."""
     if key in FREE_FORM:
         return type(value).__name__
+    if key in TENSOR_KEYED and isinstance(value, dict):
+        return {"<tensor>": distinct(shape(v) for v in value.values())}
     if isinstance(value, dict):
         if value and all(k.isdigit() for k in value):  # keyed by token id
             return {"<id>": distinct(shape(v) for v in value.values())}
@@ -126,6 +131,17 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
                 seen.append(("error", exc.kind, exc.status, exc.code))
                 return
             seen.append(("ok", type(result).__name__))
+            if isinstance(result, tuple):  # buffer_digests: (dtype, digests)
+                result = result[1]
+            if (
+                isinstance(result, dict)
+                and result
+                and all(isinstance(v, str) and len(v) == 64 for v in result.values())
+            ):
+                # Per-tensor SHA-256 digests: keyed by the worker's rank prefix, hex.
+                prefixes = sorted({k.rsplit(":", 1)[0] for k in result})
+                hexes = all(set(v) <= set("0123456789abcdef") for v in result.values())
+                seen.append(("digests", prefixes, hexes))
             if isinstance(result, dict):
                 # refit_stage's and refit_load's enumerations are contract values, not text.
                 enums = {k: result[k] for k in ENUM_FIELDS if k in result}
@@ -160,6 +176,8 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             lambda: admin.load(str(target.good), VERSION),
             admin.refit_info,
             lambda: admin.probe_reference(str(target.good)),
+            admin.weight_checksums,  # the read-back: vLLM's weight checker, and the buffers
+            admin.buffer_digests,
             lambda: admin.update_weight_version(VERSION),
             ready,  # still 503: loaded and stamped, not vouched for
             lambda: admin.mark_ready(""),  # 400
@@ -185,6 +203,7 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             anonymous.refit_info,
             lambda: anonymous.score(token_ids),
             anonymous.requests_in_flight,
+            anonymous.weight_checksums,  # 401: the weight checker is an admin path
         ]
         for call in calls:
             await outcome(call())
@@ -262,7 +281,9 @@ def test_simulator_answers_with_the_real_shapes(
     # (unbound) vouch, then 200
     assert readiness == [503, 503, 503, 503, 200, 200]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
-    assert len(unauthorized) == 4
+    assert len(unauthorized) == 5
+    digests = [o[1:] for o in observed_real if o[0] == "digests"]
+    assert digests == [(["dp0:pp0:pcp0:tp0"], True), (["dp0:pp0:pcp0:tp0"], True)]
     batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]
     lengths = [len(p) for p in prompts]
     assert batches == [
@@ -271,7 +292,7 @@ def test_simulator_answers_with_the_real_shapes(
     ]
     statuses = [o[2] for o in observed_real if o[:2] == ("error", "http")]
     # an empty vouch, an anonymous vouch; bad token, bad batch, empty prompt; anonymous calls
-    assert statuses == [400, 401, 400, 400, 400, 401, 401, 401]
+    assert statuses == [400, 401, 400, 400, 400, 401, 401, 401, 401]
 
 
 async def run_fencing(target: Target) -> list[Any]:

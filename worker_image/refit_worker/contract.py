@@ -73,6 +73,15 @@ RPC_ADAPTER_CHECK = "refit_adapter_check"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # vLLM's RL route: the pod's receiving workers (TP x PP x DP), the ranks a broadcast gives it.
 WORLD_SIZE_PATH = "/get_world_size"
+# The read-back (docs/concepts.md, "Read-back checksums"): SHA-256 of every module buffer that
+# is not a parameter, keyed and hashed as vLLM's /weight_checker keys and hashes parameters
+# (vllm/model_executor/model_loader/weight_checksum.py covers named_parameters() only), plus
+# the model's dtype: {"dtype": str, "buffers": {key: hex digest}}.
+RPC_BUFFER_DIGESTS = "refit_buffer_digests"
+# vLLM's own weight checker (vllm/entrypoints/rl/online/api_router.py): POST {"action":
+# "checksum"} answers {"checksums": {"dp0:pp0:pcp0:tp0:<param>": sha256 hex}}, one key per
+# parameter of every worker, read after process_weights_after_loading.
+WEIGHT_CHECKER_PATH = "/weight_checker"
 # The vLLM weight transfer backend refit_worker.plugin registers (refit_worker.broadcast's
 # gloo_engine and gloo_trainer): a server enables it with
 # --weight-transfer-config '{"backend": "refit-gloo"}'.

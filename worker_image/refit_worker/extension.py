@@ -334,6 +334,24 @@ class RefitWorkerExtension:
             "tensors": len(manifest.tensors),
             "seconds": round(time.perf_counter() - started, 4),
         }
+    def refit_buffer_digests(self) -> dict[str, Any]:
+        """The read-back's other half (contract.RPC_BUFFER_DIGESTS): vLLM's /weight_checker
+        hashes parameters only, and a buffer that is not one (a routing bias, a rotary
+        cache, a scale) is exactly what a load path can skip. Same keys and bytes as vLLM's
+        digests (the worker's rank prefix, SHA-256 of the tensor's raw bytes)."""
+        import hashlib
+
+        import torch
+
+        prefix = str(self._weight_checksum_prefix())  # type: ignore[attr-defined]
+        buffers = {
+            prefix + name: hashlib.sha256(
+                buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+            ).hexdigest()
+            for name, buf in self._refit_model().named_buffers()
+        }
+        dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
+        return {"dtype": dtype, "buffers": buffers}
 
     # --- Broadcast refits (docs/broadcast.md) ---
     @peers.collective

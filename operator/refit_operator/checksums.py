@@ -1,0 +1,132 @@
+"""Read-back checksums: what a pod's model holds after a load, and whether its peers agree.
+
+The worker verifies the bytes it is given (manifest digests, a broadcast's promise) and the
+probe scores a few prompts; neither sees a tensor the load path skipped, a post-load
+transform that went wrong, or one pod's runtime weights differing from its peers'. The
+``checksum`` step reads back, after every load or receive and before the probe, vLLM's own
+per-parameter SHA-256 (``POST /weight_checker``) and the worker extension's digests of every
+buffer that is not a parameter (``refit_buffer_digests``), folds them into one digest, and
+asks :func:`judge` whether it agrees with what pods of the same layout hold at that version.
+
+Pure: plain data in, decisions out (runner.py does the calls; engine.py gathers the peers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .api import STATUS_CHECKSUMS_LIMIT, VersionChecksum
+from .podflow import Progress
+from .reasons import Problem, Reason
+
+# The pod's model differs from its peers' (or from the checksum recorded for that version and
+# layout): final, since loading the same bytes again cannot fix a fault that loading made.
+CHECKSUM_MISMATCH = Reason.WeightChecksumMismatch
+LAYOUT_HEX = 12  # a layout names a set of tensor keys and a dtype: a short hash tells them apart
+DIGEST_HEX = 32  # 128 bits of SHA-256: collisions are not the failure this guards against
+
+
+@dataclass(frozen=True)
+class Readback:
+    """One pod's read-back: the layout its tensors have, and one digest over all of them."""
+
+    layout: str
+    digest: str
+    tensors: int
+
+
+def read_back(dtype: str, parameters: Mapping[str, str], buffers: Mapping[str, str]) -> Readback:
+    """Fold the per-tensor digests into one. The layout is the dtype and the sorted keys (each
+    worker's rank prefix and the tensor's name, so tensor- and pipeline-parallel shapes are
+    layouts of their own): pods of one layout that loaded one version hold the same bytes."""
+    keys = sorted(f"p:{k}" for k in parameters) + sorted(f"b:{k}" for k in buffers)
+    layout = hashlib.sha256("\n".join([dtype, *keys]).encode()).hexdigest()[:LAYOUT_HEX]
+    digests = {**{f"p:{k}": v for k, v in parameters.items()},
+               **{f"b:{k}": v for k, v in buffers.items()}}  # fmt: skip
+    body = "\n".join(f"{k}={digests[k]}" for k in keys)
+    return Readback(layout, hashlib.sha256(body.encode()).hexdigest()[:DIGEST_HEX], len(keys))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another pod's read-back at the same version and layout."""
+
+    pod: str
+    digest: str
+    confirmed: bool  # its probe passed on these weights
+
+
+def peers(records: Iterable[tuple[str, Progress]], version: str, layout: str) -> list[Peer]:
+    """The read-backs of ``records`` (pod name, its pass) at ``version`` in ``layout``, in
+    the order given; a pod that failed for disagreeing is no witness."""
+    out = []
+    for name, p in records:
+        if p.version != version or p.layout != layout or not p.checksum:
+            continue
+        if p.reason == CHECKSUM_MISMATCH:
+            continue
+        passed = p.outcome == "Succeeded" or bool(p.probe and p.probe.get("verdict") == "Pass")
+        out.append(Peer(name, p.checksum, passed))
+    return out
+
+
+def judge(
+    own: Readback, version: str, recorded: str | None, witnesses: Sequence[Peer]
+) -> Problem | None:
+    """The problem when ``own`` disagrees; None when it agrees or is the first.
+
+    The checksum recorded for (version, layout) wins: it is what pods served with a passed
+    probe. Without one, the peers whose probe passed decide, else all peers: the digest most
+    of them hold, the earliest on a tie. So under AllAtOnce the first pod to read back sets
+    the reference its probe then vouches for, and a pod that disagrees fails before its probe
+    (two pods that disagree fail the later one: the refit then stops on it either way)."""
+    where = f"version {version}, layout {own.layout}"
+    if recorded:
+        if own.digest == recorded:
+            return None
+        return Problem(
+            CHECKSUM_MISMATCH,
+            f"runtime weights {own.digest[:12]} differ from {recorded[:12]}, the checksum "
+            f"recorded for {where} ({own.tensors} tensors read back)",
+        )
+    reference = [p for p in witnesses if p.confirmed] or list(witnesses)
+    if not reference:
+        return None
+    agreed, count = Counter(p.digest for p in reference).most_common(1)[0]
+    if own.digest == agreed:
+        return None
+    named = sorted(p.pod for p in reference if p.digest == agreed)
+    shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return Problem(
+        CHECKSUM_MISMATCH,
+        f"runtime weights {own.digest[:12]} differ from {agreed[:12]}, which {shown} "
+        f"hold{'s' if count == 1 else ''} at {where} ({own.tensors} tensors read back)",
+    )
+
+
+def recorded(entries: Sequence[VersionChecksum], version: str, layout: str) -> str | None:
+    for e in entries:
+        if e.version == version and e.layout == layout:
+            return e.digest
+    return None
+
+
+def status_checksums(
+    old: Sequence[VersionChecksum], records: Iterable[Progress], uid: str
+) -> list[VersionChecksum]:
+    """status.checksums: one digest per (version, layout) that this refit's pods served with
+    a passed probe, kept once written (a pod that moves on does not take it away); newest
+    first, at most api.STATUS_CHECKSUMS_LIMIT (a refit has a version and its rollback's, each
+    in a few layouts)."""
+    out = list(old)
+    have = {(e.version, e.layout) for e in out}
+    for p in records:
+        if p.uid != uid or p.outcome != "Succeeded" or not p.checksum:
+            continue
+        if (p.version, p.layout) not in have:
+            have.add((p.version, p.layout))
+            out.insert(0, VersionChecksum(version=p.version, layout=p.layout, digest=p.checksum))
+    return out[:STATUS_CHECKSUMS_LIMIT]
