@@ -160,6 +160,7 @@ class Progress:
         if self.step == "probeStaged":
             return staged_adapter_name(self.adapter, self.version)
         return self.adapter
+
     # The read-back after the load (checksums.py): the layout of the pod's tensors and one
     # digest over them ("" before the checksum step).
     layout: str = ""

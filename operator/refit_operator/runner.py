@@ -371,6 +371,8 @@ async def restore_adapter(worker: WorkerClient, seq: Sequence, progress: Progres
             f"{progress.message}; the pod no longer lists adapter {progress.adapter!r}",
             final=True,
         )
+
+
 async def read_back(worker: WorkerClient, t_step: float) -> checksums.Readback:
     """What the pod's model holds now: vLLM's per-parameter digests (/weight_checker, through
     the guard with the pass's fencing token) and the extension's per-buffer digests."""

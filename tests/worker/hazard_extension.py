@@ -105,6 +105,7 @@ class HazardExtension(RefitWorkerExtension):
         files = {**identity.files, name: dataclasses.replace(file, size=file.size + 1)}
         staged.identity = dataclasses.replace(identity, files=files)
         return {"worker": index, "changed": name}
+
     # --- runtime skew (the read-back checksums, docs/concepts.md) ---
     _hazard_skews: list[tuple[str, str, float]]
     _hazard_originals: dict[str, Any]

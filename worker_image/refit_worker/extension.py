@@ -334,6 +334,7 @@ class RefitWorkerExtension:
             "tensors": len(manifest.tensors),
             "seconds": round(time.perf_counter() - started, 4),
         }
+
     def refit_buffer_digests(self) -> dict[str, Any]:
         """The read-back's other half (contract.RPC_BUFFER_DIGESTS): vLLM's /weight_checker
         hashes parameters only, and a buffer that is not one (a routing bias, a rotary
