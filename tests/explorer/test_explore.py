@@ -77,3 +77,14 @@ def test_known_holes_are_still_found(name: str) -> None:
     assert not result.ok, f"{name} seed {hole.seed} no longer fails: drop the hole"
     if hole.signature:
         assert any(hole.matches(v) for v in result.violations), result.report()
+
+
+def test_a_lease_created_anew_leaves_the_old_holders_passes_alone() -> None:
+    """Seed 10681 (short, in CI's batch too): the Lease is deleted under a live leader and a
+    standby of the same installation creates it at once; it took the old leader's pod a
+    second later, and the old pass's vouch reached the pod beside the new pass's token. A
+    Lease this process created leaves another holder's claims alone for a lease duration
+    (leader.Lease.created_at): that holder's own deadline has passed by then."""
+    classes = frozenset({"history_gc", "lease_delete", "worker_timeout"})
+    result = run_schedule(Config(10681, classes, steps=20, pods=2))
+    assert result.ok, result.report()
