@@ -39,7 +39,7 @@ Windows = Mapping[str, tuple[float, float | None]]
 # Up to this many pods each gets a labelled row of its own; a larger fleet is drawn whole, in
 # a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
 LABELLED_ROWS: Final = 100
-# One color per step of the sequence, in order (tab10 + two).
+# One color per step of the sequence, in order (tab10 + three).
 STEP_COLORS: Final = dict(
     zip(
         STEPS,
@@ -53,6 +53,7 @@ STEP_COLORS: Final = dict(
             "#c5b0d5",
             "#8c564b",
             "#e377c2",
+            "#bcbd22",  # checksum: the read-back
             "#2ca02c",
             "#7f7f7f",
         ),

@@ -1,11 +1,10 @@
-"""examples/trainer_loop.py's broadcast mode sends what a checkpoint would hold: the tensors
-from the model in memory are the checkpoint's own, bit for bit, and the probe reference it
-computes from memory is the one computed from the checkpoint's files."""
+"""What a trainer's broadcast sends (examples/trainer_loop.py and the TRL integration both use
+refit_worker.broadcast.model_tensors and refit_worker.reference.reference_from_model) is what
+a checkpoint would hold: the tensors from the model in memory are the checkpoint's own, bit
+for bit, and the probe reference computed from memory is the one computed from the
+checkpoint's files."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 from refit_worker import broadcast, reference
@@ -13,13 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from testbed.tiny_model import TinyModel
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-from trainer_loop import reference_of, weights_to_send
-
 
 def test_the_broadcast_mode_sends_the_checkpoints_tensors_and_reference(tiny_model: TinyModel):
     model = AutoModelForCausalLM.from_pretrained(tiny_model.checkpoints["B"], dtype=torch.float32)
-    sent = weights_to_send(model)
+    sent = broadcast.model_tensors(model)
     files = broadcast.load_tensors(tiny_model.checkpoints["B"])
     assert sorted(sent) == sorted(files)
     assert all(torch.equal(sent[k], files[k]) for k in files)
@@ -27,7 +23,8 @@ def test_the_broadcast_mode_sends_the_checkpoints_tensors_and_reference(tiny_mod
     assert broadcast.build_manifest(sent).digest == broadcast.build_manifest(files).digest
     texts = reference.read_texts(tiny_model.probe_texts_file)
     model.train()  # a trainer's model: scoring it must not change its mode
-    ref = reference_of(model, tiny_model.base_dir, texts, "B")
+    ids = reference.tokenize(tiny_model.base_dir, texts, 128)
+    ref = reference.reference_from_model(model, ids, version="B", tool="test")
     on_disk = tiny_model.reference("B")
     assert [p.token_ids for p in ref.prompts] == [p.token_ids for p in on_disk.prompts]
     worst = max(
