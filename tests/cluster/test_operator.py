@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SEQUENCE = [
     "refit_stage", "pause", "metrics", "sleep", "wake_up", "refit_load",
     "wake_up", "reset_prefix_cache", "resume", "update_weight_version", "weight_info",
+    "weight_checker", "refit_buffer_digests",  # the read-back (checksum step)
     "refit_ready",  # GET, before the probe: which process the probe scores
     "refit_ready",  # POST, after the probe: the pass vouches for that process, then the gate
 ]  # fmt: skip
