@@ -263,8 +263,9 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
     assert all(r in crossed for r in met), summary(met)
     for r in crossed:
         rec = pass_record(fl, r.pod)
-        # Admitted on A before the pod left traffic, finished on B after its probe passed.
-        assert r.start < rec["left_traffic"] < rec["finished"] <= r.end, (r, rec)
+        # Admitted on A before the pod left traffic, finished on B. Not necessarily after the
+        # probe: vLLM resumes at the KV wake, before the probe (docs/concepts.md, keep).
+        assert r.start < rec["left_traffic"] < r.end, (r, rec)
     plain = [r for r in records if r.outcome == "ok" and r not in crossed]
     check_no_unprobed_weights(fl, plain, "A", "B")
     check_routed_in_traffic(router, records)
