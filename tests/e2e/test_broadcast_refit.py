@@ -306,49 +306,6 @@ def test_a_manifest_gone_across_an_operator_restart_fails_closed_then_rolls_back
     assert serving(fl, servers) == {p: ("A", True) for p in PODS}
 
 
-def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
-    fleet, servers, tiny_model
-):
-    """The trainer stalls after the round's header; meanwhile one pod's vLLM dies inside its
-    receive. The other pod's round breaks (TransferFailed) and it serves A again; the dead
-    one stays out of traffic with a reason. Last in the module: it kills a server."""
-    fl, op = fleet
-    cmd = trainer_command(
-        fl, tiny_model, servers, "bcast-dies", "B-bcast", tensors="B", reference="B",
-        fault="stall-after-header", transfer_timeout=TRANSFER_TIMEOUT,
-    )  # fmt: skip
-    trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)  # fmt: skip
-    try:
-
-        def sending() -> bool:
-            try:  # the trainer process creates the refit once it has imported torch
-                status = fl.refit("bcast-dies").get("status") or {}
-            except ApiException:
-                return False
-            return (status.get("broadcast") or {}).get("state") == "Sending"
-
-        fl.wait_for(sending, timeout=120, why="the trainer to announce its round")
-        time.sleep(2.0)  # both pods are inside /update_weights, the header received
-        os.killpg(servers[1].process.pid, signal.SIGKILL)
-        trainer.communicate(timeout=300)
-    finally:
-        trainer.kill()
-    st = fl.wait_phase("bcast-dies", END, 180, op)["status"]
-    assert st["phase"] == "Halted", (st, op.logs())
-    alive, dead = pod_record(fl, PODS[0]), pod_record(fl, PODS[1])
-    # The live pod either lost the round with its peer (refused before its model was
-    # touched: A again) or had received all of it from the trainer before the trainer hit
-    # the dead peer (checked and probed: B). Either way it serves a probed version.
-    restored = (alive["reason"], alive["restored"]) == ("TransferFailed", True)
-    loaded = (alive["outcome"], alive["version"]) == ("Succeeded", "B-bcast")
-    assert restored or loaded, alive
-    assert fl.ready(fl.pod(PODS[0])) is True
-    assert dead["outcome"] == "Failed" and not dead["restored"], dead
-    assert dead["reason"] in ("PodUnreachable", "ReceiveTimeout"), dead
-    assert fl.ready(fl.pod(PODS[1])) is False
-
-
 def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
     fleet, servers, tiny_model
 ):
@@ -421,3 +378,46 @@ def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
                 assert verdict.verdict == "Pass", (kind, verdict)
         finally:
             skewed.rpc(http, "hazard_clear_skews")
+
+
+def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
+    fleet, servers, tiny_model
+):
+    """The trainer stalls after the round's header; meanwhile one pod's vLLM dies inside its
+    receive. The other pod's round breaks (TransferFailed) and it serves A again; the dead
+    one stays out of traffic with a reason. Last in the module: it kills a server."""
+    fl, op = fleet
+    cmd = trainer_command(
+        fl, tiny_model, servers, "bcast-dies", "B-bcast", tensors="B", reference="B",
+        fault="stall-after-header", transfer_timeout=TRANSFER_TIMEOUT,
+    )  # fmt: skip
+    trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+
+        def sending() -> bool:
+            try:  # the trainer process creates the refit once it has imported torch
+                status = fl.refit("bcast-dies").get("status") or {}
+            except ApiException:
+                return False
+            return (status.get("broadcast") or {}).get("state") == "Sending"
+
+        fl.wait_for(sending, timeout=120, why="the trainer to announce its round")
+        time.sleep(2.0)  # both pods are inside /update_weights, the header received
+        os.killpg(servers[1].process.pid, signal.SIGKILL)
+        trainer.communicate(timeout=300)
+    finally:
+        trainer.kill()
+    st = fl.wait_phase("bcast-dies", END, 180, op)["status"]
+    assert st["phase"] == "Halted", (st, op.logs())
+    alive, dead = pod_record(fl, PODS[0]), pod_record(fl, PODS[1])
+    # The live pod either lost the round with its peer (refused before its model was
+    # touched: A again) or had received all of it from the trainer before the trainer hit
+    # the dead peer (checked and probed: B). Either way it serves a probed version.
+    restored = (alive["reason"], alive["restored"]) == ("TransferFailed", True)
+    loaded = (alive["outcome"], alive["version"]) == ("Succeeded", "B-bcast")
+    assert restored or loaded, alive
+    assert fl.ready(fl.pod(PODS[0])) is True
+    assert dead["outcome"] == "Failed" and not dead["restored"], dead
+    assert dead["reason"] in ("PodUnreachable", "ReceiveTimeout"), dead
+    assert fl.ready(fl.pod(PODS[1])) is False
