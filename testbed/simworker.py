@@ -896,6 +896,7 @@ class SimServer:
                 **staged.summary,
                 "staged": staged.mode,
                 "budgetBytes": staged.budget,
+                "podWorkers": 1,  # one simulated worker: the whole budget is its share
                 "note": staged.note(),
             }
 
