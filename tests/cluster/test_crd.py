@@ -354,6 +354,7 @@ def test_other_spec_fields_stay_mutable(
 FULL_STATUS: Manifest = {
     "phase": "Progressing",
     "broadcast": {"round": 2, "worldSize": 3, "receivers": 2, "state": "Ready"},
+    "checksums": [{"version": "step-1", "layout": "f32-3a9c", "digest": "e0535060d31ad75d"}],
     "observedGeneration": 1,
     "message": "2 of 3 pods at step-1; pod-2 is loading",
     "conditions": [
@@ -417,6 +418,7 @@ FULL_STATUS: Manifest = {
             "phase": "Succeeded",
             "step": "ready",
             "version": "step-1",
+            "checksum": "e0535060d31ad75d",
             "reason": "",
             "message": "",
             "attempts": 1,
