@@ -301,7 +301,17 @@ class Lease:
                 self.lost.set()
                 break
             try:
-                if await self.try_acquire(api):
+                sent = times.monotonic()
+                renewed = await self.try_acquire(api)
+                took = times.monotonic() - sent
+                if took > self.duration / 6:
+                    # Slow renewals come before a lost lease: say so while it still holds.
+                    log.warning(
+                        "leader lease renewal took %.1f s (the lease is %d s; a leader that "
+                        "cannot renew within %.1f s stops)",
+                        took, self.duration, self.duration * 2 / 3,
+                    )  # fmt: skip
+                if renewed:
                     continue
                 log.error("leader lease taken by another replica")
                 self.lost.set()
