@@ -43,6 +43,7 @@ SERVED_MODEL = "tiny"
 GUARD = "refit_worker.guard.AdminGuard"
 EXTENSION = "refit_worker.extension.RefitWorkerExtension"
 
+ENGINE_NICENESS = 10  # see start_vllm_server
 # Offline (no hub), no telemetry, the dev-mode routes the refit flow uses, a 1 GiB KV cache.
 ENGINE_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -328,6 +329,10 @@ def start_vllm_server(
         **(env or {}),
     }
     cmd = [
+        # Below the control plane in CPU priority: in a cluster the API server never shares
+        # cores with the engines, and here two busy engines starved it (its watch cache fell
+        # 120 revisions behind and a leader's renewal missed its deadline).
+        *("nice", "-n", str(ENGINE_NICENESS)),
         sys.executable,
         *engine_args(model, tiny_model.base_dir, host, port, load_format),
         *(["--api-key", api_key] if api_key else []),

@@ -133,6 +133,9 @@ class Progress:
     # rollback of this pass loads into this pod (docs/concepts.md, "Rollback").
     serving_path: str = ""
     left_traffic: float = 0.0  # epoch seconds this pass took the pod out of traffic (0: never)
+    # Epoch seconds the drain step ended (0: not yet): the requests in flight then had been
+    # waited for, aborted or frozen, as the drain mode says (the traffic tests judge by it).
+    drained_at: float = 0.0
     restored: bool = False  # the pass failed and the pod serves ``serving`` again
     staging: str = ""  # how the worker staged the checkpoint (memory, or why not)
     # Requests a ``keep`` drain froze in flight ("" for none): they finish on ``version``
@@ -348,6 +351,8 @@ def step_done(progress: Progress, step: str, seconds: float, now: float) -> Prog
     index = steps.index(step)
     if step == last_step_in_traffic(progress.source) and not progress.left_traffic:
         progress = replace(progress, left_traffic=now)  # the next record drains
+    if step == "drain":
+        progress = replace(progress, drained_at=now)
     if index + 1 == len(steps):
         return replace(
             progress,

@@ -64,8 +64,9 @@ def fleet(
     tiny_model: TinyModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Fleet, Operators]]:
-    """One namespace and operator (two replicas) for the module (the pods keep the fencing tokens they
-    admitted, so one Lease serves every test), the two pods serving A after an idle refit."""
+    """One namespace and operator (two replicas) for the module (the pods keep the fencing
+    tokens they admitted, so one Lease serves every test), the two pods serving A after an
+    idle refit."""
     ns = control_plane.create_namespace("under-load")
     logs = tmp_path_factory.mktemp("under-load-logs")
     op, fl = Operators(control_plane.kubeconfig, ns, logs), Fleet(control_plane, ns)
@@ -140,13 +141,24 @@ def by_pod(records: list[Record], pod: str) -> list[Record]:
 
 
 def in_flight_at_drain(fl: Fleet, records: list[Record]) -> list[Record]:
-    """Requests still running on their pod a quarter second after it left traffic: its drain
-    (which follows within milliseconds) met them. Whether any does is up to timing: staging,
-    which runs while the pod serves, stalls the pod's answers on these 2 cores, and the
-    requests it held back tend to finish together right before the drain; the mode's rule is
-    checked on every request it met (the run's records show how many)."""
-    left = {pod: pass_record(fl, pod)["left_traffic"] for pod in PODS}
-    return [r for r in records if r.pod in left and r.start < left[r.pod] < r.end - 0.25]
+    """Requests the drain met: admitted to their pod before its drain began and still running
+    when the drain step ended (the pass record's ``drained_at`` less the step's seconds), so
+    the engine held them while it paused. Not ``left_traffic``: the drain follows that
+    record's write, which on these loaded cores took seconds, and a request may finish in
+    between. Whether any request is met is up to timing: staging, which runs while the pod
+    serves, stalls the pod's answers on these 2 cores, and the requests it held back tend to
+    finish together right before the drain; the mode's rule is checked on every request it
+    met (the run's records show how many)."""
+    met = []
+    for pod in PODS:
+        began, ended = drain_window(pass_record(fl, pod))
+        met += [r for r in by_pod(records, pod) if r.start < began and r.end > ended]
+    return met
+
+
+def drain_window(rec: dict[str, Any]) -> tuple[float, float]:
+    """When the pod's drain step began and ended (epoch seconds), from its pass record."""
+    return rec["drained_at"] - rec["step_seconds"]["drain"], rec["drained_at"]
 
 
 def summary(records: list[Record]) -> str:
@@ -268,9 +280,10 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
     assert all(r.outcome == "ok" and r.versions in (("A", "B"), ("B",)) for r in met), summary(met)
     for r in crossed:
         rec = pass_record(fl, r.pod)
-        # Admitted on A before the pod left traffic, finished on B. Not necessarily after the
-        # probe: vLLM resumes at the KV wake, before the probe (docs/concepts.md, keep).
-        assert r.start < rec["left_traffic"] < r.end, (r, rec)
+        # Admitted on A before the pod's drain, finished on B after it. Not necessarily after
+        # the probe: vLLM resumes at the KV wake, before the probe (docs/concepts.md, keep).
+        began, ended = drain_window(rec)
+        assert r.start < began and ended < r.end, (r, rec)
     plain = [r for r in records if r.outcome == "ok" and r not in crossed]
     check_no_unprobed_weights(fl, plain, "A", "B")
     check_routed_in_traffic(router, records)

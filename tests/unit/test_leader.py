@@ -183,3 +183,32 @@ async def test_holders_of_claims_are_judged_by_their_own_lease(clock: Clock) -> 
     assert alive == {("other/op-b", "b1", 30), ("locked/op-c", "c1", 15)}
     clock.mono += 30.0  # b1 stopped renewing
     assert await me.holders_alive(claims) == {("locked/op-c", "c1", 15)}
+
+
+async def test_a_slow_renewal_is_logged_while_the_lease_holds_and_a_late_one_stops(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewal slower than a sixth of the lease is said while the lease still holds (the
+    sign before a lost lease); a renewal that comes back past the local deadline is too late:
+    the next round stops the leader instead of renewing."""
+    api = FakeLeases()
+    lease = standby(api, "leader")
+    assert await lease.try_acquire()
+    delays = iter([3.0, 8.0])  # seconds each renewal takes: slow but in time, then too late
+    replace = api.replace_namespaced_lease
+
+    async def slow_replace(name: str, ns: str, body: dict[str, Any]) -> None:
+        clock.mono += next(delays, 0.0)
+        await replace(name, ns, body)
+
+    async def no_wait(seconds: float) -> None:
+        clock.mono += seconds
+
+    monkeypatch.setattr(api, "replace_namespaced_lease", slow_replace)
+    monkeypatch.setattr(leader.asyncio, "sleep", no_wait)
+    with caplog.at_level("WARNING", logger=leader.log.name):
+        await lease.hold()
+    assert lease.lost.is_set()
+    slow = [r.getMessage() for r in caplog.records if "renewal took" in r.getMessage()]
+    assert slow[0].startswith("leader lease renewal took 3.0 s"), slow
+    assert any("deadline passed before renewal" in r.getMessage() for r in caplog.records)

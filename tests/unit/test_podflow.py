@@ -280,6 +280,8 @@ def test_out_of_traffic_seconds_of_a_succeeded_pass():
     for step in STEPS:
         p = podflow.step_done(p, step, 1.0, 100.0 + 10 * STEPS.index(step))
     assert p.outcome == "Succeeded" and p.left_traffic == 100.0
+    # The drain's end is recorded: what was in flight then was waited for, aborted or frozen.
+    assert p.drained_at == 100.0 + 10 * STEPS.index("drain")
     # Out from the stage (t=100) to the ready step, 10 s per step after it.
     assert podflow.out_of_traffic_seconds(p) == pytest.approx(10.0 * (len(STEPS) - 1))
     assert podflow.out_of_traffic_seconds(serving_pass()) is None
