@@ -1,6 +1,7 @@
 """Runs one pod's refit pass: executes the step podflow names, records the progress on the pod
 at podflow's checkpoints, repeats until the pass ends. I/O only; what to do next, and what to
-record when, is always podflow's decision.
+record when, is always podflow's decision. Which code runs a step is one table, ``STEP_CODE``
+(``podflow.Step`` -> coroutine; ``ADAPTER_STEP_CODE`` where an adapter pass differs).
 
 The live progress of every pass is also kept in memory (``PassContext.live``): the reconcile
 loop folds it into the WeightRefit status once per tick, so users see each pod's current step
