@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from refit_operator import podflow, probe, runner, worker
 from refit_operator.api import Broadcast, Sequence, Thresholds
+from refit_operator.podflow import Step
 from refit_operator.worker import WorkerClient
 from refit_worker import broadcast as wire
 from refit_worker.contract import TRANSFER_BACKEND, ProbeReference
@@ -63,9 +64,9 @@ async def broadcast_cycle(
     seq = Sequence()
     record: dict[str, Any] = {}
     for step in podflow.STEPS:
-        if step in ("probe", "ready"):
+        if step in (Step.probe, Step.ready):
             continue
-        if step != "receive":
+        if step != Step.receive:
             await runner.execute_step(w, seq, progress, step, resumed=False)
         else:
             sent: dict[str, Any] = {}

@@ -29,6 +29,7 @@ import httpx
 import psutil
 from refit_operator import podflow, probe, runner, worker
 from refit_operator.api import Sequence, Thresholds
+from refit_operator.podflow import Step
 from refit_operator.worker import WorkerClient
 from refit_worker import checkpoint, contract
 
@@ -78,9 +79,9 @@ async def refit_cycle(
     # The operator's own step code (runner.execute_step), by default the API's default sequence.
     progress = podflow.start("bench", "bench", version, path, time.time())
     for step in podflow.STEPS:
-        if step in ("probe", "ready"):
+        if step in (Step.probe, Step.ready):
             continue
-        if step == "drain" and traffic is not None:
+        if step == Step.drain and traffic is not None:
             traffic(False)
         await runner.execute_step(w, seq or Sequence(), progress, step, resumed=False)
         lap(step)
@@ -541,13 +542,13 @@ async def staged_refit(
     seq = Sequence()
     progress = podflow.start("bench", "bench", version, path, time.time())
     t0 = time.perf_counter()
-    await runner.execute_step(w, seq, progress, "stage", resumed=False)
+    await runner.execute_step(w, seq, progress, Step.stage, resumed=False)
     t1 = time.perf_counter()
     reload = 0.0
     for step in podflow.STEPS[1:]:
-        if step in ("probe", "ready"):
+        if step in (Step.probe, Step.ready):
             continue
-        if step == "load":  # the step's own call, for the reload time it reports
+        if step == Step.load:  # the step's own call, for the reload time it reports
             reload = float((await w.load(path, version, timeout=600))["loadSeconds"])
         else:
             await runner.execute_step(w, seq, progress, step, resumed=False)

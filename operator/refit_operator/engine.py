@@ -25,7 +25,7 @@ from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
 from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
 from .index import Known, RefitIndex
 from .leader import LeadershipLost, Lease
-from .podflow import STEPS, PodView, Progress
+from .podflow import STEPS, PodView, Progress, Step
 from .reasons import Problem, Reason
 from .reconcile import Decision, Observed, RefitView
 from .rounds import SENDING_ANNOTATION, Rounds
@@ -108,7 +108,7 @@ def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
     p = pod.progress
     if not start.resume or p is None:
         return True
-    return p.source == "broadcast" and p.step in STEPS[: STEPS.index("receive") + 1]
+    return p.source == "broadcast" and p.step in STEPS[: STEPS.index(Step.receive) + 1]
 
 
 def _replaced(driven: PodView | None, now: PodView) -> bool:

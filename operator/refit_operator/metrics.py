@@ -46,13 +46,10 @@ def _snake(value: str) -> str:
 
 # The per-pod sequence (podflow.STEPS, snake_case): their series exist from a fleet's first call.
 PIPELINE_STEPS: Final = tuple(_snake(s) for s in podflow.STEPS)
-# Also accepted: steps outside the per-pod sequence that the operator may time (restore: a
-# pass whose load was refused puts the pod back to serving its earlier weights).
-# An adapter pass's own steps (podflow.ADAPTER_STEPS) are timed under their names too.
-STEPS: Final = frozenset(
-    {*PIPELINE_STEPS, *(_snake(s) for s in podflow.ADAPTER_STEPS), _snake(podflow.RESTORE),
-     "resume", "rollback"}
-)  # fmt: skip
+# Also accepted: every other step (podflow.Step: an adapter pass's own, and restore, which
+# puts a pod whose load was refused back to serving its earlier weights), and resume and
+# rollback.
+STEPS: Final = frozenset({*(_snake(s) for s in podflow.Step), "resume", "rollback"})
 STEP_RESULTS: Final = frozenset({"success", "failure", "timeout"})
 VERDICTS: Final = ("pass", "fail", "inconclusive")
 REFIT_RESULTS: Final = frozenset(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Literal
 
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
@@ -26,28 +27,46 @@ from .reasons import Reason
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
 CLAIM_ANNOTATION = f"{API_GROUP}/claim"
 
-STEPS: tuple[str, ...] = (
+
+class Step(StrEnum):
+    """Every step a pod's pass can stand at: the word in ``status.pods[].step``, the progress
+    annotation and the step metrics (snake_case there). A member's name is its value, as for
+    ``Reason``; ``runner.STEP_CODE`` holds the code that runs each."""
+
     # While the pod still serves: verify the checkpoint (manifest, digests, the model's
     # tensors) and stage its bytes in the worker's memory, so the time out of traffic holds
     # only the swap (docs/concepts.md, "Time out of traffic").
-    "stage",
-    "drain",  # readiness condition False, then /pause and a bounded wait for in-flight requests
-    "sleep",
-    "wakeWeights",
-    "load",  # from the staged bytes, after a cheap check that no file changed since staging
+    stage = "stage"
+    drain = "drain"  # readiness condition False, then /pause and a bounded wait for in-flight
+    sleep = "sleep"
+    wakeWeights = "wakeWeights"
+    load = "load"  # from the staged bytes, after a cheap check that no file changed since staging
     # A broadcast's load (instead of stage and load): wait until the batch's pods are ready
     # and the trainer announces its send, join its transfer with the rank the operator
     # assigned, receive, check against the manifest, load, finish (docs/broadcast.md).
-    "receive",
-    "wakeKV",
-    "resetCache",
-    "stampVersion",  # stamp (refit_load already does) and read back the weight version
+    receive = "receive"
+    wakeKV = "wakeKV"
+    resetCache = "resetCache"
+    stampVersion = "stampVersion"  # stamp (refit_load already does) and read back the version
     # Read back what the model holds (vLLM's /weight_checker and the buffers' digests) and
     # compare with the pods of the same layout at this version (checksums.py).
-    "checksum",
-    "probe",
-    "ready",  # vouch for the weights (the pod's readiness probe), then condition True
-)
+    checksum = "checksum"
+    probe = "probe"
+    ready = "ready"  # vouch for the weights (the pod's readiness probe), then condition True
+    # An adapter pass's own (ADAPTER_STEPS).
+    loadAdapter = "loadAdapter"  # load the new adapter under its staged name
+    probeStaged = "probeStaged"  # probe through the staged name, the pod still serving
+    swap = "swap"  # load the verified files in place under the served name
+    # Not in any sequence: after a load refused before the model was touched, wake the KV
+    # cache and unpause, so the pod serves the weights it had (``Progress.restored``).
+    restore = "restore"
+
+
+# A weights pass (from a checkpoint, or a broadcast's receive).
+STEPS: tuple[Step, ...] = (
+    Step.stage, Step.drain, Step.sleep, Step.wakeWeights, Step.load, Step.receive, Step.wakeKV,
+    Step.resetCache, Step.stampVersion, Step.checksum, Step.probe, Step.ready,
+)  # fmt: skip
 # A LoRA adapter's pass (spec.adapter; docs/concepts.md, "LoRA adapters"). The base weights
 # are never touched: no sleep, wake or reload. While the pod serves the old adapter the new one
 # is verified ("stage", the checkpoint's manifest and digest checks), loaded under its staged
@@ -56,17 +75,18 @@ STEPS: tuple[str, ...] = (
 # in place under the name clients send (vLLM loads the new weights before dropping the old),
 # "resetCache" drops prefix blocks computed with the old adapter and resumes, "probe" scores
 # through the served name, "ready" vouches and unloads the staged name.
-ADAPTER_STEPS: tuple[str, ...] = (
-    "stage", "loadAdapter", "probeStaged", "drain", "swap", "resetCache", "probe", "ready",
+ADAPTER_STEPS: tuple[Step, ...] = (
+    Step.stage, Step.loadAdapter, Step.probeStaged, Step.drain, Step.swap, Step.resetCache,
+    Step.probe, Step.ready,
 )  # fmt: skip
 # Before the swap the served adapter is untouched and the pod stays in traffic: a failure
 # there unloads the staged name and the old adapter serves on (``Progress.restored``).
-ADAPTER_IN_TRAFFIC_STEPS = frozenset({"stage", "loadAdapter", "probeStaged"})
+ADAPTER_IN_TRAFFIC_STEPS = frozenset({Step.stage, Step.loadAdapter, Step.probeStaged})
 # Steps after which the progress is recorded on the pod (besides start, failures and the end):
 # the end of staging (of the staged probe, for an adapter) is the write that takes the pod out
 # of traffic; a restart past it resumes at the drain, and the load's read-back keeps it from
 # loading twice.
-CHECKPOINT_STEPS = frozenset({"stage", "probeStaged"})
+CHECKPOINT_STEPS = frozenset({Step.stage, Step.probeStaged})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
 _FINAL_CODES: frozenset[str] = frozenset(
     {
@@ -91,15 +111,13 @@ UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {Reason.ProbeReferenceInvalid}) | {
 }
 # The steps that change the weights: a refusal of theirs before the model was touched lets
 # the pod go back to what it served.
-LOAD_STEPS = frozenset({"load", "receive"})
+LOAD_STEPS = frozenset({Step.load, Step.receive})
 Source = Literal["checkpoint", "broadcast", "adapter"]
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
 Outcome = Literal["", "Succeeded", "Failed", "Inconclusive"]
-# Not in STEPS: after a load refused before the model was touched, wake the KV cache and
-# unpause, so the pod serves the weights it had (``Progress.restored``).
-RESTORE = "restore"
+RESTORE = Step.restore  # not in STEPS (Step.restore)
 
 
 @dataclass(frozen=True)
@@ -115,7 +133,9 @@ class Progress:
     created: str = ""  # the WeightRefit's creation order (times.creation_order): which is newer
     restarts: int = 0  # the pod's container restarts when the pass began: a restart since
     # then means the container lost the weights this pass loaded
-    step: str = STEPS[0]  # the first step not yet done ("" once the pass is over)
+    # The first step not yet done ("" once the pass is over): a Step's value (read back from
+    # the annotation as the plain string, which compares equal to its Step).
+    step: str = STEPS[0]
     attempts: int = 0  # failed tries of `step`
     not_before: float = 0.0  # epoch seconds: backoff before the next try
     outcome: Outcome = ""
@@ -160,7 +180,7 @@ class Progress:
         """The model name the pending probe scores through (None: the served base model)."""
         if self.source != "adapter":
             return None
-        if self.step == "probeStaged":
+        if self.step == Step.probeStaged:
             return staged_adapter_name(self.adapter, self.version)
         return self.adapter
 
@@ -301,7 +321,7 @@ def claim_fence(resource_version: str) -> int | None:
 
 @dataclass(frozen=True)
 class RunStep:
-    step: str
+    step: Step
 
 
 @dataclass(frozen=True)
@@ -322,17 +342,17 @@ def next_action(progress: Progress, now: float) -> Action:
         return Finished(progress.outcome)
     if progress.not_before > now:
         return WaitUntil(progress.not_before)
-    return RunStep(progress.step)
+    return RunStep(Step(progress.step))
 
 
-def steps_of(source: Source) -> tuple[str, ...]:
+def steps_of(source: Source) -> tuple[Step, ...]:
     """The ordered steps of a pass with this weight source."""
     return ADAPTER_STEPS if source == "adapter" else STEPS
 
 
-def last_step_in_traffic(source: Source) -> str:
+def last_step_in_traffic(source: Source) -> Step:
     """The step whose end takes a serving pod out of traffic (the next record drains)."""
-    return "probeStaged" if source == "adapter" else STEPS[0]
+    return Step.probeStaged if source == "adapter" else STEPS[0]
 
 
 def staged_adapter_name(name: str, version: str) -> str:
@@ -443,10 +463,10 @@ def resumed(progress: Progress) -> Progress:
         return progress
     if progress.source == "adapter" and progress.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE):
         return progress  # the served adapter is untouched before the swap
-    if progress.step == "ready" and not progress.process:
+    if progress.step == Step.ready and not progress.process:
         # Probed, but the record does not say which process was (a record written before
         # records named it): probe again rather than vouch for a process nobody probed.
-        return replace(progress, touched=True, step="probe", attempts=0, not_before=0.0)
+        return replace(progress, touched=True, step=Step.probe, attempts=0, not_before=0.0)
     return replace(progress, touched=True)
 
 
@@ -478,7 +498,7 @@ def probe_judged(
     progress = replace(progress, probe=probe)
     if verdict == "Pass":
         return progress
-    if progress.source == "adapter" and progress.step == "probeStaged":
+    if progress.source == "adapter" and progress.step == Step.probeStaged:
         # Judged through the staged name: the served adapter is untouched, restore it.
         return replace(progress, step=RESTORE, attempts=0, reason=reason, message=message)
     outcome: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
@@ -549,11 +569,11 @@ def step_applies(step: str, sleep_level: int, source: Source = "checkpoint") -> 
     this weight source (a broadcast has nothing to stage or read: it receives instead)."""
     if source == "adapter":
         return step in ADAPTER_STEPS
-    if sleep_level == 0 and step in ("sleep", "wakeWeights", "wakeKV"):
+    if sleep_level == 0 and step in (Step.sleep, Step.wakeWeights, Step.wakeKV):
         return False
     if source == "broadcast":
-        return step not in ("stage", "load")
-    return step != "receive"
+        return step not in (Step.stage, Step.load)
+    return step != Step.receive
 
 
 @dataclass(frozen=True)

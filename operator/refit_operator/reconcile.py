@@ -17,6 +17,7 @@ from .api import (
     TERMINAL_PHASES,
     BroadcastRound,
     Condition,
+    Phase,
     Previous,
     WeightRefitSpec,
     WeightRefitStatus,
@@ -28,7 +29,7 @@ from .times import rfc3339
 
 
 class Transition(Protocol):
-    def __call__(self, phase: str, reason: str, message: str, etype: str = "Normal") -> None: ...
+    def __call__(self, phase: Phase, reason: str, message: str, etype: str = "Normal") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -272,10 +273,10 @@ def _decide(obs: Observed) -> Decision:
     st.fleet = spec.fleet.selector.canonical()
     d = Decision(status=st)
 
-    def transition(phase: str, reason: str, message: str, etype: str = "Normal") -> None:
+    def transition(phase: Phase, reason: str, message: str, etype: str = "Normal") -> None:
         if st.phase != phase or st.message != message:
             d.events.append(Event(reason, message, etype))
-        st.phase = phase  # type: ignore[assignment]
+        st.phase = phase
         st.message = message
         if phase in TERMINAL_PHASES and not st.completion_time:
             st.completion_time = rfc3339(obs.now)

@@ -40,7 +40,7 @@ Windows = Mapping[str, tuple[float, float | None]]
 # a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
 LABELLED_ROWS: Final = 100
 # One color per step of the sequence, in order (tab10 + three).
-STEP_COLORS: Final = dict(
+STEP_COLORS: Final[dict[str, str]] = dict(
     zip(
         STEPS,
         (

@@ -1,6 +1,7 @@
 """Runs one pod's refit pass: executes the step podflow names, records the progress on the pod
 at podflow's checkpoints, repeats until the pass ends. I/O only; what to do next, and what to
-record when, is always podflow's decision.
+record when, is always podflow's decision. Which code runs a step is one table, ``STEP_CODE``
+(``podflow.Step`` -> coroutine; ``ADAPTER_STEP_CODE`` where an adapter pass differs).
 
 The live progress of every pass is also kept in memory (``PassContext.live``): the reconcile
 loop folds it into the WeightRefit status once per tick, so users see each pod's current step
@@ -20,7 +21,7 @@ from . import checksums, metrics, podflow, probe, times
 from .admission import admission_problem
 from .api import Broadcast, Sequence, WeightRefitSpec
 from .cluster import ClaimedPod, ClaimLost, Kube
-from .podflow import Claim, Finished, PodView, Progress, RunStep, WaitUntil
+from .podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUntil
 from .reasons import Problem, Reason, pass_event, step_timeout
 from .reconcile import PodStart
 from .rounds import Rounds, TrainerTimeout, rank_problem
@@ -193,68 +194,64 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
     return admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
 
 
+@dataclass
+class StepRun:
+    """One try of one step: what its code reads, and the progress it may amend on the way
+    (the checksum records the layout it read back, whether or not its peers agree)."""
+
+    worker: WorkerClient
+    seq: Sequence
+    progress: Progress
+    resumed: bool  # taken up from a record: a load of this pass may already have run
+    # The pass around the step; None where the bench or a test runs a step alone (the steps
+    # that need the pass's peers, rounds or probe reference cannot run so).
+    ctx: PassContext | None = None
+    pod: PodView | None = None
+
+    def in_pass(self, step: Step) -> tuple[PassContext, PodView]:
+        if self.ctx is None or self.pod is None:
+            raise ValueError(f"step {step!r} runs only within a pass")
+        return self.ctx, self.pod
+
+    @property
+    def t_step(self) -> float:
+        return float(self.seq.step_timeout_seconds)
+
+    @property
+    def t_load(self) -> float:
+        return float(self.seq.load_timeout_seconds)
+
+
+# A step's code: a note on its success (how the stage held the checkpoint, what the drain left
+# in flight; "" for none), or the progress the step judged itself (the probe's verdict).
+StepCode = Callable[[StepRun], Awaitable[str | Progress]]
+
+
 async def _run_step(
     ctx: PassContext,
     pod: PodView,
     worker: WorkerClient,
     progress: Progress,
-    step: str,
+    step: Step,
     resumed: bool,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
     began = times.monotonic()
-    note = ""
+    run = StepRun(worker, ctx.spec.sequence, progress, resumed, ctx, pod)
     try:
-        if step in ("probe", "probeStaged"):
-            return await _probe(ctx, pod, worker, progress)
-        if step == "checksum":
-            got = await read_back(worker, float(ctx.spec.sequence.step_timeout_seconds))
-            metrics.pod_checksum(ctx.namespace, ctx.fleet, pod.name, got.layout, got.digest)
-            refused = checksums.judge(
-                got,
-                progress.version,
-                ctx.recorded_checksum(progress.version, got.layout),
-                ctx.peer_checksums(progress.version, got.layout, pod.name),
-            )
-            progress = replace(progress, layout=got.layout, checksum=got.digest)
-            if refused is not None:
-                raise StepFailed(refused.reason, refused.message, final=True)
-        if step == "receive" and podflow.step_applies(
-            step, ctx.spec.sequence.sleep_level, progress.source
-        ):
-            try:
-                await _receive(ctx, pod, worker, progress, resumed)
-            finally:
-                if ctx.broadcast is not None:
-                    ctx.broadcast.rounds.leave(pod.name)
-        elif step == podflow.RESTORE and progress.source == "adapter":
-            await restore_adapter(worker, ctx.spec.sequence, progress)
-            metrics.step_finished(
-                ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
-            )
-            return podflow.restored(progress, times.now())
-        elif step == podflow.RESTORE:
-            await _restore(worker, ctx.spec.sequence, progress)
-            metrics.step_finished(
-                ctx.namespace, ctx.fleet, step, "success", times.monotonic() - began
-            )
-            return podflow.restored(progress, times.now())
-        elif step != "checksum":
-            if step == "drain":
-                await _wait_out_of_endpoints(ctx, pod)
-            note = await execute_step(worker, ctx.spec.sequence, progress, step, resumed)
+        done = await run_step_code(run, step)
     except WorkerError as e:
         if e.code == contract.STALE_FENCE:  # a newer pass owns the pod: stop, touch nothing
             raise ClaimLost(f"pod {pod.name}: {step}: {e.message}") from e
         reason, final = worker_error_reason(e, step)
         # A broadcast round cannot be repeated by one pod alone: its pass ends here.
-        final = final or step == "receive"
+        final = final or step == Step.receive
         result = "timeout" if e.kind == "timeout" else "failure"
         metrics.step_finished(ctx.namespace, ctx.fleet, step, result, times.monotonic() - began)
         await _event(ctx, Reason.PodStepRetry if not final else Reason.PodStepFailed,
                      f"pod {pod.name}: {step}: {reason}: {e.message}", "Warning")  # fmt: skip
         return podflow.step_failed(
-            progress, step, reason, e.message, times.now(), retries=retries, final=final
+            run.progress, step, reason, e.message, times.now(), retries=retries, final=final
         )
     except StepFailed as e:
         metrics.step_finished(ctx.namespace, ctx.fleet, step, "failure", times.monotonic() - began)
@@ -263,99 +260,216 @@ async def _run_step(
             f"pod {pod.name}: {step}: {e.reason}: {e.message}", "Warning",
         )  # fmt: skip
         return podflow.step_failed(
-            progress, step, e.reason, e.message, times.now(), retries=retries, final=e.final
+            run.progress, step, e.reason, e.message, times.now(), retries=retries, final=e.final
         )
+    if isinstance(done, Progress):  # judged by the step itself (its metrics too)
+        return done
     seconds = times.monotonic() - began
     metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
-    if note:  # how the stage held the checkpoint, or what the drain left in flight
-        if step == "drain":
-            progress = replace(progress, drained=note)
+    progress = run.progress
+    if step == Step.restore:
+        return podflow.restored(progress, times.now())
+    if done:  # how the stage held the checkpoint, or what the drain left in flight
+        if step == Step.drain:
+            progress = replace(progress, drained=done)
         else:
-            progress = replace(progress, staging=note)
+            progress = replace(progress, staging=done)
     return podflow.step_done(progress, step, seconds, times.now())
+
+
+async def run_step_code(run: StepRun, step: Step) -> str | Progress:
+    """Run ``step``'s code (STEP_CODE; an adapter pass's own from ADAPTER_STEP_CODE), or
+    nothing where the step does not apply at this sleep level and weight source."""
+    source = run.progress.source
+    if step != Step.restore and not podflow.step_applies(step, run.seq.sleep_level, source):
+        return ""
+    own = ADAPTER_STEP_CODE.get(step) if source == "adapter" else None
+    return await (own or STEP_CODE[step])(run)
 
 
 async def execute_step(
     worker: WorkerClient, seq: Sequence, progress: Progress, step: str, resumed: bool
 ) -> str:
-    """Run one step of the pod sequence other than the probe (the pass's own I/O; the bench's
-    refit cycle runs the same code). Returns the stage step's note (how the worker staged
-    the checkpoint) or the drain's (requests a ``keep`` drain froze), "" otherwise."""
-    t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
-    if not podflow.step_applies(step, seq.sleep_level, progress.source):
-        return ""
-    if progress.source == "adapter" and step in ("stage", "loadAdapter", "swap", "ready"):
-        return await execute_adapter_step(worker, seq, progress, step)
-    if step == "stage":
-        staged = await worker.stage(progress.path, timeout=t_load)
-        return str(staged.get("note", ""))[:200]
-    if step == "drain":  # the record before it set the readiness condition False
-        return await _drain(worker, seq, progress.version)
-    elif step == "sleep":
-        # vLLM's sleep pauses the scheduler again, in its own mode: keep, so that the
-        # requests a keep drain froze survive it; otherwise abort, so that anything queued
-        # since the drain (sent through an endpoint that had not yet dropped the pod) is
-        # aborted, visibly, rather than run on weights no probe has passed.
-        mode = "keep" if seq.drain_mode == "keep" else "abort"
-        await worker.sleep(seq.sleep_level, mode=mode, timeout=t_step)
-    elif step == "wakeWeights":
-        await worker.wake_up(["weights"], timeout=t_step)
-    elif step == "load":
-        # Never reload blindly: a load that finished before a restart stamped the version.
-        if podflow.must_read_back(progress, resumed):
-            info = await worker.refit_info(timeout=t_step)
-            if not podflow.load_needed(info.weight_version, progress.version):
-                return ""
-        await worker.load(progress.path, progress.version, timeout=t_load)
-    elif step == "wakeKV":
-        await worker.wake_up(["kv_cache"], timeout=t_step)
-    elif step == "resetCache":
-        # A keep drain's frozen requests hold KV blocks computed on the old weights: vLLM
-        # refuses the reset while they do, so they are preempted and recompute on the new.
-        keep = seq.drain_mode == "keep"
-        await worker.reset_prefix_cache(reset_running=keep, timeout=t_step)
-        # Unpause so the probe can be served; the pod is still out of Service endpoints.
-        await worker.resume(timeout=t_step)
-    elif step == "stampVersion":
-        await worker.update_weight_version(progress.version, timeout=t_step)
-        got = await worker.weight_version(timeout=t_step)
-        if got != progress.version:
-            raise StepFailed(
-                Reason.VersionMismatch, f"pod reports {got!r}, expected {progress.version!r}"
-            )
-    elif step == "checksum":
-        await read_back(worker, t_step)  # the pass judges it against its peers (_run_step)
-    elif step == "ready":
-        # The probe passed: vouch for this process's weights, so its readiness probe passes
-        # (refit_worker.readiness); the pass's last record then sets the condition True.
-        await mark_ready(worker, progress.version, t_step, progress.process or None)
-    else:
-        raise ValueError(f"unknown step {step!r}")
+    """Run one step of the pod sequence outside a pass (the bench's refit cycle, the tests):
+    the same code the pass runs, without the pass's peers, rounds or probe reference. Returns
+    the stage step's note (how the worker staged the checkpoint) or the drain's (requests a
+    ``keep`` drain froze), "" otherwise."""
+    done = await run_step_code(StepRun(worker, seq, progress, resumed), Step(step))
+    assert isinstance(done, str), f"step {step!r} judges only within a pass"
+    return done
+
+
+async def _stage(run: StepRun) -> str:
+    staged = await run.worker.stage(run.progress.path, timeout=run.t_load)
+    return str(staged.get("note", ""))[:200]
+
+
+async def _drain_step(run: StepRun) -> str:
+    if run.ctx is not None and run.pod is not None:
+        await _wait_out_of_endpoints(run.ctx, run.pod)
+    # The record before it set the readiness condition False.
+    return await _drain(run.worker, run.seq, run.progress.version)
+
+
+async def _sleep(run: StepRun) -> str:
+    # vLLM's sleep pauses the scheduler again, in its own mode: keep, so that the requests a
+    # keep drain froze survive it; otherwise abort, so that anything queued since the drain
+    # (sent through an endpoint that had not yet dropped the pod) is aborted, visibly, rather
+    # than run on weights no probe has passed.
+    mode = "keep" if run.seq.drain_mode == "keep" else "abort"
+    await run.worker.sleep(run.seq.sleep_level, mode=mode, timeout=run.t_step)
     return ""
 
 
-async def execute_adapter_step(
-    worker: WorkerClient, seq: Sequence, progress: Progress, step: str
-) -> str:
-    """The steps of an adapter pass that differ from a weights pass (drain and resetCache are
-    the same; the probes score through ``progress.probe_model``). Each is idempotent: a
-    retried or resumed load first unloads the staged name it may already have loaded."""
-    t_step, t_load = float(seq.step_timeout_seconds), float(seq.load_timeout_seconds)
-    staged = podflow.staged_adapter_name(progress.adapter, progress.version)
-    if step == "stage":
-        checked = await worker.adapter_check(progress.path, timeout=t_load)
-        return f"adapter rank {checked.get('rank')}, {checked.get('bytes')} bytes verified"
-    if step == "loadAdapter":
-        await worker.unload_adapter(staged, timeout=t_step)
-        await worker.load_adapter(staged, progress.path, timeout=t_load)
-    elif step == "swap":
-        # The files the staged probe judged, unchanged since (digests again; an adapter is
-        # small): then in place under the served name, new weights loaded before the old go.
-        await worker.adapter_check(progress.path, timeout=t_load)
-        await worker.load_adapter(progress.adapter, progress.path, inplace=True, timeout=t_load)
-    elif step == "ready":
-        await worker.unload_adapter(staged, timeout=t_step)
+async def _wake_weights(run: StepRun) -> str:
+    await run.worker.wake_up(["weights"], timeout=run.t_step)
     return ""
+
+
+async def _load(run: StepRun) -> str:
+    progress = run.progress
+    # Never reload blindly: a load that finished before a restart stamped the version.
+    if podflow.must_read_back(progress, run.resumed):
+        info = await run.worker.refit_info(timeout=run.t_step)
+        if not podflow.load_needed(info.weight_version, progress.version):
+            return ""
+    await run.worker.load(progress.path, progress.version, timeout=run.t_load)
+    return ""
+
+
+async def _receive_step(run: StepRun) -> str:
+    ctx, pod = run.in_pass(Step.receive)
+    try:
+        await _receive(ctx, pod, run.worker, run.progress, run.resumed)
+    finally:
+        if ctx.broadcast is not None:
+            ctx.broadcast.rounds.leave(pod.name)
+    return ""
+
+
+async def _wake_kv(run: StepRun) -> str:
+    await run.worker.wake_up(["kv_cache"], timeout=run.t_step)
+    return ""
+
+
+async def _reset_cache(run: StepRun) -> str:
+    # A keep drain's frozen requests hold KV blocks computed on the old weights: vLLM refuses
+    # the reset while they do, so they are preempted and recompute on the new.
+    keep = run.seq.drain_mode == "keep"
+    await run.worker.reset_prefix_cache(reset_running=keep, timeout=run.t_step)
+    # Unpause so the probe can be served; the pod is still out of Service endpoints.
+    await run.worker.resume(timeout=run.t_step)
+    return ""
+
+
+async def _stamp_version(run: StepRun) -> str:
+    version = run.progress.version
+    await run.worker.update_weight_version(version, timeout=run.t_step)
+    got = await run.worker.weight_version(timeout=run.t_step)
+    if got != version:
+        raise StepFailed(Reason.VersionMismatch, f"pod reports {got!r}, expected {version!r}")
+    return ""
+
+
+async def _checksum(run: StepRun) -> str:
+    got = await read_back(run.worker, run.t_step)
+    if run.ctx is None or run.pod is None:
+        return ""  # a step run alone: read back, judged by no peers
+    ctx, pod, progress = run.ctx, run.pod, run.progress
+    metrics.pod_checksum(ctx.namespace, ctx.fleet, pod.name, got.layout, got.digest)
+    refused = checksums.judge(
+        got,
+        progress.version,
+        ctx.recorded_checksum(progress.version, got.layout),
+        ctx.peer_checksums(progress.version, got.layout, pod.name),
+    )
+    run.progress = replace(progress, layout=got.layout, checksum=got.digest)
+    if refused is not None:
+        raise StepFailed(refused.reason, refused.message, final=True)
+    return ""
+
+
+async def _probe_step(run: StepRun) -> Progress:
+    ctx, pod = run.in_pass(Step(run.progress.step))
+    return await _probe(ctx, pod, run.worker, run.progress)
+
+
+async def _ready(run: StepRun) -> str:
+    # The probe passed: vouch for this process's weights, so its readiness probe passes
+    # (refit_worker.readiness); the pass's last record then sets the condition True.
+    await mark_ready(run.worker, run.progress.version, run.t_step, run.progress.process or None)
+    return ""
+
+
+async def _restore_step(run: StepRun) -> str:
+    await _restore(run.worker, run.seq, run.progress)
+    return ""
+
+
+# An adapter pass's own steps (the probes score through ``progress.probe_model``). Each is
+# idempotent: a retried or resumed load first unloads the staged name it may already have
+# loaded.
+async def _check_adapter(run: StepRun) -> str:
+    checked = await run.worker.adapter_check(run.progress.path, timeout=run.t_load)
+    return f"adapter rank {checked.get('rank')}, {checked.get('bytes')} bytes verified"
+
+
+async def _load_adapter(run: StepRun) -> str:
+    p = run.progress
+    staged = podflow.staged_adapter_name(p.adapter, p.version)
+    await run.worker.unload_adapter(staged, timeout=run.t_step)
+    await run.worker.load_adapter(staged, p.path, timeout=run.t_load)
+    return ""
+
+
+async def _swap_adapter(run: StepRun) -> str:
+    # The files the staged probe judged, unchanged since (digests again; an adapter is small):
+    # then in place under the served name, new weights loaded before the old go.
+    p = run.progress
+    await run.worker.adapter_check(p.path, timeout=run.t_load)
+    await run.worker.load_adapter(p.adapter, p.path, inplace=True, timeout=run.t_load)
+    return ""
+
+
+async def _unload_staged(run: StepRun) -> str:
+    p = run.progress
+    await run.worker.unload_adapter(
+        podflow.staged_adapter_name(p.adapter, p.version), timeout=run.t_step
+    )
+    return ""
+
+
+async def _restore_adapter_step(run: StepRun) -> str:
+    await restore_adapter(run.worker, run.seq, run.progress)
+    return ""
+
+
+# Every step and the code that runs it (podflow.STEPS and ADAPTER_STEPS give their order).
+STEP_CODE: dict[Step, StepCode] = {
+    Step.stage: _stage,
+    Step.drain: _drain_step,
+    Step.sleep: _sleep,
+    Step.wakeWeights: _wake_weights,
+    Step.load: _load,
+    Step.receive: _receive_step,
+    Step.wakeKV: _wake_kv,
+    Step.resetCache: _reset_cache,
+    Step.stampVersion: _stamp_version,
+    Step.checksum: _checksum,
+    Step.probe: _probe_step,
+    Step.ready: _ready,
+    Step.restore: _restore_step,
+    # An adapter pass's own steps (drain, resetCache and probe are the weights pass's).
+    Step.loadAdapter: _load_adapter,
+    Step.probeStaged: _probe_step,
+    Step.swap: _swap_adapter,
+}
+# Where an adapter pass runs a step of the same name differently.
+ADAPTER_STEP_CODE: dict[Step, StepCode] = {
+    Step.stage: _check_adapter,  # verify the adapter's files: nothing to stage
+    Step.ready: _unload_staged,  # unload the staged name (no vouch of base weights)
+    Step.restore: _restore_adapter_step,  # unload the staged name
+}
 
 
 async def restore_adapter(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:

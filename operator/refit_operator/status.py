@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from . import traffic
 from .api import STATUS_PODS_LIMIT, Condition, PodProbe, PodResult, ProbeSummary
-from .podflow import PodView, Progress
+from .podflow import PodView, Progress, Step
 from .reasons import Reason
 from .times import rfc3339
 
@@ -90,7 +90,7 @@ def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
         {
             "name": name,
             "phase": pod_phase(p, deleting),
-            "step": p.step if p.step else "ready",
+            "step": p.step if p.step else Step.ready,
             "version": p.version if p.outcome == "Succeeded" else "",
             "reason": Reason.PodDeleted if deleting else p.reason,
             "message": p.message,

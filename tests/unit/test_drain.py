@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from refit_operator import podflow, runner
 from refit_operator.api import Sequence
+from refit_operator.podflow import Step
 from refit_operator.runner import StepFailed
 from refit_operator.worker import WorkerClient, session
 
@@ -25,7 +26,7 @@ def progress() -> podflow.Progress:
     return podflow.start("wr", "u1", "B", "/c/B", now=time.time())
 
 
-async def drain(pod: SimPod, step: str = "drain", **seq: object) -> str:
+async def drain(pod: SimPod, step: Step = Step.drain, **seq: object) -> str:
     async with session() as http:
         worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN)
         return await runner.execute_step(
@@ -99,7 +100,7 @@ async def test_sleep_pauses_in_the_drain_mode_keep_or_else_abort(
     drain had frozen. Otherwise abort, on purpose: what queued since the drain never runs on
     unprobed weights."""
     (pod,) = sim_fleet(1, admin_token=ADMIN)
-    await drain(pod, "sleep", drain_mode=mode)
+    await drain(pod, Step.sleep, drain_mode=mode)
     assert pod.call_log()[-1]["params"] == {"level": "1", "mode": sleeps}
 
 
@@ -109,7 +110,7 @@ async def test_keep_resets_the_prefix_cache_of_the_frozen_requests_too(
     """Regression: vLLM refused the reset while the requests a keep drain froze held blocks,
     and the pass retried until it gave up (found on real vLLM under load)."""
     (pod,) = sim_fleet(1, admin_token=ADMIN)
-    await drain(pod, "resetCache", drain_mode="keep")
+    await drain(pod, Step.resetCache, drain_mode="keep")
     assert pod.call_log()[-2]["params"] == {"reset_running_requests": "true"}
-    await drain(pod, "resetCache", drain_mode="wait")
+    await drain(pod, Step.resetCache, drain_mode="wait")
     assert pod.call_log()[-2]["params"] == {}

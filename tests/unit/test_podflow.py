@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 from refit_operator import podflow, times
-from refit_operator.podflow import STEPS, Finished, Progress, RunStep, WaitUntil
+from refit_operator.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
 from refit_worker.fence import MAX_FENCE, format_fence
 
 
@@ -18,6 +18,18 @@ def test_steps_in_the_documented_order():
     )  # fmt: skip
 
 
+def test_a_step_is_the_word_in_status_metrics_and_the_annotation():
+    """Step members are named by their values, and serialize as the plain words."""
+    assert all(step.name == step.value for step in Step)
+    assert {*STEPS, *podflow.ADAPTER_STEPS, podflow.RESTORE} == set(Step)
+    assert podflow.RESTORE == "restore"
+    p = replace(fresh(), step=Step.wakeWeights)
+    assert json.loads(p.to_annotation())["step"] == "wakeWeights"
+    back = Progress.from_annotation(p.to_annotation())
+    assert back is not None and back.step == Step.wakeWeights
+    assert podflow.next_action(back, 101.0) == RunStep(Step.wakeWeights)
+
+
 def test_walk_every_step_to_success():
     p = fresh()
     for step in STEPS:
@@ -30,23 +42,23 @@ def test_walk_every_step_to_success():
 
 def test_out_of_order_step_is_refused():
     with pytest.raises(ValueError):
-        podflow.step_done(fresh(), "load", 1.0, 1.0)
+        podflow.step_done(fresh(), Step.load, 1.0, 1.0)
 
 
 def test_retries_back_off_then_fail_closed():
     p = fresh()
-    p = podflow.step_failed(p, "stage", "HttpError", "500", now=200.0, retries=2)
+    p = podflow.step_failed(p, Step.stage, "HttpError", "500", now=200.0, retries=2)
     assert p.outcome == "" and p.not_before == 201.0
     assert podflow.next_action(p, 200.5) == WaitUntil(201.0)
-    assert podflow.next_action(p, 201.0) == RunStep("stage")
-    p = podflow.step_failed(p, "stage", "HttpError", "500", now=201.0, retries=2)
+    assert podflow.next_action(p, 201.0) == RunStep(Step.stage)
+    p = podflow.step_failed(p, Step.stage, "HttpError", "500", now=201.0, retries=2)
     assert p.not_before == 203.0
-    p = podflow.step_failed(p, "stage", "HttpError", "500", now=203.0, retries=2)
+    p = podflow.step_failed(p, Step.stage, "HttpError", "500", now=203.0, retries=2)
     assert p.outcome == "Failed" and p.reason == "HttpError" and p.attempts == 3
 
 
 def test_worker_rejection_is_final_at_once():
-    p = podflow.step_failed(fresh(), "stage", "ManifestMismatch", "sha", now=1.0, retries=5)
+    p = podflow.step_failed(fresh(), Step.stage, "ManifestMismatch", "sha", now=1.0, retries=5)
     assert p.outcome == "Failed"
 
 
@@ -60,7 +72,7 @@ def test_probe_verdicts():
 
 
 def test_annotation_round_trip_and_garbage():
-    p = podflow.step_done(fresh(), "stage", 0.1, 1.0)
+    p = podflow.step_done(fresh(), Step.stage, 0.1, 1.0)
     assert Progress.from_annotation(p.to_annotation()) == p
     assert Progress.from_annotation("{not json") is None
     assert Progress.from_annotation('{"unknown": 1}') is None
@@ -81,21 +93,28 @@ def test_sleep_level_zero_skips_sleep_and_wakes():
     for source in ("checkpoint", "broadcast"):
         at_one = [s for s in STEPS if podflow.step_applies(s, 1, source)]
         at_zero = [s for s in STEPS if podflow.step_applies(s, 0, source)]
-        assert [s for s in at_one if s not in at_zero] == ["sleep", "wakeWeights", "wakeKV"]
-        assert podflow.step_applies("sleep", 2, source)
+        assert [s for s in at_one if s not in at_zero] == [
+            Step.sleep,
+            Step.wakeWeights,
+            Step.wakeKV,
+        ]
+        assert podflow.step_applies(Step.sleep, 2, source)
 
 
 def test_a_checkpoint_loads_and_a_broadcast_receives():
     # The default source is a checkpoint: every step but the broadcast's receive.
-    assert [s for s in STEPS if not podflow.step_applies(s, 1)] == ["receive"]
-    assert [s for s in STEPS if not podflow.step_applies(s, 1, "checkpoint")] == ["receive"]
+    assert [s for s in STEPS if not podflow.step_applies(s, 1)] == [Step.receive]
+    assert [s for s in STEPS if not podflow.step_applies(s, 1, "checkpoint")] == [Step.receive]
     # A broadcast has no directory to stage or load: it receives instead, and runs the rest.
-    assert [s for s in STEPS if not podflow.step_applies(s, 1, "broadcast")] == ["stage", "load"]
+    assert [s for s in STEPS if not podflow.step_applies(s, 1, "broadcast")] == [
+        Step.stage,
+        Step.load,
+    ]
     assert [s for s in STEPS if not podflow.step_applies(s, 0, "broadcast")] == [
-        "stage", "sleep", "wakeWeights", "load", "wakeKV",
+        Step.stage, Step.sleep, Step.wakeWeights, Step.load, Step.wakeKV,
     ]  # fmt: skip
     # The receive follows the wake of the weights and precedes the KV cache's, as the load.
-    assert STEPS.index("receive") == STEPS.index("load") + 1
+    assert STEPS.index(Step.receive) == STEPS.index(Step.load) + 1
 
 
 def _recorded(p: Progress, now: float) -> tuple[list[str], Progress]:
@@ -112,13 +131,13 @@ def _recorded(p: Progress, now: float) -> tuple[list[str], Progress]:
 def test_progress_is_recorded_at_checkpoints_only():
     recorded, _ = _recorded(fresh(), 1.0)
     # Start is recorded by the caller; then once staged (the pod leaves traffic), and at the end.
-    assert recorded == ["stage", "ready"]
+    assert recorded == [Step.stage, Step.ready]
 
 
 def test_failed_tries_and_verdicts_are_recorded():
-    p = podflow.step_done(fresh(), "stage", 0.1, 1.0)
-    p = podflow.step_done(p, "drain", 0.1, 1.0)
-    retry = podflow.step_failed(p, "sleep", "SleepTimeout", "slow", now=2.0, retries=3)
+    p = podflow.step_done(fresh(), Step.stage, 0.1, 1.0)
+    p = podflow.step_done(p, Step.drain, 0.1, 1.0)
+    retry = podflow.step_failed(p, Step.sleep, "SleepTimeout", "slow", now=2.0, retries=3)
     assert retry.outcome == "" and podflow.must_record(p, retry)
     failed = podflow.probe_judged(p, "Fail", "NllDrift", "drift", {}, 3.0)
     assert podflow.must_record(p, failed)
@@ -128,7 +147,7 @@ def test_read_back_before_load_only_when_a_load_may_have_run():
     at_load = fresh()
     assert not podflow.must_read_back(at_load, resumed=False)
     assert podflow.must_read_back(at_load, resumed=True)
-    retried = podflow.step_failed(at_load, "load", "LoadTimeout", "slow", now=2.0, retries=3)
+    retried = podflow.step_failed(at_load, Step.load, "LoadTimeout", "slow", now=2.0, retries=3)
     assert podflow.must_read_back(retried, resumed=False)
 
 
@@ -138,7 +157,7 @@ def test_readiness_follows_the_pass():
     for step in STEPS[:-1]:
         p = podflow.step_done(p, step, 0.1, 1.0)
         assert not podflow.readiness(p).ready
-    done = podflow.step_done(p, "ready", 0.1, 1.0)
+    done = podflow.step_done(p, Step.ready, 0.1, 1.0)
     assert podflow.readiness(done) == podflow.Readiness(True, "ProbePassed", "weights v2 probed")
     failed = podflow.probe_judged(p, "Fail", "NllDrift", "nll 9.1 vs 2.0", {}, 3.0)
     assert podflow.readiness(failed) == podflow.Readiness(
@@ -213,7 +232,7 @@ def serving_pass() -> Progress:
 def test_a_serving_pod_stays_in_traffic_while_staging_only():
     p = serving_pass()
     assert p.in_traffic and podflow.readiness(p) is None and p.left_traffic == 0.0
-    staged = podflow.step_done(p, "stage", 4.0, 104.0)
+    staged = podflow.step_done(p, Step.stage, 4.0, 104.0)
     assert not staged.in_traffic and staged.left_traffic == 104.0
     assert podflow.readiness(staged) == podflow.Readiness(
         False, "Refitting", "refit to v2 in progress"
@@ -221,12 +240,12 @@ def test_a_serving_pod_stays_in_traffic_while_staging_only():
     assert podflow.must_record(p, staged)  # the record that takes the pod out of traffic
     # How the worker staged it goes into the pod's condition: over the budget, it says so.
     note = "12.0 GB exceeds the staging budget 8.0 GiB: the load reads the files again"
-    disk = podflow.step_done(replace(p, staging=note), "stage", 4.0, 104.0)
+    disk = podflow.step_done(replace(p, staging=note), Step.stage, 4.0, 104.0)
     assert podflow.readiness(disk).message == f"refit to v2 in progress; {note}"
     # A retried stage keeps the pod in traffic; a refused one leaves it there, untouched.
-    retry = podflow.step_failed(p, "stage", "StageTimeout", "slow", now=101.0, retries=3)
+    retry = podflow.step_failed(p, Step.stage, "StageTimeout", "slow", now=101.0, retries=3)
     assert retry.in_traffic and podflow.readiness(retry) is None
-    refused = podflow.step_failed(p, "stage", "ManifestMismatch", "sha", now=101.0, retries=3)
+    refused = podflow.step_failed(p, Step.stage, "ManifestMismatch", "sha", now=101.0, retries=3)
     assert refused.outcome == "Failed" and podflow.readiness(refused) is None
     assert podflow.out_of_traffic_seconds(refused) is None
 
@@ -238,14 +257,16 @@ def test_a_pod_not_serving_leaves_traffic_in_the_first_write():
 
 
 def _at_load(p: Progress) -> Progress:
-    for step in ("stage", "drain", "sleep", "wakeWeights"):
+    for step in (Step.stage, Step.drain, Step.sleep, Step.wakeWeights):
         p = podflow.step_done(p, step, 1.0, 110.0)
     return p
 
 
 def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
     p = _at_load(serving_pass())
-    back = podflow.step_failed(p, "load", "CheckpointChanged", "shard rewritten", 111.0, retries=3)
+    back = podflow.step_failed(
+        p, Step.load, "CheckpointChanged", "shard rewritten", 111.0, retries=3
+    )
     assert (
         back.step == podflow.RESTORE and back.outcome == "" and back.reason == "CheckpointChanged"
     )
@@ -265,12 +286,12 @@ def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
 
 def test_no_restore_after_the_model_was_touched_or_without_served_weights():
     p = _at_load(serving_pass())
-    touched = podflow.step_failed(p, "load", "LoadFailed", "boom", 111.0, retries=0)
+    touched = podflow.step_failed(p, Step.load, "LoadFailed", "boom", 111.0, retries=0)
     assert touched.outcome == "Failed" and not touched.restored
     assert podflow.readiness(touched).ready is False
-    unserved = podflow.step_failed(_at_load(fresh()), "load", "CheckpointChanged", "x", 111.0,
+    unserved = podflow.step_failed(_at_load(fresh()), Step.load, "CheckpointChanged", "x", 111.0,
                                    retries=3)  # fmt: skip
-    assert unserved.outcome == "Failed" and unserved.step == "load"
+    assert unserved.outcome == "Failed" and unserved.step == Step.load
     with pytest.raises(ValueError):
         podflow.restored(p, 1.0)
 
@@ -300,7 +321,7 @@ def test_what_a_pod_serves():
     assert _pod(done, restarts=1).serving == ""  # the container restarted: weights lost
     assert _pod(None).serving == ""
     back = podflow.restored(
-        podflow.step_failed(_at_load(serving_pass()), "load", "CheckpointChanged", "x", 1.0,
+        podflow.step_failed(_at_load(serving_pass()), Step.load, "CheckpointChanged", "x", 1.0,
                             retries=0),
         2.0,
     )  # fmt: skip
@@ -310,9 +331,9 @@ def test_what_a_pod_serves():
 def broadcast_pass(serving: str = "v1") -> Progress:
     """A broadcast pass (no path) on a pod that serves ``serving``, at its receive step."""
     p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving=serving, source="broadcast")
-    for step in ("stage", "drain", "sleep", "wakeWeights", "load"):
+    for step in (Step.stage, Step.drain, Step.sleep, Step.wakeWeights, Step.load):
         p = podflow.step_done(p, step, 0.0, 110.0)
-    assert p.step == "receive"
+    assert p.step == Step.receive
     return p
 
 
@@ -330,7 +351,7 @@ def test_the_source_survives_the_annotation():
 def test_a_receive_refused_before_the_model_was_touched_restores_the_pod():
     for reason in ("TransferMismatch", "TransferFailed", "TrainerTimeout", "ManifestInvalid",
                    "TensorMismatch"):  # fmt: skip
-        back = podflow.step_failed(broadcast_pass(), "receive", reason, "x", 111.0, retries=3,
+        back = podflow.step_failed(broadcast_pass(), Step.receive, reason, "x", 111.0, retries=3,
                                    final=True)  # fmt: skip
         assert back.step == podflow.RESTORE and back.outcome == "", reason
         done = podflow.restored(back, 112.0)
@@ -339,12 +360,12 @@ def test_a_receive_refused_before_the_model_was_touched_restores_the_pod():
 
 def test_a_receive_that_may_have_touched_the_model_fails_closed():
     for reason in ("LoadFailed", "ReceiveTimeout", "PodUnreachable"):
-        p = podflow.step_failed(broadcast_pass(), "receive", reason, "x", 111.0, retries=3,
+        p = podflow.step_failed(broadcast_pass(), Step.receive, reason, "x", 111.0, retries=3,
                                 final=True)  # fmt: skip
-        assert p.outcome == "Failed" and p.step == "receive" and not p.restored, reason
+        assert p.outcome == "Failed" and p.step == Step.receive and not p.restored, reason
         assert podflow.readiness(p).ready is False
     # Without weights it served with a passed probe there is nothing to go back to.
-    p = podflow.step_failed(broadcast_pass(serving=""), "receive", "TransferFailed", "x", 111.0,
+    p = podflow.step_failed(broadcast_pass(serving=""), Step.receive, "TransferFailed", "x", 111.0,
                             retries=3, final=True)  # fmt: skip
     assert p.outcome == "Failed" and not p.restored
 
@@ -353,7 +374,7 @@ def test_a_broadcast_pass_is_recorded_where_a_checkpoint_pass_is():
     p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving="v1", source="broadcast")
     recorded, p = _recorded(p, 101.0)
     # The skipped stage still ends the time in traffic, in the record it writes.
-    assert recorded == ["stage", "ready"]
+    assert recorded == [Step.stage, Step.ready]
     assert p.outcome == "Succeeded" and p.left_traffic == 101.0
 
 
@@ -369,9 +390,9 @@ def _tries(p: Progress, reasons: list[str], *, retries: int, restart: bool) -> P
     for a coded refusal other than LoadFailed), the record round-tripped through the
     annotation between tries and, with ``restart``, taken up by a new operator each time."""
     for i, reason in enumerate(reasons):
-        assert p.step == "load" and not p.finished_pass, (reasons, i, p)
+        assert p.step == Step.load and not p.finished_pass, (reasons, i, p)
         final = reason in podflow.UNTOUCHED_LOAD_CODES
-        p = podflow.step_failed(p, "load", reason, f"try {i}", 111.0 + i, retries=retries,
+        p = podflow.step_failed(p, Step.load, reason, f"try {i}", 111.0 + i, retries=retries,
                                 final=final)  # fmt: skip
         if p.finished_pass or p.step == podflow.RESTORE:
             break
@@ -390,7 +411,7 @@ def test_a_refusal_after_a_try_that_may_have_touched_the_model_never_restores(
     first: str, last: str, restart: bool
 ):
     p = _tries(_at_load(serving_pass()), [first, last], retries=2, restart=restart)
-    assert p.touched and p.outcome == "Failed" and p.step == "load" and not p.restored, p
+    assert p.touched and p.outcome == "Failed" and p.step == Step.load and not p.restored, p
     assert p.reason == last and "may have changed the model" in p.message
     ready = podflow.readiness(p)
     assert ready is not None and ready.ready is False and ready.reason == last
@@ -418,19 +439,19 @@ def test_every_order_of_load_failures_keeps_an_untouched_restore_only():
 
 
 def test_a_pass_resumed_past_its_stage_counts_the_model_as_touched():
-    staged = podflow.step_done(serving_pass(), "stage", 1.0, 104.0)
+    staged = podflow.step_done(serving_pass(), Step.stage, 1.0, 104.0)
     for p in (staged, _at_load(serving_pass())):
         # The last operator may have been inside the load when it stopped.
         back = podflow.resumed(Progress.from_annotation(p.to_annotation()))
         assert back.touched
-        refused = podflow.step_failed(back if back.step == "load" else _at_load_from(back),
-                                      "load", "CheckpointChanged", "x", 120.0, retries=2,
+        refused = podflow.step_failed(back if back.step == Step.load else _at_load_from(back),
+                                      Step.load, "CheckpointChanged", "x", 120.0, retries=2,
                                       final=True)  # fmt: skip
         assert refused.outcome == "Failed" and not refused.restored
     # Still staging (the pod serves): no load can have run, a refusal restores as before.
     assert not podflow.resumed(serving_pass()).touched
     done = _at_load(serving_pass())
-    done = podflow.step_failed(done, "load", "CheckpointChanged", "x", 1.0, retries=0)
+    done = podflow.step_failed(done, Step.load, "CheckpointChanged", "x", 1.0, retries=0)
     assert podflow.resumed(podflow.restored(done, 2.0)).touched is False  # over: unchanged
     # A record written before the field existed reads as untouched.
     doc = json.loads(serving_pass().to_annotation())
@@ -439,19 +460,19 @@ def test_a_pass_resumed_past_its_stage_counts_the_model_as_touched():
 
 
 def _at_load_from(p: Progress) -> Progress:
-    for step in ("drain", "sleep", "wakeWeights"):
+    for step in (Step.drain, Step.sleep, Step.wakeWeights):
         p = podflow.step_done(p, step, 1.0, 110.0)
     return p
 
 
 def test_a_receive_after_a_try_that_may_have_touched_the_model_never_restores():
     p = podflow.resumed(broadcast_pass())  # a restart while the receive was running
-    p = podflow.step_failed(p, "receive", "TransferMismatch", "x", 111.0, retries=3, final=True)
+    p = podflow.step_failed(p, Step.receive, "TransferMismatch", "x", 111.0, retries=3, final=True)
     assert p.outcome == "Failed" and not p.restored and podflow.readiness(p).ready is False
 
 
 def _at_ready(p: Progress) -> Progress:
-    for step in podflow.STEPS[: podflow.STEPS.index("ready")]:
+    for step in podflow.STEPS[: podflow.STEPS.index(Step.ready)]:
         p = podflow.step_done(p, step, 0.1, 110.0)
     return p
 
@@ -463,9 +484,9 @@ def test_a_pass_resumed_at_its_vouch_vouches_only_for_the_process_it_probed():
     restarted container refuses); one that names none is probed again."""
     named = replace(_at_ready(serving_pass()), process="proc-1")
     back = podflow.resumed(Progress.from_annotation(named.to_annotation()))
-    assert (back.step, back.process) == ("ready", "proc-1")
+    assert (back.step, back.process) == (Step.ready, "proc-1")
     unnamed = podflow.resumed(Progress.from_annotation(_at_ready(serving_pass()).to_annotation()))
-    assert unnamed.step == "probe" and unnamed.touched and unnamed.attempts == 0
+    assert unnamed.step == Step.probe and unnamed.touched and unnamed.attempts == 0
     # A record written before records named the process reads as naming none.
     doc = json.loads(_at_ready(serving_pass()).to_annotation())
     del doc["process"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from refit_operator import podflow
-from refit_operator.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep
+from refit_operator.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
 
 
 def adapter_pass(serving: str = "v1") -> Progress:
@@ -26,10 +26,12 @@ def test_adapter_steps_need_no_sleep_wake_or_reload():
     assert ADAPTER_STEPS == (
         "stage", "loadAdapter", "probeStaged", "drain", "swap", "resetCache", "probe", "ready",
     )  # fmt: skip
-    assert not {"sleep", "wakeWeights", "load", "wakeKV", "stampVersion"} & set(ADAPTER_STEPS)
+    assert not {Step.sleep, Step.wakeWeights, Step.load, Step.wakeKV, Step.stampVersion} & set(
+        ADAPTER_STEPS
+    )
     for step in ADAPTER_STEPS:
         assert podflow.step_applies(step, 2, "adapter")
-    assert not podflow.step_applies("sleep", 1, "adapter")
+    assert not podflow.step_applies(Step.sleep, 1, "adapter")
 
 
 def test_walk_to_success_leaves_traffic_only_for_the_swap():
@@ -50,13 +52,13 @@ def test_walk_to_success_leaves_traffic_only_for_the_swap():
 
 
 def test_the_end_of_the_staged_probe_is_recorded():
-    p = walk_to(adapter_pass(), "probeStaged")
-    after = podflow.step_done(p, "probeStaged", 0.01, 102.0)
+    p = walk_to(adapter_pass(), Step.probeStaged)
+    after = podflow.step_done(p, Step.probeStaged, 0.01, 102.0)
     assert podflow.must_record(p, after)
     assert p.in_traffic and not after.in_traffic  # this record takes the pod out of traffic
 
 
-@pytest.mark.parametrize("step", ["stage", "loadAdapter"])
+@pytest.mark.parametrize("step", [Step.stage, Step.loadAdapter])
 def test_refused_before_the_swap_restores_the_old_adapter(step: str):
     p = walk_to(adapter_pass(), step)
     p = podflow.step_failed(p, step, "ManifestMismatch", "digest differs", 103.0, retries=3)
@@ -72,13 +74,13 @@ def test_refused_before_the_swap_restores_the_old_adapter(step: str):
 
 
 def test_retries_before_the_swap_stay_in_traffic():
-    p = walk_to(adapter_pass(), "loadAdapter")
-    p = podflow.step_failed(p, "loadAdapter", "HttpError", "500", 103.0, retries=2)
-    assert p.step == "loadAdapter" and p.attempts == 1 and p.in_traffic
+    p = walk_to(adapter_pass(), Step.loadAdapter)
+    p = podflow.step_failed(p, Step.loadAdapter, "HttpError", "500", 103.0, retries=2)
+    assert p.step == Step.loadAdapter and p.attempts == 1 and p.in_traffic
 
 
 def test_a_failed_staged_probe_restores_the_old_adapter():
-    p = walk_to(adapter_pass(), "probeStaged")
+    p = walk_to(adapter_pass(), Step.probeStaged)
     p = podflow.probe_judged(p, "Fail", "LogprobDrift", "mean over", {"verdict": "Fail"}, 103.0)
     assert p.step == RESTORE and not p.finished_pass and p.probe == {"verdict": "Fail"}
     p = podflow.restored(p, 104.0)
@@ -87,7 +89,7 @@ def test_a_failed_staged_probe_restores_the_old_adapter():
 
 
 def test_a_failed_probe_after_the_swap_fails_closed():
-    p = walk_to(adapter_pass(), "probe")
+    p = walk_to(adapter_pass(), Step.probe)
     p = podflow.probe_judged(p, "Fail", "LogprobDrift", "mean over", {}, 106.0)
     assert p.outcome == "Failed" and not p.restored
     ready = podflow.readiness(p)
@@ -95,15 +97,15 @@ def test_a_failed_probe_after_the_swap_fails_closed():
 
 
 def test_a_failed_swap_fails_closed():
-    p = walk_to(adapter_pass(), "swap")
-    p = podflow.step_failed(p, "swap", "HttpError", "500", 105.0, retries=0)
+    p = walk_to(adapter_pass(), Step.swap)
+    p = podflow.step_failed(p, Step.swap, "HttpError", "500", 105.0, retries=0)
     assert p.outcome == "Failed" and not p.restored and not p.in_traffic
 
 
 def test_a_pod_without_a_probed_adapter_stays_out_after_a_refusal():
     p = adapter_pass(serving="")
     assert not p.in_traffic and p.left_traffic == 100.0
-    p = podflow.step_failed(p, "stage", "ManifestMismatch", "x", 101.0, retries=0)
+    p = podflow.step_failed(p, Step.stage, "ManifestMismatch", "x", 101.0, retries=0)
     assert p.step == RESTORE  # the staged name is still unloaded
     p = podflow.restored(p, 102.0)
     assert p.outcome == "Failed" and not p.restored
@@ -112,9 +114,9 @@ def test_a_pod_without_a_probed_adapter_stays_out_after_a_refusal():
 
 
 def test_resumed_before_the_swap_is_untouched_and_after_it_touched():
-    before = walk_to(adapter_pass(), "probeStaged")
+    before = walk_to(adapter_pass(), Step.probeStaged)
     assert podflow.resumed(before) == before
-    after = walk_to(adapter_pass(), "resetCache")
+    after = walk_to(adapter_pass(), Step.resetCache)
     assert podflow.resumed(after).touched
 
 

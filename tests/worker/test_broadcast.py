@@ -55,12 +55,6 @@ def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
 
 
 @pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def tensors(tiny_model: TinyModel) -> dict[str, Tensors]:
     return {name: broadcast.load_tensors(tiny_model.checkpoints[name]) for name in ("A", "B")}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from importlib import metadata
 
 import httpx
@@ -26,12 +25,6 @@ ADMIN_CALLS = [
     ("POST", "/wake_up", None),
     ("POST", "/resume", None),
 ]
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=60) as c:
-        yield c
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from refit_operator import podflow, probe, runner
 from refit_operator.api import Sequence, Thresholds
-from refit_operator.podflow import Progress, RunStep
+from refit_operator.podflow import Progress, RunStep, Step
 from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract
 
@@ -91,7 +91,7 @@ async def run_pass(
         assert isinstance(action, RunStep), action
         step, began = action.step, time.monotonic()
         try:
-            if step in ("probe", "probeStaged"):
+            if step in (Step.probe, Step.probeStaged):
                 outcome = await judge(worker, progress.path, progress.probe_model)
                 progress = podflow.probe_judged(
                     progress, outcome.verdict, outcome.reason, outcome.message,
@@ -99,7 +99,7 @@ async def run_pass(
                 )  # fmt: skip
                 if outcome.verdict == "Pass":
                     progress = podflow.step_done(progress, step, 0.0, time.time())
-                    if step == "probeStaged" and after_staged_probe is not None:
+                    if step == Step.probeStaged and after_staged_probe is not None:
                         await after_staged_probe()  # type: ignore[operator]
             elif step == podflow.RESTORE:
                 await runner.restore_adapter(worker, SEQ, progress)

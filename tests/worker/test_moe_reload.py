@@ -61,12 +61,6 @@ def root(tiny_moe: TinyMoe, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
-
-
 def moe_server(
     tiny_moe: TinyMoe, root: Path, name: str, extra: list[str]
 ) -> AbstractContextManager[VllmServer]:

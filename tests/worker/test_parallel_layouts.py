@@ -85,12 +85,6 @@ def vllm_server(tiny_model: TinyModel, root: Path, layout: str) -> Iterator[Vllm
         yield server
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
-
-
 def rpc_all(server: VllmServer, method: str, *args: Any, **headers: str) -> list[Any]:
     """Every worker's result of one /collective_rpc, in worker order."""
     r = post(server, "/collective_rpc", {"method": method, "args": list(args)}, **headers)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,12 +18,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NLL_TOL = 1e-4  # fp32 engine vs fp32 HF reference (measured ~1e-6)
 TOKEN_TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
 
 
 def admin(server: VllmServer, http: httpx.Client, method: str, path: str, **kw: Any) -> Any:

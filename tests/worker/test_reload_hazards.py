@@ -45,12 +45,6 @@ def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
-
-
 def probe(server: VllmServer, http: httpx.Client, tiny_model: TinyModel, name: str) -> Any:
     ref = tiny_model.reference(name)
     return evaluate(ref, scores(server, http, ref), Thresholds())
