@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-texts", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prefix", default="grpo", help="versions are PREFIX-step-N")
     p.add_argument("--corrupt-at-step", type=int, default=None)
     p.add_argument("--spec", default="{}", help="more spec fields, as client keywords (JSON)")
@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         config = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="grpo-"), use_cpu=True, bf16=False,
             per_device_train_batch_size=16, num_generations=8, max_completion_length=12,
-            temperature=1.0, learning_rate=args.lr, max_steps=args.steps, logging_steps=1,
-            save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
+            temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
+            max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+            data_seed=0, dataloader_num_workers=0,
         )  # fmt: skip
         trainer = GRPOTrainer(
             model=model, processing_class=tok, args=config, reward_funcs=[reward_red],
