@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 # A fresh, uninterrupted pass: no read-back of the weight version before the load (nothing can
 # have loaded yet; a resumed or retried load reads back first, see test_operator_restart).
 SEQUENCE = [
-    "refit_stage", "pause", "metrics", "sleep", "wake_up", "refit_load",
+    "refit_stage", "pause", "sleep", "wake_up", "refit_load",
+    "pause",  # wakeKV: abort what queued since the sleep, before the wake resumes vLLM
     "wake_up", "reset_prefix_cache", "resume", "update_weight_version", "weight_info",
     "weight_checker", "refit_buffer_digests",  # the read-back (checksum step)
     "refit_ready",  # GET, before the probe: which process the probe scores

@@ -201,7 +201,7 @@ def check_nothing_lost(records: list[Record]) -> None:
 
 def test_wait_rolling_checkpoint_under_load(fleet, servers, tiny_model, router):
     """Rolling, one pod at a time: the other pod serves throughout, requests admitted before
-    a pod's drain finish on A, nothing is aborted, nothing reaches unprobed weights."""
+    a pod left traffic finish on A (none aborted), nothing reaches unprobed weights."""
     fl, op = fleet
     st, records, _ = under_load(
         fl, op, tiny_model, router, servers, "wait-b", "B",
@@ -211,8 +211,14 @@ def test_wait_rolling_checkpoint_under_load(fleet, servers, tiny_model, router):
     )  # fmt: skip
     assert st["phase"] == "Succeeded", (st, op.logs())
     check_nothing_lost(records)
-    # wait never aborts; Rolling always leaves one pod in traffic.
-    assert {r.outcome for r in records} == {"ok"}, summary(records)
+    # wait aborts nothing the pod had before it left traffic; Rolling always leaves one pod
+    # in traffic. Only a request the router sent in the moment before it saw the pod leave
+    # can reach it paused: queued by vLLM, it is aborted cleanly before the scheduler resumes
+    # (tests/worker/test_late_arrivals.py), never run on weights no probe has passed.
+    assert {r.outcome for r in records} <= {"ok", "aborted"}, summary(records)
+    for r in records:
+        if r.outcome == "aborted":
+            assert r.start >= pass_record(fl, r.pod)["left_traffic"], r
     check_no_unprobed_weights(fl, records, "A", "B")
     check_routed_in_traffic(router, records)
     for pod in PODS:

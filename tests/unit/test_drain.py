@@ -1,7 +1,8 @@
 """The drain step (runner.execute_step "drain") per drain mode, against the simulated worker:
 ``wait`` is bounded by drainTimeoutSeconds (vLLM's /pause?mode=wait answers only once the
 requests in flight finished, so its wait is the drain), ``keep`` never waits for the requests
-it froze and says how many it kept, ``abort`` and ``wait`` still wait for what /metrics counts.
+it froze and says how many it kept, ``abort`` and ``wait`` end with the pause (never on
+/metrics, which a paused engine stops refreshing).
 The same on real vLLM under load: tests/e2e/test_refit_under_load.py."""
 
 from __future__ import annotations
@@ -67,17 +68,20 @@ async def test_keep_does_not_wait_for_the_requests_it_froze(
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait"])
-async def test_abort_and_wait_still_wait_for_what_metrics_counts(
+async def test_abort_and_wait_trust_the_pause_not_the_stale_metrics(
     sim_fleet: Callable[..., list[SimPod]], mode: str
 ) -> None:
+    """Regression: after the pause the drain waited until /metrics counted nothing. A paused
+    vLLM keeps the counts its last step published, and those include requests that reached
+    it after the pause began (queued, never run while paused): the drain then waited out
+    drainTimeoutSeconds (bench under_load: 60.4 s). The pause is the drain; the sleep step
+    aborts what queued since."""
     (pod,) = sim_fleet(1, admin_token=ADMIN)
-    pod.set_state(running=1)
-    with pytest.raises(StepFailed) as failed:
-        await drain(pod, drain_mode=mode, drain_timeout_seconds=1)
-    assert failed.value.reason == "DrainTimeout"
-    assert failed.value.message == "1 requests still in flight after 1s"
-    pod.set_state(running=0)
-    assert await drain(pod, drain_mode=mode, drain_timeout_seconds=1) == ""
+    pod.set_state(running=1, waiting=3)  # what the stale stats still say
+    began = time.monotonic()
+    assert await drain(pod, drain_mode=mode, drain_timeout_seconds=5) == ""
+    assert time.monotonic() - began < 2
+    assert pod.call_log()[-1]["params"] == {"mode": mode}
 
 
 def test_a_kept_drain_is_said_on_the_readiness_condition() -> None:
