@@ -64,8 +64,9 @@ def fleet(
     tiny_model: TinyModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Fleet, Operators]]:
-    """One namespace and operator (two replicas) for the module (the pods keep the fencing tokens they
-    admitted, so one Lease serves every test), the two pods serving A after an idle refit."""
+    """One namespace and operator (two replicas) for the module (the pods keep the fencing
+    tokens they admitted, so one Lease serves every test), the two pods serving A after an
+    idle refit."""
     ns = control_plane.create_namespace("under-load")
     logs = tmp_path_factory.mktemp("under-load-logs")
     op, fl = Operators(control_plane.kubeconfig, ns, logs), Fleet(control_plane, ns)
