@@ -44,7 +44,10 @@ Pause, sleep and wake (vLLM 0.32's engine core, held to a real server by the con
     ``/pause``. ``/is_paused`` is the scheduler's state; ``/is_sleeping`` is true while the
     scheduler is paused or a tag sleeps; ``/resume`` unpauses a sleeping pod's scheduler.
     A completion generates ``max_tokens`` tokens, SIM_TOKEN_SECONDS each after the first (a
-    probe's one token costs nothing), and counts as running in /metrics meanwhile.
+    probe's one token costs nothing), and counts as running in /metrics meanwhile; one queued
+    behind a pause is not counted (vLLM's gauges change only when its engine steps). A request
+    is one sequence here: vLLM's wait drains only the prompts it scheduled (--max-num-seqs),
+    and the rest of a longer request queues like a new one.
 
 What a CPU server cannot show (SIM_UNSHOWN; the contract test cannot hold the simulator to it)
     vLLM on CPU ignores sleep in its worker: the weights stay where they are. The simulator
@@ -315,7 +318,6 @@ class PodState:
     asleep: set[str] = field(default_factory=set)  # the executor's sleeping tags
     aborts: int = 0  # pauses and sleeps with mode abort so far: in-flight requests end
     generating: int = 0  # completions in flight (running), besides ``running``
-    queued: int = 0  # completions waiting for the scheduler, besides ``waiting``
     running: int = 0
     waiting: int = 0
     capabilities: list[str] | None = None
@@ -338,7 +340,7 @@ class PodState:
         self.loaded_path, self.load_format = "", "dummy"
         self.seed, self.drift, self.weights_discarded = None, 0.0, False
         self.paused, self.frozen, self.running, self.waiting = False, False, 0, 0
-        self.generating = self.queued = 0
+        self.generating = 0
         self.asleep = set()
         self.staged = None  # so is what was staged
         self.fences.reset()  # the mark is process memory
@@ -655,7 +657,7 @@ class SimServer:
             f"vllm:num_requests_running{labels} {float(pod.running + pod.generating)}\n"
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{labels} {float(pod.waiting + pod.queued)}\n"
+            f"vllm:num_requests_waiting{labels} {float(pod.waiting)}\n"
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -712,13 +714,13 @@ class SimServer:
         max_tokens = body.get("max_tokens")
         max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 16
         aborts, aborted = pod.aborts, pod.aborted
-        if not pod.serving.is_set():  # paused (or asleep): queued until the scheduler runs
-            pod.queued += 1
+        # Paused (or asleep): queued until the scheduler runs. Not in /metrics' waiting: vLLM's
+        # gauges change only when the engine steps, and a paused one does not.
+        if not pod.serving.is_set():
             waits = [asyncio.ensure_future(e.wait()) for e in (pod.serving, aborted)]
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                pod.queued -= 1
                 for w in waits:
                     w.cancel()
         if not pod.up:
@@ -782,10 +784,9 @@ class SimServer:
             pod.aborted.set()
             pod.aborted = asyncio.Event()
         pod.update_serving()
-        if mode == "wait":  # answered once the requests in flight finished
+        if mode != "keep":  # wait: once they finished; abort: once their answers went out
             async with pod.drained:
                 await pod.drained.wait_for(lambda: pod.generating == 0 or not pod.up)
-        await asyncio.sleep(0.02)  # as AsyncLLM: the aborted requests' answers go out first
 
     def _choice(
         self,

@@ -544,7 +544,7 @@ async def _drain(worker: WorkerClient, seq: Sequence, version: str) -> str:
 
 async def _wait_drained(worker: WorkerClient, deadline: float, limit: float, t_step: float) -> None:
     while True:
-        left = await worker.requests_running(timeout=t_step)
+        left = await worker.requests_in_flight(timeout=t_step)
         if left == 0:
             return
         if times.monotonic() >= deadline:

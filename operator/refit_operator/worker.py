@@ -596,16 +596,7 @@ class WorkerClient:
         return [_prompt_scores(by_index[i], tokens, i) for i, tokens in enumerate(prompts)]
 
     async def requests_in_flight(self, *, timeout: float | None = None) -> int:
-        """Running + waiting requests from /metrics."""
-        return await self._gauges(IN_FLIGHT_METRICS, timeout)
-
-    async def requests_running(self, *, timeout: float | None = None) -> int:
-        """Running requests from /metrics: what a drain after /pause still waits for. vLLM
-        queues every request that arrives while paused as waiting until the resume, which
-        only the pass itself gives: a drain that counted them would wait for itself."""
-        return await self._gauges(IN_FLIGHT_METRICS[:1], timeout)
-
-    async def _gauges(self, names: tuple[str, ...], timeout: float | None) -> int:
+        """Running + waiting requests from /metrics: what a drain still waits for."""
         response = await self._request("GET", "/metrics", timeout=timeout)
         try:
             families = list(text_string_to_metric_families(response.text))
@@ -615,11 +606,11 @@ class WorkerClient:
         seen = set()
         for family in families:
             for sample in family.samples:
-                if sample.name in names:
+                if sample.name in IN_FLIGHT_METRICS:
                     seen.add(sample.name)
                     total += sample.value
-        if seen != set(names):
-            missing = sorted(set(names) - seen)
+        if seen != set(IN_FLIGHT_METRICS):
+            missing = sorted(set(IN_FLIGHT_METRICS) - seen)
             raise WorkerError("protocol", f"metrics: missing {', '.join(missing)}")
         if not math.isfinite(total) or total < 0:
             raise WorkerError("protocol", f"metrics: in-flight count is {total}")
