@@ -28,10 +28,32 @@ The simulated model
     (``"unstaged"``). The budget is the subprocess's ``REFIT_STAGING_BUDGET_BYTES`` (inherited
     from the process that starts the fleet), or per pod ``set_state(staging_budget="1Mi")``
     (the variable's text; None: the environment again). A restart forgets what was staged.
-    Sleep level 2 discards the weights: until the next successful load, scores are garbage.
-    Completions wait while the pod is paused or asleep (vLLM 0.32 queues them too). Admin
-    endpoints answer 401 without the admin token when the fleet has one; ``/v1`` answers 401
-    without the api key when it has one.
+    Admin endpoints answer 401 without the admin token when the fleet has one; ``/v1``
+    answers 401 without the api key when it has one; an unknown path answers 404
+    ``{"detail": "Not Found"}`` (FastAPI's own answer).
+
+Pause, sleep and wake (vLLM 0.32's engine core, held to a real server by the contract test)
+    A pod has vLLM's two switches: the scheduler's pause state and the executor's sleeping
+    tags. ``/pause?mode=`` pauses the scheduler: new requests queue (they are answered after
+    ``/resume``); ``abort`` ends the requests in flight at once (``finish_reason: "abort"``),
+    ``wait`` answers only once they finished, ``keep`` freezes them until ``/resume``.
+    ``/sleep?level=N&mode=`` pauses the same way; levels 1 and 2 also put the executor to
+    sleep (tags ``weights`` and ``kv_cache``); level 0 only pauses. ``/wake_up?tags=`` wakes
+    those tags (all without tags; ``scheduling`` names none; a tag that is not asleep wakes
+    nothing), and once no tag is asleep it resumes the scheduler, even one paused by
+    ``/pause``. ``/is_paused`` is the scheduler's state; ``/is_sleeping`` is true while the
+    scheduler is paused or a tag sleeps; ``/resume`` unpauses a sleeping pod's scheduler.
+    A completion generates ``max_tokens`` tokens, SIM_TOKEN_SECONDS each after the first (a
+    probe's one token costs nothing), and counts as running in /metrics meanwhile; one queued
+    behind a pause is not counted (vLLM's gauges change only when its engine steps). A request
+    is one sequence here: vLLM's wait drains only the prompts it scheduled (--max-num-seqs),
+    and the rest of a longer request queues like a new one.
+
+What a CPU server cannot show (SIM_UNSHOWN; the contract test cannot hold the simulator to it)
+    vLLM on CPU ignores sleep in its worker: the weights stay where they are. The simulator
+    models the GPU behaviour instead: sleep level 2 discards the weights, so until the next
+    successful load every score is garbage. This, and nothing else it serves, is a claim
+    about vLLM that no test compares with a real server.
 
 Fencing
     Each pod fences like refit_worker's admin guard, with the same
@@ -145,6 +167,14 @@ SIM_TENSOR = "sim.weight"
 # What the simulated model loads: preflight compares a checkpoint with this.
 SIM_PARAMS = {SIM_TENSOR: ExpectedParam(dtype="F32", shape=(2,))}
 SIM_VLLM_VERSION = "0.32.0+sim"
+SIM_TOKEN_SECONDS = 0.0025  # per generated token after the first
+# Behaviours of real vLLM that the simulator models but a vLLM CPU server cannot show, so
+# tests/worker/test_contract.py cannot compare them (see the module docstring).
+SIM_UNSHOWN = {
+    "sleep level 2 discards the weights (scores are garbage until the next load)": (
+        "vLLM's CPU worker ignores sleep: its weights survive every level"
+    ),
+}
 
 HTTP_STEPS = {
     "/health": "health",
@@ -283,8 +313,11 @@ class PodState:
     seed: str | None = None  # None: dummy weights
     drift: float = 0.0
     weights_discarded: bool = False  # sleep level 2 until the next load
-    paused: bool = False
-    asleep: set[str] = field(default_factory=set)
+    paused: bool = False  # the scheduler's pause: new requests queue
+    frozen: bool = False  # paused with mode keep: requests in flight stop too
+    asleep: set[str] = field(default_factory=set)  # the executor's sleeping tags
+    aborts: int = 0  # pauses and sleeps with mode abort so far: in-flight requests end
+    generating: int = 0  # completions in flight (running), besides ``running``
     running: int = 0
     waiting: int = 0
     capabilities: list[str] | None = None
@@ -297,13 +330,17 @@ class PodState:
     calls: list[dict[str, Any]] = field(default_factory=list)
     transports: set[Any] = field(default_factory=set)
     serving: asyncio.Event = field(default_factory=asyncio.Event)
+    stepping: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set by the next abort
+    drained: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def fresh(self) -> None:
         """State of a freshly started pod (keeps faults, calls and test-set capabilities)."""
         self.weight_version = self.loaded_version = "default"
         self.loaded_path, self.load_format = "", "dummy"
         self.seed, self.drift, self.weights_discarded = None, 0.0, False
-        self.paused, self.running, self.waiting = False, 0, 0
+        self.paused, self.frozen, self.running, self.waiting = False, False, 0, 0
+        self.generating = 0
         self.asleep = set()
         self.staged = None  # so is what was staged
         self.fences.reset()  # the mark is process memory
@@ -311,10 +348,16 @@ class PodState:
         self.update_serving()
 
     def update_serving(self) -> None:
-        if self.paused or self.asleep:
+        """``serving``: the scheduler takes new requests; ``stepping``: requests in flight
+        make progress (all but a pause with mode keep)."""
+        if self.paused:
             self.serving.clear()
         else:
             self.serving.set()
+        if self.frozen:
+            self.stepping.clear()
+        else:
+            self.stepping.set()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -344,6 +387,12 @@ def vllm_error(status: int, message: str, kind: str, param: str | None = None) -
     """An error body shaped like vLLM's OpenAI-style error answers."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
+
+
+def query_error(param: str, message: str) -> web.Response:
+    """vLLM's 400 for a query parameter that fails validation (its RequestValidationError
+    handler): the message is pydantic's, the param ``query.<name>``."""
+    return vllm_error(400, f"1 validation error: {message}", "Bad Request", f"query.{param}")
 
 
 # uvicorn logs the traceback of a failed RPC and then closes the connection; a request the
@@ -440,6 +489,7 @@ class SimServer:
             transport.abort()
         pod.transports.clear()
         pod.serving.set()  # let queued completions run into the dead connection
+        pod.stepping.set()
         if restart_after is not None:
             task = asyncio.create_task(self._restart_later(pod, restart_after))
             self.restart_tasks.add(task)
@@ -507,8 +557,8 @@ class SimServer:
         response: web.StreamResponse
         if denied is not None:
             response = denied
-        elif step is None:
-            response = vllm_error(404, "Not Found", "NotFoundError")
+        elif step is None:  # no route: FastAPI's own answer
+            response = web.json_response({"detail": "Not Found"}, status=404)
         else:
             response = await self._serve(request, pod, step, body)
         record["status"] = response.status
@@ -604,7 +654,7 @@ class SimServer:
         text = (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{labels} {float(pod.running)}\n"
+            f"vllm:num_requests_running{labels} {float(pod.running + pod.generating)}\n"
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{labels} {float(pod.waiting)}\n"
@@ -661,10 +711,27 @@ class SimServer:
                 if not 0 <= t < self.vocab:
                     # One bad prompt fails the whole request, as in vLLM.
                     return vllm_error(400, f"Token id {t} is out of vocabulary", "BadRequestError")
-        await pod.serving.wait()  # vLLM 0.32 queues requests while paused or asleep
+        max_tokens = body.get("max_tokens")
+        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 16
+        aborts, aborted = pod.aborts, pod.aborted
+        # Paused (or asleep): queued until the scheduler runs. Not in /metrics' waiting: vLLM's
+        # gauges change only when the engine steps, and a paused one does not.
+        if not pod.serving.is_set():
+            waits = [asyncio.ensure_future(e.wait()) for e in (pod.serving, aborted)]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         if not pod.up:
             return web.Response(status=503)
-        choices = [self._choice(pod, i, ids, fault) for i, ids in enumerate(prompts)]
+        if pod.aborts != aborts:  # vLLM's abort finishes the queued requests too, unrun
+            generated, finish = 0, "abort"
+        else:
+            generated, finish = await self._generate(pod, max_tokens)
+        choices = [
+            self._choice(pod, i, ids, fault, generated, finish) for i, ids in enumerate(prompts)
+        ]
         prompt_tokens = sum(len(ids) for ids in prompts)
         answer = {
             "id": f"cmpl-sim-{random.getrandbits(64):016x}",
@@ -676,8 +743,8 @@ class SimServer:
             "system_fingerprint": f"vllm-{SIM_VLLM_VERSION}",
             "usage": {
                 "prompt_tokens": prompt_tokens,
-                "total_tokens": prompt_tokens + len(prompts),
-                "completion_tokens": len(prompts),
+                "total_tokens": prompt_tokens + generated * len(prompts),
+                "completion_tokens": generated * len(prompts),
                 "prompt_tokens_details": None,
                 "completion_tokens_details": None,
             },
@@ -687,7 +754,49 @@ class SimServer:
         }
         return web.json_response(answer)
 
-    def _choice(self, pod: PodState, index: int, ids: list[int], fault: Any) -> dict[str, Any]:
+    @staticmethod
+    async def _generate(pod: PodState, max_tokens: int) -> tuple[int, str]:
+        """Run one request's decode: (tokens generated, finish reason). A pause or sleep with
+        mode abort ends it ("abort"); one with mode keep freezes it until the scheduler
+        resumes; with mode wait it runs to the end while new requests queue."""
+        aborts = pod.aborts
+        pod.generating += 1
+        generated = 1
+        try:
+            while generated < max_tokens:
+                await asyncio.sleep(SIM_TOKEN_SECONDS)
+                await pod.stepping.wait()
+                if pod.aborts != aborts:
+                    return generated, "abort"
+                generated += 1
+            return generated, "length"
+        finally:
+            pod.generating -= 1
+            async with pod.drained:
+                pod.drained.notify_all()
+
+    @staticmethod
+    async def _pause(pod: PodState, mode: str) -> None:
+        """vLLM's pause_scheduler: new requests queue from now on; then by mode."""
+        pod.paused, pod.frozen = True, mode == "keep"
+        if mode == "abort":
+            pod.aborts += 1
+            pod.aborted.set()
+            pod.aborted = asyncio.Event()
+        pod.update_serving()
+        if mode != "keep":  # wait: once they finished; abort: once their answers went out
+            async with pod.drained:
+                await pod.drained.wait_for(lambda: pod.generating == 0 or not pod.up)
+
+    def _choice(
+        self,
+        pod: PodState,
+        index: int,
+        ids: list[int],
+        fault: Any,
+        generated: int = 1,
+        finish: str = "length",
+    ) -> dict[str, Any]:
         """The completion choice of one prompt: its teacher-forced prompt_logprobs."""
         scores: list[float | None]
         kind = fault.kind if fault is not None else None
@@ -713,9 +822,9 @@ class SimServer:
             "index": index,
             "text": "",
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish,
             "stop_reason": None,
-            "token_ids": [ids[-1]],
+            "token_ids": [ids[-1]] * generated,
             "prompt_logprobs": prompt_logprobs,
             "prompt_token_ids": ids,
             "routed_experts": None,
@@ -724,13 +833,12 @@ class SimServer:
     async def on_pause(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            return vllm_error(400, f"mode {mode!r} is not one of {PAUSE_MODES}", "Bad Request")
-        pod.paused = True
-        pod.update_serving()
+            return query_error("mode", f"Input should be one of {PAUSE_MODES}, not {mode!r}")
+        await self._pause(pod, mode)
         return web.json_response({"status": "paused"})
 
     async def on_resume(self, request: web.Request, pod: PodState, body: Any, fault: Any):
-        pod.paused = False
+        pod.paused = pod.frozen = False
         pod.update_serving()
         return web.json_response({"status": "resumed"})
 
@@ -738,30 +846,37 @@ class SimServer:
         return web.json_response({"is_paused": pod.paused})
 
     async def on_sleep(self, request: web.Request, pod: PodState, body: Any, fault: Any):
-        try:
-            level = int(request.query.get("level", "1"))
-        except ValueError:
-            level = -1
+        text = request.query.get("level", "1")
+        level = int(text) if text.lstrip("-").isdigit() else None
         mode = request.query.get("mode", "abort")
-        if level not in (0, 1, 2) or mode not in PAUSE_MODES:
-            return vllm_error(
-                400, "level must be 0..2 and mode one of abort|wait|keep", "Bad Request"
-            )
-        # Level 0 stops scheduling only; 1 offloads the weights, 2 discards them.
-        pod.asleep |= {"scheduling"} if level == 0 else {"weights", "kv_cache"}
-        pod.weights_discarded = pod.weights_discarded or level == 2
-        pod.update_serving()
+        if level is None or not 0 <= level <= 2:
+            return query_error("level", f"Input should be an integer from 0 to 2, not {text!r}")
+        if mode not in PAUSE_MODES:
+            return query_error("mode", f"Input should be one of {PAUSE_MODES}, not {mode!r}")
+        # Level 0 pauses the scheduler only; 1 offloads the weights, 2 discards them (GPU
+        # only: SIM_UNSHOWN). An executor already asleep stays as it is.
+        await self._pause(pod, mode)
+        if level >= 1 and "weights" not in pod.asleep:
+            pod.asleep = {"weights", "kv_cache"}
+            pod.weights_discarded = pod.weights_discarded or level == 2
         return web.json_response({"status": "sleeping", "level": level})
 
     async def on_wake_up(self, request: web.Request, pod: PodState, body: Any, fault: Any):
-        tags = request.query.getall("tags", [])
-        pod.asleep = set() if not tags else pod.asleep - set(tags)
-        pod.update_serving()
-        status = "sleeping" if pod.asleep else "awake"
-        return web.json_response({"status": status, "tags": tags or None})
+        given = request.query.getall("tags", [])
+        tags = [t for t in given if t != "scheduling"]
+        # The executor wakes only tags that all sleep (else vLLM logs a warning and wakes
+        # none); fully awake, the engine resumes its scheduler.
+        if pod.asleep and (not given or (tags and set(tags) <= pod.asleep)):
+            pod.asleep = pod.asleep - set(tags) if tags else set()
+        awake = not pod.asleep
+        if awake:
+            pod.paused = pod.frozen = False
+            pod.update_serving()
+        status = "awake" if awake else "sleeping"
+        return web.json_response({"status": status, "tags": given or None})
 
     async def on_is_sleeping(self, request: web.Request, pod: PodState, body: Any, fault: Any):
-        return web.json_response({"is_sleeping": bool(pod.asleep)})
+        return web.json_response({"is_sleeping": pod.paused or bool(pod.asleep)})
 
     async def on_reset_prefix_cache(
         self, request: web.Request, pod: PodState, body: Any, fault: Any

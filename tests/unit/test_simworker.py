@@ -213,7 +213,7 @@ async def test_a_list_of_prompts_is_scored_in_one_request_like_vllm(
     await c.load(str(ckpt), "a")
     prompts = [list(p.token_ids) for p in (await c.probe_reference(str(ckpt))).prompts]
     prompts.append(prompts[0][:5])
-    body = {"model": await c.model_name(), "prompt": prompts, "prompt_logprobs": 0}
+    body = {"model": await c.model_name(), "prompt": prompts, "prompt_logprobs": 0, "max_tokens": 1}
     async with http.post(f"{pod.base_url}/v1/completions", json=body) as response:
         assert response.status == 200
         answer = await response.json()

@@ -15,6 +15,10 @@ indices in answer order, each choice's prompt_logprobs length and the summed usa
 prompt among them (out of vocabulary, empty) fails the whole request on both. Fencing
 (X-Refit-Fence) must agree too: a stale token is refused with the same 409 and body on any
 state-changing path, reads and calls without the header pass, a malformed one is the same 400.
+Pause, sleep and wake are compared with completions in flight and queued: every pause mode,
+sleep levels 0-2 (and bad ones), wake tags, /health and unknown paths; the last test checks that
+every route the simulator serves was compared. What a CPU server cannot show is listed in
+testbed/simworker.py's SIM_UNSHOWN instead.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ from refit_operator.worker import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.simfleet import SimFleet
-from testbed.simworker import make_sim_checkpoint
+from testbed.simworker import HTTP_STEPS, PAUSE_MODES, SIM_UNSHOWN, make_sim_checkpoint
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
 
 VERSION = "contract-1"
+# The paths and query parameters this module sent to the real server (the last test checks
+# that they cover everything the simulator serves).
+COMPARED: set[tuple[str, str]] = set()
 # Free-form fields whose inner shape is nobody's contract.
 FREE_FORM = frozenset({"extra"})
 # Answers keyed by tensor name (the weight checker's, the buffer digests'): the real model has
@@ -113,6 +120,7 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
         else:
             body = shape(doc)
         seen.append(("http", request.method, what, response.status, body))
+        COMPARED.add((request.url.path, ""))
         if what == "/v1/completions" and response.status == 200:
             seen.append(("counts", completion_counts(doc)))
         return response
@@ -354,3 +362,152 @@ def test_simulator_fences_like_the_real_guard(real: Target, sim: Target) -> None
     raw = [o[1:3] for o in observed_real if o[0] == "raw"]
     assert raw == [("/resume", 409), ("/collective_rpc", 409), ("/resume", 400), ("/resume", 400)]
     assert observed_real[-2][3]["error"]["message"] == "X-Refit-Fence header '-3' is negative"
+
+
+async def run_lifecycle(target: Target, prompt: list[int]) -> list[Any]:
+    """Every route and parameter of pause, sleep and wake, /health and unknown paths, with
+    completions in flight and queued: what both must agree on (statuses, body shapes, the
+    switches' values, finish reasons, and whether a request was answered yet)."""
+    seen: list[Any] = []
+    admin = {"Authorization": f"Bearer {target.admin_token}"}
+    key = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    async with aiohttp.ClientSession() as http:
+        model = await WorkerClient(target.base_url, http=http, api_key=target.api_key).model_name()
+
+        async def call(method: str, path: str, params: Any = None, auth: Any = admin) -> Any:
+            async with http.request(
+                method, target.base_url + path, params=params, headers=auth
+            ) as r:
+                raw = await r.read()
+            for name, value in dict(params or {}).items():
+                COMPARED.add((path, f"{name}={value}"))
+            COMPARED.add((path, ""))
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                seen.append((method, path, params, r.status, "text"))
+                return None
+            seen.append((method, path, params, r.status, shape(doc)))
+            if r.status != 200 and isinstance(doc, dict):  # what a refusal names
+                error = doc.get("error")
+                named = error.get("param") if isinstance(error, dict) else error
+                seen.append(("refused", doc.get("detail", named)))
+            return doc
+
+        async def state(what: str) -> None:
+            paused = (await call("GET", "/is_paused"))["is_paused"]
+            sleeping = (await call("GET", "/is_sleeping"))["is_sleeping"]
+            seen.append((what, "paused", paused, "sleeping", sleeping))
+
+        def complete(tokens: int, copies: int = 1) -> asyncio.Task[Any]:
+            body = {"model": model, "prompt": [prompt] * copies, "max_tokens": tokens,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+            async def go() -> Any:
+                async with http.post(
+                    target.base_url + "/v1/completions", json=body, headers=key
+                ) as r:
+                    doc = await r.json()
+                last = max(doc["choices"], key=lambda c: c["index"])
+                return r.status, last["finish_reason"]
+
+            return asyncio.create_task(go())
+
+        async def decoding(copies: int) -> asyncio.Task[Any]:
+            """A long completion, decoding: the tiny model decodes 500 tokens in a fraction of
+            a second, so several prompts of them (the last prompt's answer tells)."""
+            task = complete(500, copies)  # with the 8-token prompt, 512 positions
+            await asyncio.sleep(0.2 if copies > 8 else 0.05)
+            assert not task.done(), f"{target.base_url}: the long completion already ended"
+            return task
+
+        async def queued_answered(what: Any, task: asyncio.Task[Any]) -> None:
+            await asyncio.sleep(0.3)
+            seen.append((what, "queued answered", task.done()))
+
+        await call("GET", "/health", auth={})
+        await call("GET", "/no-such-path")
+        await call("POST", "/no-such-path")
+        await call("GET", "/no-such-path", auth={})
+        await call("GET", "/v1/no-such-path", auth=key)
+        await call("POST", "/pause", {"mode": "bogus"})
+        await call("POST", "/sleep", {"level": "3"})
+        await call("POST", "/sleep", {"level": "x"})
+        await call("POST", "/sleep", {"level": "1", "mode": "bogus"})
+        for mode in PAUSE_MODES:
+            # A wait drains only the sequences scheduled (--max-num-seqs 8): the rest of a
+            # longer request queues like a new one, where the simulator drains all of it.
+            inflight = await decoding(8 if mode == "wait" else 32)
+            await call("POST", "/pause", {"mode": mode})
+            if mode == "wait":  # finished by the time the pause answers (its body may trail)
+                await asyncio.wait([inflight], timeout=2)
+                seen.append(("wait: in flight answered", inflight.done()))
+            await state(f"paused {mode}")
+            queued = complete(2)
+            await queued_answered(mode, queued)
+            if mode == "keep":  # frozen
+                seen.append(("keep: in flight answered while paused", inflight.done()))
+            await call("POST", "/resume")
+            await state("resumed")
+            seen.append((mode, "in flight", await inflight, "queued", await queued))
+        # The pass's own sequence: a wait drain, then a sleep in mode abort ends what queued.
+        await call("POST", "/pause", {"mode": "wait"})
+        queued = complete(2)
+        await queued_answered("paused wait", queued)
+        await call("POST", "/sleep", {"level": "1", "mode": "abort"})
+        await queued_answered("asleep with mode abort", queued)
+        await call("POST", "/wake_up")
+        seen.append(("aborted by the sleep", await queued))
+        for level in ("0", "1", "2"):
+            await call("POST", "/sleep", {"level": level, "mode": "wait"})
+            await state(f"asleep {level}")
+            queued = complete(2)
+            await call("POST", "/sleep", {"level": level, "mode": "keep"})  # nothing changes
+            for tags in (["bogus"], ["weights"], ["kv_cache"]):
+                await queued_answered((level, tags), queued)
+                await call("POST", "/wake_up", [("tags", t) for t in tags])
+                await state(f"level {level} woke {tags}")
+            seen.append((level, "queued", await queued))
+        await call("POST", "/sleep", {"level": "0"})
+        await call("POST", "/wake_up", [("tags", "scheduling")])
+        await state("level 0 woke scheduling")
+        await call("POST", "/pause", {"mode": "wait"})
+        await call("POST", "/wake_up")  # awake already: it resumes the scheduler
+        await state("paused, then woken")
+        await call("POST", "/sleep", {"level": "1"})
+        await call("POST", "/resume")  # the scheduler runs; the tags still sleep
+        await state("asleep, then resumed")
+        await call("POST", "/wake_up", [("tags", "weights"), ("tags", "kv_cache")])
+        await state("woken")
+    return seen
+
+
+def test_simulator_pauses_sleeps_and_wakes_like_vllm(
+    real: Target, sim: Target, tiny_model: TinyModel
+) -> None:
+    prompt = list(tiny_model.reference("A").prompts[0].token_ids)[:8]
+    observed_real = asyncio.run(run_lifecycle(real, prompt))
+    observed_sim = asyncio.run(run_lifecycle(sim, prompt))
+    for i, (r, s) in enumerate(itertools.zip_longest(observed_real, observed_sim)):
+        assert s == r, f"observation {i}:\n real {r}\n sim  {s}"
+    finishes = {o[0]: o[2][1] for o in observed_real if len(o) == 5 and o[1] == "in flight"}
+    assert finishes == {"abort": "abort", "wait": "length", "keep": "length"}
+    # vLLM 0.32 queues what arrives while paused: the simulator's claim, held here
+    held = [o[0] for o in observed_real if len(o) == 3 and o[1:] == ("queued answered", False)]
+    assert held[:4] == ["abort", "wait", "keep", "paused wait"]
+    assert ("aborted by the sleep", (200, "abort")) in observed_real
+
+
+def test_every_route_the_simulator_serves_was_compared() -> None:
+    """Last in the module: what the tests above sent to the real server covers every route
+    and query parameter value the simulator serves; the rest is SIM_UNSHOWN's to say."""
+    if not COMPARED:
+        pytest.skip("run with the module's other tests")
+    paths = {path for path, _ in COMPARED}
+    assert set(HTTP_STEPS) <= paths, sorted(set(HTTP_STEPS) - paths)
+    params = {p for _, p in COMPARED}
+    wanted = {f"mode={m}" for m in PAUSE_MODES} | {f"level={n}" for n in range(3)}
+    wanted |= {"tags=weights", "tags=kv_cache", "tags=scheduling"}
+    assert wanted <= params, sorted(wanted - params)
+    assert any(p.startswith("/no-such") for p in paths)  # FastAPI's 404
+    assert SIM_UNSHOWN  # the claims no test compares are named, not silent
