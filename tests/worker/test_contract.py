@@ -437,7 +437,7 @@ async def run_lifecycle(target: Target, prompt: list[int]) -> list[Any]:
         for mode in PAUSE_MODES:
             # A wait drains only the sequences scheduled (--max-num-seqs 8): the rest of a
             # longer request queues like a new one, where the simulator drains all of it.
-            inflight = await decoding(8 if mode == "wait" else 32)
+            inflight = await decoding(8 if mode == "wait" else 64)
             await call("POST", "/pause", {"mode": mode})
             if mode == "wait":  # finished by the time the pause answers (its body may trail)
                 await asyncio.wait([inflight], timeout=2)
