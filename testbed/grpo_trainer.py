@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prefix", default="grpo", help="versions are PREFIX-step-N")
     p.add_argument("--corrupt-at-step", type=int, default=None)
+    # vLLM's per-request seed (a group's n samples take seed, seed+1, ...): with the
+    # trainer's own seeds the run is reproducible, so the test's "reward rises" holds or
+    # fails for good, not one run in twenty.
+    p.add_argument("--sampling-seed", type=int, default=0)
     p.add_argument("--spec", default="{}", help="more spec fields, as client keywords (JSON)")
     args = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
             max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], seed=0,
             data_seed=0, dataloader_num_workers=0,
+            generation_kwargs={"seed": args.sampling_seed},
         )  # fmt: skip
         trainer = GRPOTrainer(
             model=model, processing_class=tok, args=config, reward_funcs=[reward_red],
