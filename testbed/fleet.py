@@ -6,12 +6,13 @@ it saw). Also the checks of one driver per pod on a simulated pod's call log."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -24,6 +25,9 @@ from testbed.operator_process import Operators
 from testbed.pods import register_pod
 from testbed.simfleet import SimPod
 from testbed.simworker import make_sim_checkpoint
+
+if TYPE_CHECKING:
+    from testbed.vllm_server import VllmServer
 
 LABELS = {"app": "rollout"}
 
@@ -74,6 +78,20 @@ class Fleet:
     ) -> None:
         register_pod(self.core, self.ns, name, sim.ip, labels=labels or LABELS,
                      image="vllm/vllm-openai:test", gate=gate)  # fmt: skip
+
+    def add_server_pods(
+        self, names: Sequence[str], servers: Sequence[VllmServer], secret: str = "vllm-admin"
+    ) -> None:
+        """Real vLLM servers (testbed.vllm_server.start_vllm_pods) as pods of this namespace,
+        at their loopback addresses, and the Secret with their admin token that refits name
+        (``fleet.adminTokenSecretRef``)."""
+        token = base64.b64encode(servers[0].admin_token.encode()).decode()
+        self.core.create_namespaced_secret(
+            self.ns, {"metadata": {"name": secret}, "data": {"token": token}}
+        )
+        for name, server in zip(names, servers, strict=True):
+            register_pod(self.core, self.ns, name, server.host, labels=LABELS,
+                         image="vllm/vllm-openai:test", gate=True)  # fmt: skip
 
     def restart_container(self, name: str) -> None:
         """What the kubelet reports when the container restarted."""

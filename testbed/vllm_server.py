@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,3 +356,19 @@ def start_vllm_server(
                 file=sys.stderr,
             )
         server.stop()
+
+
+@contextlib.contextmanager
+def start_vllm_pods(
+    tiny_model: TinyModel, hosts: Sequence[str], **kwargs: Any
+) -> Iterator[list[VllmServer]]:
+    """One server per loopback address, all on one port: a fleet's pods, as the cluster tests
+    register them (testbed.fleet.Fleet.add_server_pods). ``kwargs`` as for
+    start_vllm_server, for every server; the start timeout allows for all of them."""
+    port = free_port(hosts[0])
+    kwargs.setdefault("timeout", start_timeout(len(hosts)))
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(start_vllm_server(tiny_model, host=host, port=port, **kwargs))
+            for host in hosts
+        ]

@@ -18,7 +18,6 @@ harness's invariant watcher) and the fleet on a probed version with a reason.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -36,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from testbed.fleet import Fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, free_port, start_vllm_server
+from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -56,17 +55,12 @@ def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     from refit_worker.contract import TRANSFER_BACKEND
 
     config = json.dumps({"backend": TRANSFER_BACKEND})
-    port = free_port(HOSTS[0])
-    args = dict(
-        load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
+    with start_vllm_pods(
+        tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
         admin_token="broadcast-admin-token",
         extra_args=["--weight-transfer-config", config, "--worker-extension-cls", HAZARDS],
-    )  # fmt: skip
-    with (
-        start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,  # type: ignore[arg-type]
-        start_vllm_server(tiny_model, host=HOSTS[1], **args) as b,  # type: ignore[arg-type]
-    ):
-        yield [a, b]
+    ) as servers:  # fmt: skip
+        yield servers
 
 
 # The two servers (the pods) outlive each test's namespace, and so does the highest fencing
@@ -87,16 +81,7 @@ def fleet(
     leases.create_namespaced_lease(
         fl.ns, {"metadata": {"name": LEASE}, "spec": {"leaseTransitions": _epoch["high"]}}
     )
-    token = base64.b64encode(servers[0].admin_token.encode()).decode()
-    fl.core.create_namespaced_secret(
-        fl.ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
-    )
-    for name, server in zip(PODS, servers, strict=True):
-
-        class Pod:  # what Fleet.add_pod needs of a worker
-            ip = server.host
-
-        fl.add_pod(name, Pod())  # type: ignore[arg-type]
+    fl.add_server_pods(PODS, servers)
     op.start()
     fl.apply_refit(
         "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,

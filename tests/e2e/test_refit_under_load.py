@@ -17,7 +17,6 @@ lost without an error the client saw.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from testbed.fleet import Fleet
 from testbed.loadgen import OUTCOMES, GateRouter, LoadGenerator, Record
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, free_port, start_timeout, start_vllm_server
+from testbed.vllm_server import VllmServer, start_vllm_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -43,17 +42,11 @@ ADMIN = {"adminTokenSecretRef": {"name": "vllm-admin"}}
 def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     """Two pods' servers on one port at two loopback addresses, started from A's files, with
     vLLM's token-in-token-out endpoint (--enable-scale-out: what the load speaks)."""
-    port = free_port(HOSTS[0])
-    args: dict[str, Any] = dict(
-        load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
+    with start_vllm_pods(
+        tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
         admin_token="load-admin-token", extra_args=["--enable-scale-out"],
-        timeout=start_timeout(2),
-    )  # fmt: skip
-    with (
-        start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,
-        start_vllm_server(tiny_model, host=HOSTS[1], **args) as b,
-    ):
-        yield [a, b]
+    ) as servers:  # fmt: skip
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +64,7 @@ def fleet(
     logs = tmp_path_factory.mktemp("under-load-logs")
     op, fl = Operators(control_plane.kubeconfig, ns, logs), Fleet(control_plane, ns)
     try:
-        token = base64.b64encode(servers[0].admin_token.encode()).decode()
-        fl.core.create_namespaced_secret(
-            ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
-        )
-        for name, server in zip(PODS, servers, strict=True):
-
-            class Pod:  # what Fleet.add_pod needs of a worker
-                ip = server.host
-
-            fl.add_pod(name, Pod())  # type: ignore[arg-type]
+        fl.add_server_pods(PODS, servers)
         # Two replicas (the chart's replicaCount: 2): on two cores under this load a leader may
         # miss its renewal deadline and stop (leader.py; it did once in CI); the standby then
         # takes over and resumes the pass, and every promise below must still hold.

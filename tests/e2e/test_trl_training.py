@@ -13,7 +13,6 @@ promise stops training with the refit's reason while the pods keep serving the s
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from testbed.controlplane import ControlPlane
 from testbed.fleet import Fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, free_port, start_timeout, start_vllm_server
+from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -46,18 +45,13 @@ def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     and the token-in/token-out route (--enable-scale-out: the rollouts)."""
     from refit_worker.contract import TRANSFER_BACKEND
 
-    port = free_port(HOSTS[0])
     extra = ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
              "--enable-scale-out"]  # fmt: skip
-    args: dict[str, Any] = dict(
-        load_format="safetensors", model_dir=tiny_model.checkpoints["A"], port=port,
-        admin_token="grpo-admin-token", extra_args=extra, timeout=start_timeout(2),
-    )  # fmt: skip
-    with (
-        start_vllm_server(tiny_model, host=HOSTS[0], **args) as a,
-        start_vllm_server(tiny_model, host=HOSTS[1], **args) as b,
-    ):
-        yield [a, b]
+    with start_vllm_pods(
+        tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
+        admin_token="grpo-admin-token", extra_args=extra,
+    ) as servers:  # fmt: skip
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +67,7 @@ def fleet(
     op = Operators(control_plane.kubeconfig, ns, tmp_path_factory.mktemp("grpo-logs"))
     fl = Fleet(control_plane, ns)
     try:
-        token = base64.b64encode(servers[0].admin_token.encode()).decode()
-        fl.core.create_namespaced_secret(
-            ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
-        )
-        for name, server in zip(PODS, servers, strict=True):
-
-            class Pod:  # what Fleet.add_pod needs of a worker
-                ip = server.host
-
-            fl.add_pod(name, Pod())  # type: ignore[arg-type]
+        fl.add_server_pods(PODS, servers)
         op.start()
         fl.apply_refit(
             "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
