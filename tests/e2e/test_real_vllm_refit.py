@@ -4,8 +4,6 @@ and refuses a mixed checkpoint whose weights do not match its reference."""
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
 from testbed.fleet import Fleet
@@ -26,15 +24,7 @@ def refit(fleet: Fleet, op: Operators, name: str, path: str, version: str, port:
 def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
     fleet, op = harness
     with start_vllm_server(tiny_model, host="127.0.0.1") as server:
-        token = base64.b64encode(server.admin_token.encode()).decode()
-        fleet.core.create_namespaced_secret(
-            fleet.ns, {"metadata": {"name": "vllm-admin"}, "data": {"token": token}}
-        )
-
-        class Pod:  # what Fleet.add_pod needs of a worker
-            ip = server.host
-
-        fleet.add_pod("vllm-0", Pod())  # type: ignore[arg-type]
+        fleet.add_server_pods(["vllm-0"], [server])
         op.start()
         ckpts = tiny_model.checkpoints
 
