@@ -7,13 +7,15 @@ it saw). Also the checks of one driver per pod on a simulated pod's call log."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_operator import api
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from testbed.vllm_server import VllmServer
 
 LABELS = {"app": "rollout"}
+ENDED = {"Succeeded", "Failed", "Halted", "RolledBack"}
+ADMIN_SECRET = "vllm-admin"  # the Secret add_server_pods makes, named by refit_server_pods
 
 
 def weightrefit_body(
@@ -80,7 +84,7 @@ class Fleet:
                      image="vllm/vllm-openai:test", gate=gate)  # fmt: skip
 
     def add_server_pods(
-        self, names: Sequence[str], servers: Sequence[VllmServer], secret: str = "vllm-admin"
+        self, names: Sequence[str], servers: Sequence[VllmServer], secret: str = ADMIN_SECRET
     ) -> None:
         """Real vLLM servers (testbed.vllm_server.start_vllm_pods) as pods of this namespace,
         at their loopback addresses, and the Secret with their admin token that refits name
@@ -92,6 +96,16 @@ class Fleet:
         for name, server in zip(names, servers, strict=True):
             register_pod(self.core, self.ns, name, server.host, labels=LABELS,
                          image="vllm/vllm-openai:test", gate=True)  # fmt: skip
+
+    def serving(
+        self, names: Sequence[str], servers: Sequence[VllmServer]
+    ) -> dict[str, tuple[str, bool]]:
+        """Each server pod's weight version as vLLM reports it, and whether it is in traffic."""
+        out = {}
+        for name, server in zip(names, servers, strict=True):
+            got = httpx.get(server.base_url + "/weight_info", headers=server.admin_headers())
+            out[name] = (got.json()["weight_version"], bool(self.ready(self.pod(name))))
+        return out
 
     def restart_container(self, name: str) -> None:
         """What the kubelet reports when the container restarted."""
@@ -131,6 +145,18 @@ class Fleet:
         self.custom.create_namespaced_custom_object(
             "refit.rollout.dev", "v1alpha1", self.ns, "weightrefits", body
         )
+
+    def refit_server_pods(
+        self, op: Operators, name: str, version: str, path: Path | str, port: int, *,
+        timeout: float = 240.0, **spec: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A refit of real server pods (add_server_pods) naming their admin Secret, at sleep
+        level 1 unless ``spec["sequence"]`` says otherwise, waited for until it ended: its
+        status."""
+        sequence = {"sleepLevel": 1, **spec.pop("sequence", {})}
+        admin = {"adminTokenSecretRef": {"name": ADMIN_SECRET}}
+        self.apply_refit(name, version, path, port, fleet=admin, sequence=sequence, **spec)
+        return dict(self.wait_phase(name, ENDED, timeout, op)["status"])
 
     def refit(self, name: str) -> dict[str, Any]:
         doc: dict[str, Any] = self.custom.get_namespaced_custom_object(
@@ -283,3 +309,28 @@ def make_checkpoints(
     root: Path, *versions: str, drift: dict[str, float] | None = None
 ) -> dict[str, Path]:
     return {v: make_sim_checkpoint(root / v, v, drift=(drift or {}).get(v, 0.0)) for v in versions}
+
+
+@contextlib.contextmanager
+def serving_fleet(
+    cp: ControlPlane, servers: Sequence[VllmServer], names: Sequence[str], version: str,
+    path: Path | str, *, namespace: str, log_dir: Path, replicas: int = 1,
+    timeout: float = 240.0,
+) -> Iterator[tuple[Fleet, Operators]]:  # fmt: skip
+    """Real server pods (testbed.vllm_server.start_vllm_pods) in a namespace of their own,
+    under ``replicas`` operator processes, serving ``version`` after an idle refit from
+    ``path``; at the end the operators stop and the fleet's invariant must have held."""
+    ns = cp.create_namespace(namespace)
+    op, fl = Operators(cp.kubeconfig, ns, log_dir), Fleet(cp, ns)
+    try:
+        fl.add_server_pods(names, servers)
+        for _ in range(replicas):
+            op.start()
+        st = fl.refit_server_pods(op, f"to-{version.lower()}", version, path, servers[0].port,
+                                  timeout=timeout)  # fmt: skip
+        assert st["phase"] == "Succeeded", (st, op.logs())
+        yield fl, op
+    finally:
+        op.stop_all()
+        fl.close()
+    assert not fl.violations, "\n".join(fl.violations)

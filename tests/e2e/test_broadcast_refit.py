@@ -32,7 +32,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from testbed.fleet import Fleet
+from testbed.fleet import ENDED, Fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
@@ -42,7 +42,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 REPO = Path(__file__).parents[2]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.2", "127.0.0.3")
-END = {"Succeeded", "Failed", "Halted", "RolledBack"}
 TRANSFER_TIMEOUT = 15  # spec.broadcast.timeoutSeconds of the fault cases
 # The refit RPCs plus the test-only hooks that skew a tensor after every load.
 HAZARDS = "tests.worker.hazard_extension.HazardExtension"
@@ -83,11 +82,8 @@ def fleet(
     )
     fl.add_server_pods(PODS, servers)
     op.start()
-    fl.apply_refit(
-        "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
-        fleet={"adminTokenSecretRef": {"name": "vllm-admin"}}, sequence={"sleepLevel": 1},
-    )  # fmt: skip
-    st = fl.wait_phase("to-a", END, 180, op)["status"]
+    st = fl.refit_server_pods(op, "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
+                              timeout=180)  # fmt: skip
     assert st["phase"] == "Succeeded", (st, op.logs())
     yield fl, op
     reached = leases.read_namespaced_lease(LEASE, fl.ns).spec.lease_transitions or 0
@@ -144,17 +140,6 @@ def pod_record(fl: Fleet, name: str) -> dict[str, Any]:
     return record
 
 
-def serving(fl: Fleet, servers: list[VllmServer]) -> dict[str, tuple[str, bool]]:
-    """Each pod's weight version as vLLM reports it, and whether it is in traffic."""
-    import httpx
-
-    out = {}
-    for name, server in zip(PODS, servers, strict=True):
-        got = httpx.get(server.base_url + "/weight_info", headers=server.admin_headers())
-        out[name] = (got.json()["weight_version"], bool(fl.ready(fl.pod(name))))
-    return out
-
-
 def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
     fl, op = fleet
     out = train(fl, tiny_model, servers, "bcast-b", "B-bcast", tensors="B", reference="B")
@@ -174,7 +159,7 @@ def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
         # Nothing staged or read from files: the weights came in the receive step.
         assert record["step_seconds"]["receive"] > 0, record["step_seconds"]
         assert record["step_seconds"]["stage"] < 0.05, record["step_seconds"]
-    assert serving(fl, servers) == {p: ("B-bcast", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("B-bcast", True) for p in PODS}
     # Read back after the receive: both pods hold the same runtime weights.
     read = {(pod_record(fl, n)["layout"], pod_record(fl, n)["checksum"]) for n in PODS}
     assert len(read) == 1 and all(read.pop()), [pod_record(fl, n) for n in PODS]
@@ -188,7 +173,7 @@ def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
     assert [r["round"] for r in out["rounds"]] == [1, 2]
     assert out["status"]["broadcast"]["worldSize"] == 2
     assert out["status"]["previous"]["refit"] == "to-a"
-    assert serving(fl, servers) == {p: ("A-bcast", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("A-bcast", True) for p in PODS}
 
 
 @pytest.mark.parametrize(
@@ -211,7 +196,7 @@ def test_a_failed_broadcast_leaves_the_pods_on_their_probed_weights(
         fl, tiny_model, servers, f"bcast-{fault}", "B-bcast", tensors="B", reference="B",
         fault=fault, transfer_timeout=TRANSFER_TIMEOUT,
     )  # fmt: skip
-    doc = fl.wait_phase(f"bcast-{fault}", END, 180, op)
+    doc = fl.wait_phase(f"bcast-{fault}", ENDED, 180, op)
     st = doc["status"]
     assert st["phase"] == "Halted", (st, out, op.logs())
     assert st["failedPods"] == 2
@@ -219,7 +204,7 @@ def test_a_failed_broadcast_leaves_the_pods_on_their_probed_weights(
         record = pod_record(fl, name)
         assert record["reason"] == reason, record
         assert record["restored"] is True, record
-    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("A", True) for p in PODS}
 
 
 def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
@@ -236,7 +221,7 @@ def test_a_consistent_but_wrong_model_is_caught_by_the_probe_and_rolled_back(
     st = fl.refit("bcast-wrong")["status"]
     assert st["previous"] == {"version": "A", "path": str(tiny_model.checkpoints["A"]),
                               "refit": "to-a"}  # fmt: skip
-    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("A", True) for p in PODS}
     for name in PODS:
         record = pod_record(fl, name)
         assert (record["rollback"], record["version"]) == (True, "A"), record
@@ -275,7 +260,7 @@ def test_a_manifest_gone_across_an_operator_restart_fails_closed_then_rolls_back
         except ApiException as e:
             assert e.status == 404, e  # the trainer's client may have taken it already
         op.start()
-        st = fl.wait_phase("bcast-gone", END, 240, op)["status"]
+        st = fl.wait_phase("bcast-gone", ENDED, 240, op)["status"]
     finally:
         trainer.kill()
         trainer.communicate(timeout=30)
@@ -288,7 +273,7 @@ def test_a_manifest_gone_across_an_operator_restart_fails_closed_then_rolls_back
         assert (record["rollback"], record["version"], record["outcome"]) == (
             True, "A", "Succeeded"
         ), record  # fmt: skip
-    assert serving(fl, servers) == {p: ("A", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("A", True) for p in PODS}
 
 
 def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
@@ -343,7 +328,7 @@ def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
                     sequence={"sleepLevel": 1},
                     strategy={"type": "Rolling", "maxUnavailable": 1},
                 )  # fmt: skip
-                st = fl.wait_phase(name, END, 180, op)["status"]
+                st = fl.wait_phase(name, ENDED, 180, op)["status"]
                 assert st["phase"] == "Halted", (kind, st, op.logs())
                 first, bad = pod_record(fl, "vllm-0"), pod_record(fl, "vllm-1")
                 assert first["outcome"] == "Succeeded" and first["probe"]["verdict"] == "Pass"
@@ -393,7 +378,7 @@ def test_a_pod_that_dies_mid_receive_stays_out_and_the_other_serves_again(
         trainer.communicate(timeout=300)
     finally:
         trainer.kill()
-    st = fl.wait_phase("bcast-dies", END, 180, op)["status"]
+    st = fl.wait_phase("bcast-dies", ENDED, 180, op)["status"]
     assert st["phase"] == "Halted", (st, op.logs())
     alive, dead = pod_record(fl, PODS[0]), pod_record(fl, PODS[1])
     # The live pod either lost the round with its peer (refused before its model was

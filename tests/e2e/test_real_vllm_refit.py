@@ -6,19 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.fleet import Fleet
-from testbed.operator_process import Operators
 from testbed.vllm_server import start_vllm_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
-
-END = {"Succeeded", "Failed", "Halted"}
-
-
-def refit(fleet: Fleet, op: Operators, name: str, path: str, version: str, port: int) -> dict:
-    ref = {"adminTokenSecretRef": {"name": "vllm-admin"}}
-    fleet.apply_refit(name, version, path, port, fleet=ref, sequence={"sleepLevel": 1})
-    return dict(fleet.wait_phase(name, END, 180, op)["status"])
 
 
 def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
@@ -28,7 +18,7 @@ def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
         op.start()
         ckpts = tiny_model.checkpoints
 
-        st = refit(fleet, op, "to-a", str(ckpts["A"]), "A", server.port)
+        st = fleet.refit_server_pods(op, "to-a", "A", ckpts["A"], server.port, timeout=180)
         assert st["phase"] == "Succeeded", (st, op.logs())
         # A pod that succeeded is not listed in the status: its record is on the pod.
         assert st["pods"] == []
@@ -41,7 +31,7 @@ def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
         assert fleet.ready(fleet.pod("vllm-0")) is True
         nll_a = pod["probe"]["nll"]
 
-        st = refit(fleet, op, "to-b", str(ckpts["B"]), "B", server.port)
+        st = fleet.refit_server_pods(op, "to-b", "B", ckpts["B"], server.port, timeout=180)
         assert st["phase"] == "Succeeded", (st, op.logs())
         assert st["previous"]["version"] == "A"
         pod = fleet.progress(fleet.pod("vllm-0"))
@@ -49,7 +39,9 @@ def test_real_vllm_pod_through_the_full_sequence(harness, tiny_model):
         assert pod["probe"]["nll"] != pytest.approx(nll_a, abs=1e-3)
 
         # Mixed weights with A's reference: the load works, only the probe can tell.
-        st = refit(fleet, op, "to-mixed", str(ckpts["mixed"]), "mixed", server.port)
+        st = fleet.refit_server_pods(
+            op, "to-mixed", "mixed", ckpts["mixed"], server.port, timeout=180
+        )
         assert st["phase"] == "Halted", (st, op.logs())
         bad = st["pods"][0]
         assert bad["phase"] == "Failed" and bad["probe"]["verdict"] == "Fail", bad

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from testbed.controlplane import ControlPlane
-from testbed.fleet import Fleet
+from testbed.fleet import Fleet, serving_fleet
 from testbed.loadgen import OUTCOMES, GateRouter, LoadGenerator, Record
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
@@ -34,8 +34,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.4", "127.0.0.5")
-END = {"Succeeded", "Failed", "Halted", "RolledBack"}
-ADMIN = {"adminTokenSecretRef": {"name": "vllm-admin"}}
 
 
 @pytest.fixture(scope="module")
@@ -60,33 +58,14 @@ def fleet(
     """One namespace and operator (two replicas) for the module (the pods keep the fencing
     tokens they admitted, so one Lease serves every test), the two pods serving A after an
     idle refit."""
-    ns = control_plane.create_namespace("under-load")
-    logs = tmp_path_factory.mktemp("under-load-logs")
-    op, fl = Operators(control_plane.kubeconfig, ns, logs), Fleet(control_plane, ns)
-    try:
-        fl.add_server_pods(PODS, servers)
-        # Two replicas (the chart's replicaCount: 2): on two cores under this load a leader may
-        # miss its renewal deadline and stop (leader.py; it did once in CI); the standby then
-        # takes over and resumes the pass, and every promise below must still hold.
-        op.start()
-        op.start()
-        st = refit(fl, op, tiny_model, "to-a", "A", servers[0].port)
-        assert st["phase"] == "Succeeded", (st, op.logs())
-        yield fl, op
-    finally:
-        op.stop_all()
-        fl.close()
-    assert not fl.violations, "\n".join(fl.violations)
-
-
-def refit(
-    fl: Fleet, op: Operators, tiny_model: TinyModel, name: str, version: str, port: int,
-    **spec: Any,
-) -> dict[str, Any]:  # fmt: skip
-    seq = {"sleepLevel": 1, **spec.pop("sequence", {})}
-    fl.apply_refit(name, version, tiny_model.checkpoints[version], port, fleet=ADMIN,
-                   sequence=seq, **spec)  # fmt: skip
-    return dict(fl.wait_phase(name, END, 240, op)["status"])
+    # Two replicas (the chart's replicaCount: 2): on two cores under this load a leader may
+    # miss its renewal deadline and stop (leader.py; it did once in CI); the standby then
+    # takes over and resumes the pass, and every promise below must still hold.
+    with serving_fleet(
+        control_plane, servers, PODS, "A", tiny_model.checkpoints["A"], namespace="under-load",
+        log_dir=tmp_path_factory.mktemp("under-load-logs"), replicas=2,
+    ) as fleet:  # fmt: skip
+        yield fleet
 
 
 @pytest.fixture
@@ -106,7 +85,8 @@ def under_load(
     gen = LoadGenerator(router.targets, deadline_s=200, timeout_s=60, **load).start()
     try:
         fl.wait_for(lambda: sum(r.outcome == "ok" for r in gen.records) >= 8, 60, "load")
-        st = refit(fl, op, tiny_model, name, version, servers[0].port, **spec)
+        path = tiny_model.checkpoints[version]
+        st = fl.refit_server_pods(op, name, version, path, servers[0].port, **spec)
         seen = len(gen.records)
         fl.wait_for(lambda: len(gen.records) >= seen + 8, 60, "load after the refit")
     finally:

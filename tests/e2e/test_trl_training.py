@@ -20,11 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from testbed.controlplane import ControlPlane
-from testbed.fleet import Fleet
+from testbed.fleet import Fleet, serving_fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
@@ -34,7 +33,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(600)]
 REPO = Path(__file__).parents[2]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.6", "127.0.0.7")
-END = {"Succeeded", "Failed", "Halted", "RolledBack"}
 STEPS = 8
 SPEC = {"admin_token_secret": "vllm-admin", "sequence": {"sleepLevel": 1}}
 
@@ -63,23 +61,11 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Fleet, Operators]]:
     """One namespace and operator for the module, the two pods serving A after a refit."""
-    ns = control_plane.create_namespace("grpo")
-    op = Operators(control_plane.kubeconfig, ns, tmp_path_factory.mktemp("grpo-logs"))
-    fl = Fleet(control_plane, ns)
-    try:
-        fl.add_server_pods(PODS, servers)
-        op.start()
-        fl.apply_refit(
-            "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
-            fleet={"adminTokenSecretRef": {"name": "vllm-admin"}}, sequence={"sleepLevel": 1},
-        )  # fmt: skip
-        st = fl.wait_phase("to-a", END, 180, op)["status"]
-        assert st["phase"] == "Succeeded", (st, op.logs())
-        yield fl, op
-    finally:
-        op.stop_all()
-        fl.close()
-    assert not fl.violations, "\n".join(fl.violations)
+    with serving_fleet(
+        control_plane, servers, PODS, "A", tiny_model.checkpoints["A"], namespace="grpo",
+        log_dir=tmp_path_factory.mktemp("grpo-logs"), timeout=180,
+    ) as fleet:  # fmt: skip
+        yield fleet
 
 
 def train(
@@ -111,15 +97,6 @@ def refits(fl: Fleet) -> dict[str, dict[str, Any]]:
 def ready_reason(refit: dict[str, Any]) -> str:
     conds = {c["type"]: c for c in refit["status"].get("conditions") or []}
     return str(conds.get("Ready", {}).get("reason", ""))
-
-
-def serving(fl: Fleet, servers: list[VllmServer]) -> dict[str, tuple[str, bool]]:
-    """Each pod's weight version as vLLM reports it, and whether it is in traffic."""
-    out = {}
-    for name, server in zip(PODS, servers, strict=True):
-        got = httpx.get(server.base_url + "/weight_info", headers=server.admin_headers())
-        out[name] = (got.json()["weight_version"], bool(fl.ready(fl.pod(name))))
-    return out
 
 
 def test_grpo_trains_through_refit(fleet, servers, tiny_model, tmp_path):
@@ -154,7 +131,7 @@ def test_grpo_trains_through_refit(fleet, servers, tiny_model, tmp_path):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
     print("\nGRPO run:", json.dumps({"rewards": rewards, "logprob_diffs": diffs,
           "records": run["records"]}))  # fmt: skip
-    assert serving(fl, servers) == {p: (versions[-1], True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: (versions[-1], True) for p in PODS}
 
 
 def test_a_tensor_changed_after_the_promise_stops_training(fleet, servers, tiny_model, tmp_path):
@@ -167,4 +144,4 @@ def test_a_tensor_changed_after_the_promise_stops_training(fleet, servers, tiny_
     assert run["end"]["phase"] == "Halted", (run["end"], op.logs())
     assert set(run["end"]["pods"].values()) == {"TransferMismatch"}, run["end"]
     assert [r["version"] for r in run["records"]] == ["fault-step-0", "fault-step-1"]
-    assert serving(fl, servers) == {p: ("fault-step-1", True) for p in PODS}
+    assert fl.serving(PODS, servers) == {p: ("fault-step-1", True) for p in PODS}
