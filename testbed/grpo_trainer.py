@@ -7,7 +7,7 @@ completions' version and pod tags, the reward and loss TRL logged, and how train
 
     python -m testbed.grpo_trainer --kubeconfig K --namespace NS --fleet-port 8000 \\
         --port 29600 --model-dir CKPT --probe-texts texts.txt --out run.json \\
-        [--steps 8] [--prefix grpo] [--corrupt-at-step N] [--spec JSON]
+        [--steps 8] [--prefix grpo] [--corrupt-at-step N] [--spec JSON] [--route completions]
 
 ``--corrupt-at-step N`` changes one tensor after its digest went into step N's promise (the
 broadcast_trainer's corrupt-after-promise fault, at one step of a real run).
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     # fails for good, not one run in twenty.
     p.add_argument("--sampling-seed", type=int, default=0)
     p.add_argument("--spec", default="{}", help="more spec fields, as client keywords (JSON)")
+    p.add_argument("--route", default="generate", choices=["generate", "completions"],
+                   help="where the pods generate (RefitRollout's route)")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             client, fleet_selector=args.selector, port=args.fleet_port,
             probe_token_ids=probe_ids, rendezvous=(args.host, args.port),
             version_prefix=args.prefix, refit_timeout=240, request_timeout=120,
-            spec=json.loads(args.spec),
+            spec=json.loads(args.spec), route=args.route,
         )  # fmt: skip
         if args.corrupt_at_step is not None:
             corrupt_at(rollout, args.corrupt_at_step)

@@ -125,6 +125,16 @@ def drain_window(rec: dict[str, Any]) -> tuple[float, float]:
     return rec["drained_at"] - rec["step_seconds"]["drain"], rec["drained_at"]
 
 
+KEEP_VERSIONS = (("A", "B"), ("B",), ("A",))
+
+
+def kept_at_drain(rec: dict[str, Any]) -> int:
+    """How many requests the pod's keep drain froze, by the engine's own count: the pass
+    record's note "N requests kept in flight, to finish on V" (none: no note)."""
+    note = rec.get("drained") or ""
+    return int(note.split()[0]) if note else 0
+
+
 def summary(records: list[Record]) -> str:
     return json.dumps([r.to_json() for r in records][-60:], indent=None)[:20000]
 
@@ -217,8 +227,10 @@ def test_abort_all_at_once_checkpoint_under_load_with_a_retrying_client(
     for r in aborted:
         assert r.finish_reason == "abort" and r.status == 200, r
         assert r.tokens < 400 and all(v == "B" for v in r.versions), r
-        # Aborted when its pod's drain paused it: before that pod's probe.
-        assert r.end <= pass_record(fl, r.pod)["finished"], r
+        # Aborted by its pod's pass (the drain, or the abort of late arrivals before the
+        # wake): sent before the pass ended, none of A's tokens. Not judged by its end: this
+        # process reads the abort's chunk late on loaded cores (once 40 ms after the probe).
+        assert r.start < pass_record(fl, r.pod)["finished"], r
     check_no_unprobed_weights(fl, [r for r in records if r.outcome == "ok"], "B", "A")
     check_routed_in_traffic(router, records)
     # The retrying client lost nothing: each logical request's last attempt was served.
@@ -244,23 +256,38 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
     assert st["phase"] == "Succeeded", (st, op.logs())
     check_nothing_lost(records)
     assert {r.outcome for r in records} <= {"ok", "no_target"}, summary(records)
-    crossed = [r for r in records if r.versions == ("A", "B")]
     met = in_flight_at_drain(fl, records)
-    # Frozen, then finished on B: its A tokens first if it had been scheduled before the drain.
-    assert all(r.outcome == "ok" and r.versions in (("A", "B"), ("B",)) for r in met), summary(met)
-    for r in crossed:
-        rec = pass_record(fl, r.pod)
-        # Admitted on A before the pod's drain, finished on B after it. Not necessarily after
-        # the probe: vLLM resumes at the KV wake, before the probe (docs/concepts.md, keep).
+    # Nothing the drain met is lost or aborted. Each one was frozen and finished on B (its A
+    # tokens first if it had been scheduled), or the engine had finished it on A before the
+    # pause and this test process read its last chunk after the drain: the client's clock
+    # lags the engine's by up to seconds on these loaded cores (CI once saw four 400-token
+    # requests end 0.1 s after the drain, all on A). Which ones the engine froze is its own
+    # count below, not the client's clock.
+    assert all(r.outcome == "ok" and r.versions in KEEP_VERSIONS for r in met), summary(met)
+    frozen: dict[str, list[Record]] = {}
+    for pod in PODS:
+        rec = pass_record(fl, pod)
         began, ended = drain_window(rec)
-        assert r.start < began and ended < r.end, (r, rec)
-    plain = [r for r in records if r.outcome == "ok" and r not in crossed]
+        frozen[pod] = [r for r in by_pod(records, pod) if r.start < ended and "B" in r.versions]
+        # Every request the engine held at the pause (running or waiting, its /metrics as
+        # the pause answered) finished with B's tokens, and none of them was lost.
+        assert kept_at_drain(rec) <= len(frozen[pod]), (rec, summary(by_pod(records, pod)))
+        for r in frozen[pod]:
+            assert r.outcome == "ok" and r.versions in KEEP_VERSIONS, r
+            if r.versions == ("A", "B"):
+                # Admitted on A before the drain, finished on B after it. Not necessarily
+                # after the probe: vLLM resumes at the KV wake (docs/concepts.md, keep).
+                assert r.start < began and ended < r.end, (r, rec)
+    # Every other request: A's tokens before the probe passed, B's after; keep's frozen
+    # requests are its one stated exception.
+    held = [r for rs in frozen.values() for r in rs]
+    plain = [r for r in records if r.outcome == "ok" and r not in held]
     check_no_unprobed_weights(fl, plain, "A", "B")
     check_routed_in_traffic(router, records)
     for pod in PODS:
         rec = pass_record(fl, pod)
-        n = sum(r.pod == pod for r in crossed)
-        if n:
+        # A request with A's tokens and B's was in the engine at the pause: the note says so.
+        if any(r.versions == ("A", "B") for r in frozen[pod]):
             assert rec["drained"].endswith("requests kept in flight, to finish on B"), rec
             cond = next(
                 c for c in fl.pod(pod)["status"]["conditions"] if c["type"].startswith("refit")

@@ -9,6 +9,7 @@ generated at that step's version (by both pods), the trainer's fp32 logprobs of 
 tokens equal to the fleet's, a finite loss and a reward that rises, and at the end both pods
 in traffic at the last step's version. Then the fault: a tensor changed after its step's
 promise stops training with the refit's reason while the pods keep serving the step before.
+Last, a short run on /v1/completions (no spans: the pods' records vouch for the version).
 """
 
 from __future__ import annotations
@@ -145,3 +146,24 @@ def test_a_tensor_changed_after_the_promise_stops_training(fleet, servers, tiny_
     assert set(run["end"]["pods"].values()) == {"TransferMismatch"}, run["end"]
     assert [r["version"] for r in run["records"]] == ["fault-step-0", "fault-step-1"]
     assert fl.serving(PODS, servers) == {p: ("fault-step-1", True) for p in PODS}
+
+
+def test_on_v1_completions_the_pods_records_vouch_for_the_version(
+    fleet, servers, tiny_model, tmp_path
+):
+    """The route TRL's own client speaks, which returns no weight-version spans: each step's
+    completions are taken at the published version because each pod's records said it served
+    that version, probed and in traffic, before its requests and after them, and the
+    trainer's logprobs still equal the fleet's."""
+    fl, op = fleet
+    run = train(fl, servers, tiny_model, tmp_path, "--steps", "2", "--route", "completions",
+                "--prefix", "comp")  # fmt: skip
+    assert run["end"] == {"phase": "Succeeded"}, (run, op.logs())
+    versions = ["comp-step-0", "comp-step-1", "comp-step-2"]
+    assert [r["version"] for r in run["records"]] == versions
+    steps = {int(k): v for k, v in run["steps"].items()}
+    for s in range(2):
+        assert steps[s]["versions"] == [versions[s]] and steps[s]["pods"] == list(PODS), steps
+    diffs = [r["max_abs_logprob_diff"] for r in run["records"][:2]]
+    assert all(d is not None and d < 1e-3 for d in diffs), diffs
+    assert fl.serving(PODS, servers) == {p: (versions[-1], True) for p in PODS}

@@ -151,10 +151,11 @@ def test_package_modules_import_their_siblings_never_their_package() -> None:
 
 
 INTEGRATIONS = OPERATOR / "integrations"
-# What an integration may import at module level: the client it drives, the standard library
-# and httpx. Its framework and torch only inside functions (the operator's image has neither).
+# What an integration may import at module level: the client it drives, the pure reading of a
+# pod's records (podflow), the standard library and httpx. Its framework and torch only inside
+# functions (the operator's image has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
-                         "pathlib", "typing", "httpx", "..client"}  # fmt: skip
+                         "pathlib", "typing", "httpx", "..client", "..podflow"}  # fmt: skip
 
 
 def top_level_imports(path: Path) -> set[str]:

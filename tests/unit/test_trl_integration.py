@@ -1,20 +1,26 @@
 """The pure parts of refit_operator.integrations.trl: how TRL's prompt batch is grouped, which
 pods generate, which sampling settings go to vLLM, and how a completion is checked against the
-version the trainer published (the fail-closed part)."""
+version the trainer published (the fail-closed part): by the route's weight-version spans, or,
+on /v1/completions, by the pod's records before and after its requests."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
 from refit_operator.integrations.trl import (
     READY_GATE,
+    RefitRollout,
     StaleRollout,
+    choice_tokens,
     group_prompts,
     parse_choice,
     ready_pod_urls,
     sampling_params,
+    served_throughout,
 )
+from refit_operator.podflow import PROGRESS_ANNOTATION, PodView, Progress
 from refit_worker.contract import READINESS_GATE
 
 
@@ -85,3 +91,62 @@ def test_a_completion_at_the_published_version_is_taken() -> None:
 def test_stale_mixed_or_unlabelled_completions_fail_closed(spans, why) -> None:
     with pytest.raises(StaleRollout, match=why):
         parse_choice(choice(spans, [5, 6], [-0.5, -1.5]), "v2")
+
+
+def test_a_completions_choice_gives_its_tokens_and_logprobs() -> None:
+    """/v1/completions with return_token_ids: ``token_ids`` and ``logprobs.token_logprobs``."""
+    c = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -1.5], "tokens": ["a", "b"]}}
+    assert choice_tokens(c) == ([5, 6], [-0.5, -1.5])
+    with pytest.raises(StaleRollout, match="2 tokens but 1 logprobs"):
+        choice_tokens({"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5]}})
+
+
+def served(name: str, version: str, *, started: float = 1.0, restarts: int = 0, ready: bool = True,
+           uid: str = "u1") -> PodView:  # fmt: skip
+    """A pod whose last pass brought it to ``version`` (Succeeded), as PodView reads it."""
+    record = Progress(refit="r", uid="r1", version=version, path="/ckpt", outcome="Succeeded",
+                      started=started, restarts=restarts)  # fmt: skip
+    doc = {
+        "metadata": {"name": name, "uid": uid,
+                     "annotations": {PROGRESS_ANNOTATION: record.to_annotation()}},
+        "spec": {"readinessGates": [{"conditionType": READINESS_GATE}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.1",
+                   "conditions": [{"type": READINESS_GATE, "status": str(ready)}],
+                   "containerStatuses": [{"restartCount": restarts}]},
+    }  # fmt: skip
+    return PodView.from_pod(doc)
+
+
+def test_a_pod_that_served_the_version_throughout_vouches_for_its_completions() -> None:
+    assert served("a", "v2").serving == "v2"
+    assert served_throughout(served("a", "v2"), served("a", "v2"), "v2") == ""
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "why"),
+    [
+        (served("a", "v1"), served("a", "v1"), "served v1 before its requests, not v2"),
+        (served("a", "v2"), served("a", "v3"), "served v3 after its requests"),
+        # Out of traffic now (a refit began): no probed version to vouch.
+        (served("a", "v2"), served("a", "v2", ready=False), "served no probed version after"),
+        # Refit away and back to v2 in between: another pass record.
+        (served("a", "v2"), served("a", "v2", started=9.0), "refit or restarted"),
+        (served("a", "v2"), served("a", "v2", restarts=1), "refit or restarted|no probed"),
+        (served("a", "v2"), served("a", "v2", uid="u2"), "refit or restarted"),  # replaced
+        (served("a", "v2"), None, "left the fleet"),
+    ],
+)  # fmt: skip
+def test_completions_without_spans_fail_closed_unless_the_pod_served_the_version_throughout(
+    before, after, why
+) -> None:
+    assert re.search(why, served_throughout(before, after, "v2"))
+
+
+def test_a_route_is_checked_when_the_rollout_is_made() -> None:
+    common = {"fleet_selector": "app=x", "port": 8000, "probe_token_ids": [[1]],
+              "rendezvous": ("127.0.0.1", 1)}  # fmt: skip
+    with pytest.raises(ValueError, match="route 'grpc': one of generate, completions"):
+        RefitRollout(SimpleNamespace(), route="grpc", **common)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs the pods, not service_url"):
+        RefitRollout(SimpleNamespace(), route="completions", service_url="http://svc",
+                     **common)  # type: ignore[arg-type]  # fmt: skip

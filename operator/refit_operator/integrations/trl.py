@@ -18,8 +18,13 @@ weights the operator has not probed. Generation then goes to the fleet's Ready p
 across them) through vLLM's token-in/token-out route ``/inference/v1/generate``, which
 needs the pods started with ``--enable-scale-out``: it returns each output's weight-version
 spans, and a completion whose spans are not exactly the published version raises
-``StaleRollout``. TRL's interface gives the rollout function no hook at the end of training:
-``callback()`` publishes the final weights from ``on_train_end``.
+``StaleRollout``. ``route="completions"`` generates through ``/v1/completions`` instead (what
+TRL's own client speaks; any vLLM server), which returns no spans: a pod's completions are
+then taken at the published version only if its records say it served that version, probed
+and in traffic, both before its requests and after them, with the same pass and no restart
+in between (a pod refit or restarted meanwhile raises ``StaleRollout``). TRL's interface gives
+the rollout function no hook at the end of training: ``callback()`` publishes the final
+weights from ``on_train_end``.
 
 TRL and torch are imported lazily (the operator's environment has neither).
 """
@@ -36,10 +41,14 @@ from typing import Any
 import httpx
 
 from ..client import RefitClient, default_name
+from ..podflow import PodView
 
 log = logging.getLogger(__name__)
 READY_GATE = "refit.rollout.dev/weights-ready"  # refit_worker.contract.READINESS_GATE
-GENERATE_PATH = "/inference/v1/generate"
+# Where each route generates, and how a completion's version is known: the route's own
+# weight-version spans, or the pod's records read before and after its requests.
+ROUTES = {"generate": "/inference/v1/generate", "completions": "/v1/completions"}
+GENERATE_PATH = ROUTES["generate"]
 
 
 class StaleRollout(RuntimeError):
@@ -103,7 +112,7 @@ def sampling_params(trainer: Any, n: int) -> dict[str, Any]:
 def parse_choice(choice: Mapping[str, Any], version: str) -> tuple[list[int], list[float]]:
     """Token ids and their logprobs from one /inference/v1/generate choice; StaleRollout
     unless its weight-version spans say every token came from ``version``."""
-    ids = list(choice.get("token_ids") or [])
+    ids, logprobs = choice_tokens(choice)
     spans = choice.get("weight_versions")
     if spans is None:
         raise StaleRollout("the pod returned no weight-version spans (--enable-scale-out?)")
@@ -111,11 +120,39 @@ def parse_choice(choice: Mapping[str, Any], version: str) -> tuple[list[int], li
     covered = sum(int(s["end"]) - int(s["start"]) for s in spans)
     if got != {version} or covered != len(ids):
         raise StaleRollout(f"completion generated at {sorted(got)}, expected {version}")
-    content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(c["logprob"]) for c in content]
+    return ids, logprobs
+
+
+def choice_tokens(choice: Mapping[str, Any]) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs from a choice of either route: /inference/v1/generate
+    (``logprobs.content``) or /v1/completions with ``return_token_ids`` (``token_logprobs``)."""
+    ids = list(choice.get("token_ids") or [])
+    got = choice.get("logprobs") or {}
+    if "content" in got:
+        logprobs = [float(c["logprob"]) for c in got.get("content") or []]
+    else:
+        logprobs = [float(x) for x in got.get("token_logprobs") or []]
     if len(logprobs) != len(ids):
         raise StaleRollout(f"{len(ids)} tokens but {len(logprobs)} logprobs")
     return ids, logprobs
+
+
+def served_throughout(before: PodView | None, after: PodView | None, version: str) -> str:
+    """Why a pod's completions, returned without weight-version spans, cannot be taken at
+    ``version`` ("" when they can): by its records it served ``version`` (probed, in
+    traffic, no restart since) before its requests and after them, with the same pass
+    record, the same pod object and no container restart in between. A refit away and back
+    to the same version in between changes the pass record, so it is caught too."""
+    if before is None or after is None:
+        return "the pod left the fleet while it generated"
+    for when, view in (("before", before), ("after", after)):
+        if view.serving != version:
+            served = view.serving or "no probed version"
+            return f"the pod served {served} {when} its requests, not {version}"
+    if (before.uid, before.restarts, before.progress) != (after.uid, after.restarts,
+                                                           after.progress):  # fmt: skip
+        return "the pod was refit or restarted while it generated"
+    return ""
 
 
 class RefitRollout:
@@ -138,7 +175,16 @@ class RefitRollout:
         refit_timeout: float = 600,
         request_timeout: float = 300,
         spec: Mapping[str, Any] | None = None,
+        route: str = "generate",
     ) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"route {route!r}: one of {', '.join(ROUTES)}")
+        if route == "completions" and service_url:
+            # Behind a Service the pod that answered is unknown, so its records cannot vouch.
+            raise ValueError(
+                "route 'completions' needs the pods, not service_url: only the generate "
+                "route's spans name the version behind a Service"
+            )
         if (rendezvous is None) == (checkpoint_root is None):
             raise ValueError("give exactly one of rendezvous (broadcast) and checkpoint_root")
         if not probe_token_ids:
@@ -149,6 +195,7 @@ class RefitRollout:
         self.service_url, self.model_name = service_url, model_name
         self.version_prefix, self.refit_timeout = version_prefix, refit_timeout
         self.spec = {"strategy": "AllAtOnce", **(spec or {})}
+        self.route = route
         self.http = httpx.Client(timeout=request_timeout)
         self.records: list[StepRecord] = []
         self.published: StepRecord | None = None
@@ -196,24 +243,40 @@ class RefitRollout:
         return rec
 
     # ---------------------------------------------------------------- generate
-    def endpoints(self) -> list[tuple[str, str]]:
-        """(name, base URL) to generate from: the Service, else the Ready pods."""
-        if self.service_url:
-            return [("service", self.service_url)]
+    def fleet_pods(self) -> list[dict[str, Any]]:
+        """The fleet's Pod objects as the API server returns them."""
         from kubernetes import client as k8s
 
         core: Any = k8s.CoreV1Api(self.client.api_client)
-        selector = (
-            self.selector
-            if isinstance(self.selector, str)
-            else ",".join(f"{k}={v}" for k, v in self.selector.items())
-        )
-        items = core.list_namespaced_pod(self.client.namespace, label_selector=selector).items
-        pods = [self.client.api_client.sanitize_for_serialization(p) for p in items]
-        urls = ready_pod_urls(pods, self.port)
+        items = core.list_namespaced_pod(self.client.namespace, label_selector=self._selector())
+        return [self.client.api_client.sanitize_for_serialization(p) for p in items.items]
+
+    def _selector(self) -> str:
+        if isinstance(self.selector, str):
+            return self.selector
+        return ",".join(f"{k}={v}" for k, v in self.selector.items())
+
+    def endpoints(self, pods: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, str]]:
+        """(name, base URL) to generate from: the Service, else the Ready pods."""
+        if self.service_url:
+            return [("service", self.service_url)]
+        urls = ready_pod_urls(self.fleet_pods() if pods is None else pods, self.port)
         if not urls:
-            raise StaleRollout(f"no Ready pod selected by {selector!r} to generate from")
+            raise StaleRollout(f"no Ready pod selected by {self._selector()!r} to generate from")
         return urls
+
+    def _request(self, url: str, ids: list[int], params: dict[str, Any]) -> list[Any]:
+        """One prompt's ``n`` completions from one pod, by the rollout's route."""
+        body: dict[str, Any]
+        if self.route == "generate":
+            body = {"token_ids": ids, "sampling_params": params}
+        else:
+            body = {"prompt": ids, "return_token_ids": True, **params}
+        if self.model_name:
+            body["model"] = self.model_name
+        resp = self.http.post(url + ROUTES[self.route], json=body)
+        resp.raise_for_status()
+        return list(resp.json()["choices"])
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -228,22 +291,24 @@ class RefitRollout:
         completion_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         pods: list[str] = []
-        urls = self.endpoints()
+        listed = None if self.service_url else self.fleet_pods()
+        urls = self.endpoints(listed)
         for start, count in group_prompts(prompts):
             ids = list(tok(text=prompts[start])["input_ids"])
             name, url = urls[self._next_pod % len(urls)]  # spread the groups over the pods
             self._next_pod += 1
-            body = {"token_ids": ids, "sampling_params": sampling_params(trainer, count)}
-            if self.model_name:
-                body["model"] = self.model_name
-            resp = self.http.post(url + GENERATE_PATH, json=body)
-            resp.raise_for_status()
-            for choice in resp.json()["choices"]:
-                got_ids, got_lp = parse_choice(choice, rec.version)
+            for choice in self._request(url, ids, sampling_params(trainer, count)):
+                if self.route == "generate":
+                    got_ids, got_lp = parse_choice(choice, rec.version)
+                else:
+                    got_ids, got_lp = choice_tokens(choice)
                 prompt_ids.append(ids)
                 completion_ids.append(got_ids)
                 logprobs.append(got_lp)
                 pods.append(name)
+        if self.route == "completions":
+            assert listed is not None
+            self._check_served(listed, set(pods), rec.version)
         rec.generation_seconds += time.monotonic() - started
         for name in pods:
             rec.pods[name] = rec.pods.get(name, 0) + 1
@@ -256,6 +321,18 @@ class RefitRollout:
             "weight_version": [rec.version] * len(pods),
             "pod": pods,
         }
+
+    def _check_served(
+        self, listed: Sequence[Mapping[str, Any]], used: set[str], version: str
+    ) -> None:
+        """StaleRollout unless each pod that generated served ``version`` throughout, by its
+        records read before its requests (``listed``) and now."""
+        before = {v.name: v for v in map(PodView.from_pod, listed)}
+        after = {v.name: v for v in map(PodView.from_pod, self.fleet_pods())}
+        for name in sorted(used):
+            why = served_throughout(before.get(name), after.get(name), version)
+            if why:
+                raise StaleRollout(f"pod {name}: {why}")
 
     def callback(self) -> Any:
         """A TrainerCallback that publishes the final weights when training ends."""
