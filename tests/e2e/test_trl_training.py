@@ -166,4 +166,6 @@ def test_on_v1_completions_the_pods_records_vouch_for_the_version(
         assert steps[s]["versions"] == [versions[s]] and steps[s]["pods"] == list(PODS), steps
     diffs = [r["max_abs_logprob_diff"] for r in run["records"][:2]]
     assert all(d is not None and d < 1e-3 for d in diffs), diffs
+    print("\nGRPO run on /v1/completions:", json.dumps({"logprob_diffs": diffs,
+          "records": run["records"]}))  # fmt: skip
     assert fl.serving(PODS, servers) == {p: (versions[-1], True) for p in PODS}
