@@ -56,6 +56,11 @@ class StepRecord:
     publish_seconds: float = 0.0  # reference + broadcast send or checkpoint write
     operator_seconds: float = 0.0  # WeightRefit created -> Succeeded (less the send)
     generation_seconds: float = 0.0
+    # time.monotonic() of the trainer process when the publish began (the rollout function
+    # entered after the optimizer step) and when the step's first generate request went out:
+    # with the optimizer step's end they time how long the fleet kept the trainer waiting.
+    publish_began_at: float | None = None
+    first_request_at: float | None = None
     pods: dict[str, int] = field(default_factory=dict)  # completions per pod
     max_abs_logprob_diff: float | None = None  # trainer fp32 vs fleet, sampled tokens
 
@@ -162,10 +167,11 @@ class RefitRollout:
 
         version = f"{self.version_prefix}-step-{step}"
         rec = StepRecord(step=step, version=version, refit=default_name(version))
-        started = time.monotonic()
+        started = rec.publish_began_at = time.monotonic()
         ref = reference.reference_from_model(
             model, self.probe_token_ids, version=version, tool="refit_operator.integrations.trl"
         )
+        referenced = time.monotonic()
         if self.rendezvous is not None:
             sent: list[float] = []
             self.client.broadcast(
@@ -175,7 +181,7 @@ class RefitRollout:
                 **self.spec,
             )  # fmt: skip
             total = time.monotonic() - started
-            rec.publish_seconds = sum(sent)
+            rec.publish_seconds = referenced - started + sum(sent)
             rec.operator_seconds = total - rec.publish_seconds
         else:
             assert self.checkpoint_root is not None
@@ -236,6 +242,8 @@ class RefitRollout:
             body = {"token_ids": ids, "sampling_params": sampling_params(trainer, count)}
             if self.model_name:
                 body["model"] = self.model_name
+            if rec.first_request_at is None:
+                rec.first_request_at = time.monotonic()
             resp = self.http.post(url + GENERATE_PATH, json=body)
             resp.raise_for_status()
             for choice in resp.json()["choices"]:
