@@ -35,6 +35,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
+    """Two pods' servers from A's files, with the broadcast engine and the rollouts' route."""
     with rollout_pods(tiny_model, HOSTS) as servers:
         yield servers
 
