@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
-    "explorer", "under_load",
+    "explorer", "under_load", "grpo",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -31,6 +31,7 @@ TITLES = {
     "startup": "vLLM imports and server starts with and without the venv's bytecode",
     "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
     "under_load": "refits under live traffic per drain mode vs the same refits idle (real vLLM)",
+    "grpo": "a TRL GRPO run through Refit: each step's wait for its weights vs direct refits",
 }
 
 
@@ -87,6 +88,10 @@ def run_one(
         from bench import under_load
 
         return under_load.suite(quick, log)
+    if name == "grpo":
+        from bench import grpo
+
+        return grpo.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

@@ -358,25 +358,32 @@ def stop(proc: OperatorProcess) -> None:
 
 
 @contextlib.contextmanager
-def control_plane(
-    prefix: str, profile: Path | None = None, lease_seconds: int = LEASE_SECONDS
-) -> Iterator[Bench]:
-    """A fresh control plane (etcd + kube-apiserver, the WeightRefit CRD installed) in a
-    temporary folder, and a Bench on it; everything is stopped and removed on exit."""
+def fresh_control_plane(prefix: str) -> Iterator[tuple[ControlPlane, Path]]:
+    """A fresh control plane (etcd + kube-apiserver, the WeightRefit CRD installed) and a
+    temporary folder it lives in; both are stopped and removed on exit."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         work = Path(tmp)
         cp = ControlPlane(work / "cp")
         cp.start()
-        bench: Bench | None = None
         try:
             cp.install_crds()
-            bench = Bench(cp, work, profile, lease_seconds)
+            yield cp, work
+        finally:
+            cp.stop()
+
+
+@contextlib.contextmanager
+def control_plane(
+    prefix: str, profile: Path | None = None, lease_seconds: int = LEASE_SECONDS
+) -> Iterator[Bench]:
+    """A fresh control plane and a Bench on it; everything is stopped and removed on exit."""
+    with fresh_control_plane(prefix) as (cp, work):
+        bench = Bench(cp, work, profile, lease_seconds)
+        try:
             bench.wait_refits_served()
             yield bench
         finally:
-            if bench is not None:
-                bench.close()
-            cp.stop()
+            bench.close()
 
 
 def run_suite(

@@ -15,41 +15,29 @@ Last, a short run on /v1/completions (no spans: the pods' records vouch for the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testbed.controlplane import ControlPlane
 from testbed.fleet import Fleet, serving_fleet
+from testbed.grpo_trainer import rollout_pods, train
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
+from testbed.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).parents[2]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.6", "127.0.0.7")
 STEPS = 8
-SPEC = {"admin_token_secret": "vllm-admin", "sequence": {"sleepLevel": 1}}
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
-    """Two pods' servers started from A's files with the refit-gloo engine (the broadcast)
-    and the token-in/token-out route (--enable-scale-out: the rollouts)."""
-    from refit_worker.contract import TRANSFER_BACKEND
-
-    extra = ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
-             "--enable-scale-out"]  # fmt: skip
-    with start_vllm_pods(
-        tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
-        admin_token="grpo-admin-token", extra_args=extra,
-    ) as servers:  # fmt: skip
+    """Two pods' servers from A's files, with the broadcast engine and the rollouts' route."""
+    with rollout_pods(tiny_model, HOSTS) as servers:
         yield servers
 
 
@@ -69,24 +57,6 @@ def fleet(
         yield fleet
 
 
-def train(
-    fl: Fleet, servers: list[VllmServer], tiny_model: TinyModel, tmp_path: Path, *args: str
-) -> dict[str, Any]:
-    """Run the trainer process to its end; the JSON document it wrote."""
-    out = tmp_path / "run.json"
-    cmd = [
-        sys.executable, "-m", "testbed.grpo_trainer",
-        "--kubeconfig", str(fl.cp.kubeconfig), "--namespace", fl.ns,
-        "--fleet-port", str(servers[0].port), "--port", str(free_port("127.0.0.1")),
-        "--model-dir", str(tiny_model.checkpoints["A"]),
-        "--probe-texts", str(tiny_model.probe_texts_file), "--out", str(out),
-        "--spec", json.dumps(SPEC), *args,
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return dict(json.loads(out.read_text()))
-
-
 def refits(fl: Fleet) -> dict[str, dict[str, Any]]:
     """The broadcast WeightRefits of the namespace, by version."""
     items = fl.custom.list_namespaced_custom_object(
@@ -102,7 +72,7 @@ def ready_reason(refit: dict[str, Any]) -> str:
 
 def test_grpo_trains_through_refit(fleet, servers, tiny_model, tmp_path):
     fl, op = fleet
-    run = train(fl, servers, tiny_model, tmp_path, "--steps", str(STEPS))
+    run = train(fl, servers, tiny_model, tmp_path / "run.json", "--steps", str(STEPS))
     summary = json.dumps({k: v for k, v in run.items() if k != "records"}, indent=1)
     assert run["end"] == {"phase": "Succeeded"}, (summary, op.logs())
     # One refit per step, the final weights (on_train_end) included, every one Succeeded.
@@ -140,8 +110,8 @@ def test_a_tensor_changed_after_the_promise_stops_training(fleet, servers, tiny_
     model, the refit halts with TransferMismatch, training stops with that reason, and both
     pods keep serving step 1."""
     fl, op = fleet
-    run = train(fl, servers, tiny_model, tmp_path, "--steps", "4", "--corrupt-at-step", "2",
-                "--prefix", "fault")  # fmt: skip
+    run = train(fl, servers, tiny_model, tmp_path / "run.json", "--steps", "4",
+                "--corrupt-at-step", "2", "--prefix", "fault")  # fmt: skip
     assert run["end"]["phase"] == "Halted", (run["end"], op.logs())
     assert set(run["end"]["pods"].values()) == {"TransferMismatch"}, run["end"]
     assert [r["version"] for r in run["records"]] == ["fault-step-0", "fault-step-1"]
@@ -156,8 +126,8 @@ def test_on_v1_completions_the_pods_records_vouch_for_the_version(
     that version, probed and in traffic, before its requests and after them, and the
     trainer's logprobs still equal the fleet's."""
     fl, op = fleet
-    run = train(fl, servers, tiny_model, tmp_path, "--steps", "2", "--route", "completions",
-                "--prefix", "comp")  # fmt: skip
+    run = train(fl, servers, tiny_model, tmp_path / "run.json", "--steps", "2",
+                "--route", "completions", "--prefix", "comp")  # fmt: skip
     assert run["end"] == {"phase": "Succeeded"}, (run, op.logs())
     versions = ["comp-step-0", "comp-step-1", "comp-step-2"]
     assert [r["version"] for r in run["records"]] == versions

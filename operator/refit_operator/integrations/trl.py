@@ -48,7 +48,6 @@ READY_GATE = "refit.rollout.dev/weights-ready"  # refit_worker.contract.READINES
 # Where each route generates, and how a completion's version is known: the route's own
 # weight-version spans, or the pod's records read before and after its requests.
 ROUTES = {"generate": "/inference/v1/generate", "completions": "/v1/completions"}
-GENERATE_PATH = ROUTES["generate"]
 
 
 class StaleRollout(RuntimeError):
@@ -65,6 +64,11 @@ class StepRecord:
     publish_seconds: float = 0.0  # reference + broadcast send or checkpoint write
     operator_seconds: float = 0.0  # WeightRefit created -> Succeeded (less the send)
     generation_seconds: float = 0.0
+    # time.monotonic() of the trainer process when the publish began (the rollout function
+    # entered after the optimizer step) and when the step's first generate request went out:
+    # with the optimizer step's end they time how long the fleet kept the trainer waiting.
+    publish_began_at: float | None = None
+    first_request_at: float | None = None
     pods: dict[str, int] = field(default_factory=dict)  # completions per pod
     max_abs_logprob_diff: float | None = None  # trainer fp32 vs fleet, sampled tokens
 
@@ -209,10 +213,11 @@ class RefitRollout:
 
         version = f"{self.version_prefix}-step-{step}"
         rec = StepRecord(step=step, version=version, refit=default_name(version))
-        started = time.monotonic()
+        started = rec.publish_began_at = time.monotonic()
         ref = reference.reference_from_model(
             model, self.probe_token_ids, version=version, tool="refit_operator.integrations.trl"
         )
+        referenced = time.monotonic()
         if self.rendezvous is not None:
             sent: list[float] = []
             self.client.broadcast(
@@ -222,7 +227,7 @@ class RefitRollout:
                 **self.spec,
             )  # fmt: skip
             total = time.monotonic() - started
-            rec.publish_seconds = sum(sent)
+            rec.publish_seconds = referenced - started + sum(sent)
             rec.operator_seconds = total - rec.publish_seconds
         else:
             assert self.checkpoint_root is not None
@@ -297,6 +302,8 @@ class RefitRollout:
             ids = list(tok(text=prompts[start])["input_ids"])
             name, url = urls[self._next_pod % len(urls)]  # spread the groups over the pods
             self._next_pod += 1
+            if rec.first_request_at is None:
+                rec.first_request_at = time.monotonic()
             for choice in self._request(url, ids, sampling_params(trainer, count)):
                 if self.route == "generate":
                     got_ids, got_lp = parse_choice(choice, rec.version)
