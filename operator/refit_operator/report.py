@@ -462,7 +462,9 @@ def render_grpo(run: Mapping[str, Any], out: Path, *, title: str = "") -> Path:
         2, 1, sharex=True, figsize=(10, 7), height_ratios=[1, 1.3], layout="constrained"
     )
     if rewarded:
-        top.plot([s for s, _ in rewarded], [r for _, r in rewarded], marker="o", color="#9467bd")
+        values = [r for _, r in rewarded]
+        top.plot([s for s, _ in rewarded], values, marker="o", color="#9467bd", clip_on=False)
+        top.set_ylim(bottom=min(0.0, *values))  # a reward of 0 sits on the axis
     else:
         top.text(0.5, 0.5, "no reward logged", transform=top.transAxes, ha="center")
     top.set_ylabel("mean reward")
