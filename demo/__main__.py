@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
     p.add_argument("--pods", type=int, default=3, help="vLLM servers (default 3, ~3 GB each)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "refit-demo"),
-                   help="where the PNG reports go")  # fmt: skip
+                   help="where the PNG reports (and the GRPO run's grpo-run.json) go")  # fmt: skip
     p.add_argument("--grpo-steps", type=int, default=3,
                    help="steps of the closing GRPO run (default 3; 0 skips it)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="leave everything running until Ctrl-C")
