@@ -1,6 +1,6 @@
 """`make demo`: Refit doing its job on real parts, in one command.
 
-    .venv/bin/python -m demo [--pods 3] [--out DIR] [--keep]
+    .venv/bin/python -m demo [--pods 3] [--out DIR] [--grpo-steps 8] [--keep]
 
 Starts, on loopback only: a real kube-apiserver + etcd with the WeightRefit CRD, the operator
 (the real `refit-operator` process), N real vLLM CPU servers (tiny model, refit_worker plugin,
@@ -14,9 +14,14 @@ each server's own loopback address, and a real Prometheus scraping the operator.
     v4  broadcast of A    AllAtOnce           a trainer process sends A's tensors over
         gloo (refit_operator.client); each pod checks them against the trainer's promise
         before loading, then the probe gates it as for a checkpoint           -> Succeeded
+    GRPO  a short GRPO run through Refit (demo/grpo.py): TRL's GRPOTrainer publishes its
+        policy at every step (demo-grpo-step-0..N, broadcast), the pods generate its
+        rollouts                                       -> every refit and training Succeeded
 
-with live per-pod progress, a summary table and PNG reports (refit_operator.report). Exit 0
-only when every outcome is the expected one and every pod serves v4, in traffic.
+with live per-pod progress, a summary table and PNG reports (refit_operator.report; the GRPO
+run's reward and refit time per step in grpo.png). Exit 0 only when every outcome is the
+expected one, every GRPO step's completions came from that step's version, and every pod
+serves the last version (v4, or the GRPO run's last step), in traffic.
 Everything started is stopped at the end (also on Ctrl-C); `--keep` leaves it all running
 until Ctrl-C and prints how to look at it.
 
@@ -53,6 +58,7 @@ from refit_operator.report import render_refit
 from refit_operator.views import describe, duration, table
 from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
+from demo import grpo
 from testbed import controlplane, prometheus, vllm_server
 from testbed.operator_process import OperatorProcess
 from testbed.pods import register_pod
@@ -166,11 +172,15 @@ def start_servers(
     # Servers starting together share the CPUs: the knob is per server (testbed/vllm_server.py).
     timeout = vllm_server.start_timeout(len(ips))
 
+    # The refit-gloo engine receives broadcasts (v4, GRPO); --enable-scale-out serves vLLM's
+    # token-in/token-out route, whose weight-version spans the GRPO run checks its rollouts by.
+    extra = ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+             "--enable-scale-out"]  # fmt: skip
+
     def start(ip: str) -> None:
         cm: AbstractContextManager[Any] = vllm_server.start_vllm_server(
-            model, host=ip, port=port, admin_token=token,
-            extra_args=["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})],
-            timeout=timeout, progress=say,
+            model, host=ip, port=port, admin_token=token, extra_args=extra, timeout=timeout,
+            progress=say,
         )  # fmt: skip
         try:
             results[ip] = (cm, cm.__enter__())
@@ -434,6 +444,19 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         for step in SCENARIO:
             say(f"refit {step.version}: {step.what}")
             results.append(run_step(refits, live, model, step, port, cp.kubeconfig, state))
+        # Drawn now, as the scenario ended: the GRPO run's refits later supersede v4.
+        draw_reports(refits, results, out_dir)
+
+        trained = None
+        if args.grpo_steps:
+            say(f"GRPO: {args.grpo_steps} steps of TRL's GRPOTrainer through Refit, one "
+                f"broadcast refit per step ({grpo.PREFIX}-step-0..{args.grpo_steps})")  # fmt: skip
+            trained = grpo.run_grpo(
+                model, cp.kubeconfig, NAMESPACE, ",".join(f"{k}={v}" for k, v in LABELS.items()),
+                port, SECRET, args.grpo_steps, out_dir, state, say,
+            )  # fmt: skip
+            say(f"GRPO run ended in {trained.seconds:.0f}s")
+        final_version = trained.last_version if trained else SCENARIO[-1].version
 
         versions = fleet_versions(servers)
         traffic = in_traffic(core, names)
@@ -446,18 +469,14 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                                ("refit", "sum by (result) (refit_refits_total)"))
             for s in prom.query(expr)
         }  # fmt: skip
-        for r in results:
-            doc = refits.get(r.step.name)
-            if r.pods or doc.get("status", {}).get("pods"):
-                r.report = render_refit(doc, out_dir / f"{r.step.name}.png", pods=r.pods)
-            if r.rejected is not None:  # the moment the probe said no, before the rollback
-                r.rejected_report = render_refit(
-                    {**doc, "status": r.rejected}, out_dir / f"{r.step.name}-rejected.png",
-                    pods=r.rejected_pods,
-                    title=f"{r.step.name} → {r.step.version}: the probe rejects the checkpoint",
-                )  # fmt: skip
-
         out.write("\n" + summary(results) + "\n\n")
+        if trained is not None:
+            out.write(grpo.summary(trained) + "\n")
+            for problem in trained.problems():
+                out.write(f"GRPO: {problem}\n")
+            if not trained.ok:
+                out.write(f"GRPO trainer log (tail):\n{_tail(trained.log)}\n")
+            out.write("\n")
         out.write(table(("POD", "ADDRESS", "WEIGHT VERSION (read back)", "IN TRAFFIC"),
                         [[n, s.host, versions[s.host], "yes" if traffic[n] else "no"]
                          for n, s in zip(names, servers, strict=True)]) + "\n\n")  # fmt: skip
@@ -468,9 +487,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             for path in (r.report, r.rejected_report):
                 if path is not None:
                     out.write(f"report: {path}\n")
+        if trained is not None and (picture := grpo.picture(trained, out_dir / "grpo.png")):
+            out.write(f"report: {picture}\n")
         ok = (
             all(r.ok for r in results)
-            and set(versions.values()) == {SCENARIO[-1].version}
+            and (trained is None or trained.ok)
+            and set(versions.values()) == {final_version}
             and all(traffic.values())
             and scraped.get("probe fail", 0) >= 1
             and scraped.get("refit rolled_back", 0) >= 1
@@ -486,6 +508,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if ok:  # logs and etcd data of a run that went as expected are not worth keeping
         shutil.rmtree(state, ignore_errors=True)
     return 0 if ok else 1
+
+
+def draw_reports(refits: RefitClient, results: list[Result], out_dir: Path) -> None:
+    """Each refit's PNG report, and the moment the probe rejected one."""
+    for r in results:
+        doc = refits.get(r.step.name)
+        if r.pods or doc.get("status", {}).get("pods"):
+            r.report = render_refit(doc, out_dir / f"{r.step.name}.png", pods=r.pods)
+        if r.rejected is not None:  # the moment the probe said no, before the rollback
+            r.rejected_report = render_refit(
+                {**doc, "status": r.rejected}, out_dir / f"{r.step.name}-rejected.png",
+                pods=r.rejected_pods,
+                title=f"{r.step.name} → {r.step.version}: the probe rejects the checkpoint",
+            )  # fmt: skip
 
 
 def keep_running(out: TextIO, cp: Any, metrics_port: int, prom_url: str, state: Path) -> None:
@@ -514,11 +550,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
     p.add_argument("--pods", type=int, default=3, help="vLLM servers (default 3, ~3 GB each)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "refit-demo"),
-                   help="where the PNG reports go")  # fmt: skip
+                   help="where the PNG reports (and the GRPO run's grpo-run.json) go")  # fmt: skip
+    p.add_argument("--grpo-steps", type=int, default=8,
+                   help="steps of the closing GRPO run (default 8; 0 skips it)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="leave everything running until Ctrl-C")
     args = p.parse_args(argv)
     if not 1 <= args.pods <= 8:
         p.error("--pods must be between 1 and 8")
+    if args.grpo_steps < 0:
+        p.error("--grpo-steps must be 0 or more")
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args, sys.stdout)

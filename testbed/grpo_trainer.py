@@ -4,7 +4,9 @@ from memory, one WeightRefit per step), the reward the count of " red" in a comp
 tiny model's grammar puts an adjective after most "the", one of ten is "red": a signal it
 can learn in a few steps). Writes one JSON document: per step the publish record, the
 completions' version and pod tags, the reward and loss TRL logged, when the optimizer step
-that made the step's weights ended, and how training ended.
+that made the step's weights ended, and how training ended. While it runs it prints one line
+per published step on stdout, ``PROGRESS`` and a JSON object (the step's StepRecord, its
+refit's phase, reward and loss), for a caller to show progress.
 
     python -m testbed.grpo_trainer --kubeconfig K --namespace NS --fleet-port 8000 \\
         --port 29600 --model-dir CKPT --probe-texts texts.txt --out run.json \\
@@ -52,6 +54,8 @@ PROMPTS = [
     "The horse watches the",
 ]
 WORD = " red"
+# Marks the progress lines on stdout, which also carries transformers' own log lines.
+PROGRESS = "grpo-progress "
 
 
 def corrupt_at(rollout: RefitRollout, step: int) -> None:
@@ -159,6 +163,18 @@ def main(argv: list[str] | None = None) -> int:
 
     steps: dict[int, dict[str, Any]] = {}
     out: dict[str, Any] = {"steps": steps}
+    said: set[int] = set()
+
+    def say(rec: StepRecord) -> None:
+        """The step's progress line, once: its publish, and what its rollouts scored."""
+        if rec.step in said:
+            return
+        said.add(rec.step)
+        scored = steps.get(rec.step, {})
+        # A record exists only for a publish that returned, i.e. a refit that Succeeded.
+        line = {**asdict(rec), "phase": "Succeeded", "reward": scored.get("reward"),
+                "loss": scored.get("loss")}  # fmt: skip
+        print(PROGRESS + json.dumps(line), flush=True)
 
     def reward_red(completions: list[str], **kw: Any) -> list[float | None]:
         step = int(kw["trainer_state"].global_step)
@@ -174,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             # TRL logs after step s+1 what the rollouts published at step s scored.
             logs = kw.get("logs")
             if logs and "loss" in logs:
-                steps.setdefault(state.global_step - 1, {}).update(
-                    loss=logs["loss"], reward=logs.get("reward")
-                )
+                step = state.global_step - 1
+                steps.setdefault(step, {}).update(loss=logs["loss"], reward=logs.get("reward"))
+                for rec in rollout.records:
+                    if rec.step == step:
+                        say(rec)
 
     class OptimizerEnd(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -214,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                           "pods": {f.pod: f.reason for f in e.pod_failures}}  # fmt: skip
         except RefitError as e:
             out["end"] = {"phase": "", "error": f"{type(e).__name__}: {e}"}
+        for rec in rollout.records:  # the final weights' publish (on_train_end) has no log
+            say(rec)
         out["records"] = [asdict(r) for r in rollout.records]
     finite = all(math.isfinite(s.get("loss", 0.0)) for s in steps.values())
     out["losses_finite"] = finite

@@ -1,6 +1,6 @@
 """`make demo` as a test: the whole scenario on real parts (control plane, operator, three
-real vLLM CPU pods, Prometheus), run as the user runs it, judged by its own checks and by
-what it prints."""
+real vLLM CPU pods, Prometheus) and its closing GRPO run, run as the user runs it, judged by
+its own checks and by what it prints."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.cluster, pytest.mark.slow, pytest.ma
 
 REPO = Path(__file__).resolve().parents[2]
 PODS = int(os.environ.get("REFIT_DEMO_PODS", "3"))
+GRPO_STEPS = 8  # the demo's default
 
 
 def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
@@ -38,9 +39,18 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     # The last version came by broadcast from a trainer process, gated by the same probe.
     v4 = rows["demo-v4"]
     assert "(broadcast)" in v4 and "Succeeded" in v4 and v4[-1] == "ok"
+    # Then a short GRPO run through Refit: one refit per step and one for the final weights,
+    # in order, each Succeeded, each step's completions generated at that step's version.
+    versions = [f"demo-grpo-step-{s}" for s in range(GRPO_STEPS + 1)]
+    live = re.findall(r"GRPO step (\d+)/\d+ (\S+): refit (\w+)", text)
+    assert live == [(str(s), v, "Succeeded") for s, v in enumerate(versions)], live
+    grpo = [line.split() for line in text.splitlines() if line.startswith("demo-grpo-step-")]
+    assert [row[0] for row in grpo] == versions, grpo
+    assert all(row[2] == "Succeeded" and row[-1] == "ok" for row in grpo), grpo
+    assert [row[-2] for row in grpo[:-1]] == versions[:-1], grpo  # COMPLETIONS FROM
     pods = [line.split() for line in text.splitlines() if line.startswith("rollout-")]
     finals = [p for p in pods if len(p) == 4]  # the read-back table: name, address, version, yes
-    assert [p[2:] for p in finals[-PODS:]] == [["v4", "yes"]] * PODS
+    assert [p[2:] for p in finals[-PODS:]] == [[versions[-1], "yes"]] * PODS
     assert "outcome as expected" in text
     assert sorted(p.name for p in out.glob("*.png")) == [
         "demo-v1.png",
@@ -48,7 +58,9 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
         "demo-v3-rejected.png",
         "demo-v3.png",
         "demo-v4.png",
+        "grpo.png",
     ]
+    assert (out / "grpo.png").stat().st_size > 0
     # Everything it started is gone: no server still listens on the pods' addresses.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "--host 127.0.0.11" not in ps
