@@ -9,8 +9,11 @@ traffic (out from the drain until the probe passed, as its readiness condition w
 
 Per mode: the pod's time out of traffic (the cycle minus the stage, which runs while the pod
 serves), its ratio to the idle pod's, and the latency of the requests that ended during the
-refits (p50, p99), against the latency of the same load with no refit. Aborted requests (abort)
-and requests that finished on both versions (keep) are counted per refit.
+refits (p50, p99), against the latency of the same load with no refit. Aborted requests (abort;
+with wait, the late arrivals: sent as the pod left traffic, reaching it paused) and requests
+that finished on both versions (keep) are counted per refit. ``wait`` runs once more with
+``drainDelaySeconds`` 1 (``DELAYED``): the pod serves a second after leaving traffic before the
+drain pauses it, so late arrivals are served instead of aborted.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from testbed.tiny_model import ensure_tiny_model
 from testbed.vllm_server import VllmServer, start_vllm_server
 
 MODES = ("wait", "abort", "keep")
+DELAYED = "wait-delay1"  # drain wait with spec.sequence.drainDelaySeconds 1
+# Each variant's name (in the metrics, the raw results, the versions) and its sequence.
+VARIANTS: dict[str, dict[str, Any]] = {
+    **{mode: {"drain_mode": mode} for mode in MODES},
+    DELAYED: {"drain_mode": "wait", "drain_delay_seconds": 1},
+}
+LABELS = {DELAYED: "wait, drainDelaySeconds 1"}  # in the metrics' names
 STREAMS = 4  # concurrent clients: below the server's --max-num-seqs 8, so none waits
 MAX_TOKENS = 300  # about half a second of generation each on this machine
 STEADY_SECONDS = 6.0  # the no-refit baseline of the load
@@ -54,7 +64,8 @@ class Route:
 async def cycles(
     server: VllmServer, n: int, mode: str, route: Route, gen: LoadGenerator | None
 ) -> list[dict[str, Any]]:
-    """n refit cycles in ``mode``; per cycle its out-of-traffic seconds and window."""
+    """n refit cycles in ``mode`` (a VARIANTS name); per cycle its out-of-traffic seconds
+    and window."""
     tiny = ensure_tiny_model()
     out = []
     async with worker.session() as http:
@@ -65,7 +76,7 @@ async def cycles(
             if gen is not None:
                 await asyncio.sleep(SETTLE_SECONDS)
             began = time.time()
-            seq = Sequence.model_validate({"drain_mode": mode})
+            seq = Sequence.model_validate(VARIANTS[mode])
             c = await refit_cycle(w, str(ckpt), f"{mode}-{ckpt.name}-{i}", seq, route.set)
             if c.verdict != "Pass":
                 raise RuntimeError(f"{mode} cycle {i}: probe verdict {c.verdict}")
@@ -104,7 +115,8 @@ def suite(quick: bool, log: Log) -> SuiteOut:
                    note=f"{STREAMS} streams of {MAX_TOKENS} tokens"),
             Metric("request latency p99, load without a refit", [p99], "s"),
         ]  # fmt: skip
-        for mode in MODES:
+        for mode in VARIANTS:
+            label = LABELS.get(mode, mode)
             gen = LoadGenerator(route, streams=STREAMS, max_tokens=MAX_TOKENS, deadline_s=600)
             with gen:
                 runs = asyncio.run(cycles(server, n, mode, route, gen))
@@ -122,16 +134,16 @@ def suite(quick: bool, log: Log) -> SuiteOut:
             log(f"under_load: {mode}: out of traffic median {median(out):.3f}s, latency p50 "
                 f"{lp50:.3f}s p99 {lp99:.3f}s, aborted {aborted}, crossed {crossed}")  # fmt: skip
             metrics += [
-                Metric(f"out of traffic under load, drain {mode}", out, "s"),
-                Metric(f"out of traffic under load / idle, drain {mode} (medians)",
+                Metric(f"out of traffic under load, drain {label}", out, "s"),
+                Metric(f"out of traffic under load / idle, drain {label} (medians)",
                        [median(out) / median(idle_out)], "x"),
-                Metric(f"request latency p50 during refits, drain {mode}", [lp50], "s",
+                Metric(f"request latency p50 during refits, drain {label}", [lp50], "s",
                        note=f"{len(got)} requests ended during the {n} refits"),
-                Metric(f"request latency p99 during refits, drain {mode}", [lp99], "s"),
-                Metric(f"requests aborted per refit, drain {mode}", [aborted / n], "requests"),
-                Metric(f"requests finished on two versions per refit, drain {mode}",
+                Metric(f"request latency p99 during refits, drain {label}", [lp99], "s"),
+                Metric(f"requests aborted per refit, drain {label}", [aborted / n], "requests"),
+                Metric(f"requests finished on two versions per refit, drain {label}",
                        [crossed / n], "requests"),
-                Metric(f"requests cut, hung or refused a connection, drain {mode}",
+                Metric(f"requests cut, hung or refused a connection, drain {label}",
                        [float(len(broken))], "requests", "<= 0"),
             ]  # fmt: skip
     notes = [

@@ -19,7 +19,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,12 @@ async def refit_cycle(
     for step in podflow.STEPS:
         if step in (Step.probe, Step.ready):
             continue
-        if step == Step.drain and traffic is not None:
-            traffic(False)
+        if step == Step.drain:
+            # As in a pass of a serving pod: it leaves traffic once staged, and the drain's
+            # drainDelaySeconds counts from then.
+            progress = replace(progress, left_traffic=time.time())
+            if traffic is not None:
+                traffic(False)
         await runner.execute_step(w, seq or Sequence(), progress, step, resumed=False)
         lap(step)
     # The operator fetches a reference once per refit and path, not per pod: timed apart.

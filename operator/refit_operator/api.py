@@ -137,11 +137,20 @@ class Broadcast(_Model):
     timeout_seconds: int = 600
 
 
+# spec.sequence.drainDelaySeconds at most (the CRD's maximum says the same): long enough for
+# any endpoint propagation lag, short enough that a pass never sits on it unnoticed.
+DRAIN_DELAY_MAX_SECONDS: Final = 300
+
+
 class Sequence(_Model):
     drain_mode: Literal["wait", "abort", "keep"] = "wait"
     sleep_level: Literal[0, 1, 2] = 1
     step_timeout_seconds: int = 120
     drain_timeout_seconds: int = 60
+    # Seconds from the pass taking the pod out of traffic (its record's left_traffic) to the
+    # drain's pause: the pod keeps serving what endpoints that have not yet dropped it send.
+    # Strict: a whole number of seconds, never a bool, a fraction or a numeric string.
+    drain_delay_seconds: int = Field(default=0, ge=0, le=DRAIN_DELAY_MAX_SECONDS, strict=True)
     load_timeout_seconds: int = 600
     probe_timeout_seconds: int = 60
     total_timeout_seconds: int = 3600

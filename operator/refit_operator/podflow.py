@@ -37,7 +37,7 @@ class Step(StrEnum):
     # tensors) and stage its bytes in the worker's memory, so the time out of traffic holds
     # only the swap (docs/concepts.md, "Time out of traffic").
     stage = "stage"
-    drain = "drain"  # readiness condition False, then /pause and a bounded wait for in-flight
+    drain = "drain"  # condition False, drainDelaySeconds, /pause and a bounded wait for in-flight
     sleep = "sleep"
     wakeWeights = "wakeWeights"
     load = "load"  # from the staged bytes, after a cheap check that no file changed since staging

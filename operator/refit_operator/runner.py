@@ -307,6 +307,7 @@ async def _stage(run: StepRun) -> str:
 async def _drain_step(run: StepRun) -> str:
     if run.ctx is not None and run.pod is not None:
         await _wait_out_of_endpoints(run.ctx, run.pod)
+    await _wait_drain_delay(run.seq, run.progress)
     # The record before it set the readiness condition False.
     return await _drain(run.worker, run.seq, run.progress.version)
 
@@ -636,6 +637,25 @@ async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
                 "False (is its kubelet reporting?)",
             )
         await asyncio.sleep(DRAIN_POLL_SECONDS / 2)
+
+
+async def _wait_drain_delay(seq: Sequence, progress: Progress) -> None:
+    """Before the drain pauses the pod: until ``drainDelaySeconds`` have passed since the pass
+    took it out of traffic (``left_traffic``, from the record: a pass resumed after an
+    operator restart, or a retried drain, does not wait again from scratch). Endpoints,
+    kube-proxy and gateways learn of the readiness change with some lag, and what they send
+    meanwhile the pod still serves, rather than queue it paused until the abort before the
+    wake. Nothing is called meanwhile: the pause after it is a worker call like every other,
+    so the leader checks its lease and the pod the fencing token first. A plain wait, like a
+    retry's backoff: it is bounded by the delay itself (at most DRAIN_DELAY_MAX_SECONDS, even
+    when the recording operator's clock ran ahead), drainTimeoutSeconds bounds only the waits
+    on the pod, and it counts in the drain step's seconds and the refit's total timeout."""
+    delay = seq.drain_delay_seconds
+    if not delay or not progress.left_traffic:
+        return  # 0 (the default): no wait, not even a yield to the loop
+    remaining = min(float(delay), progress.left_traffic + delay - times.now())
+    if remaining > 0:
+        await asyncio.sleep(remaining)
 
 
 async def _drain(worker: WorkerClient, seq: Sequence, version: str) -> str:

@@ -77,6 +77,32 @@ def test_pods_serve_while_staging_and_the_next_batch_stages_ahead(harness, sim_f
         assert record["step_seconds"]["stage"] < 1.0, record
 
 
+def test_the_drain_pauses_drain_delay_seconds_after_the_pod_left_traffic(
+    harness, sim_fleet, tmp_path
+):
+    """spec.sequence.drainDelaySeconds: once the record took the pod out of traffic
+    (readiness condition False) the pod is not paused until the delay has passed, so that
+    what endpoints still send it meanwhile is served; the refit's admitted sequence
+    (status.sequence) keeps the field, and the calls are the same as without it."""
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 1)
+    (sim,) = sims
+    sim.call_log(clear=True)
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sim.port, sequence={"drainDelaySeconds": 2})
+    fleet.wait_for(lambda: fleet.ready(fleet.pod("pod-0")) is False, 10, "pod-0 out of traffic")
+    assert "pause" not in sim.calls(), sim.calls()  # out of traffic, still serving
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    assert st["sequence"]["drainDelaySeconds"] == 2
+    record = fleet.progress(fleet.pod("pod-0"))
+    assert record is not None and record["outcome"] == "Succeeded"
+    # The drain began right after the record that took the pod out: it held the delay.
+    assert record["step_seconds"]["drain"] >= 1.9, record
+    assert record["drained_at"] - record["left_traffic"] >= 2.0, record
+    probe = ("models", "completions", "health", "refit_probe_reference", "refit_info")
+    calls = [c for c in sim.calls() if c not in probe]
+    assert calls[:3] == ["refit_stage", "pause", "sleep"], calls
+
+
 def test_checkpoint_changed_after_staging_is_refused_and_the_pod_serves_v1_again(
     harness, sim_fleet, tmp_path
 ):

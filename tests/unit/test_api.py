@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from refit_operator import api
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "weightrefit.yaml"
@@ -86,8 +86,12 @@ def test_every_status_field_is_declared_in_the_crd():
         ],
         conditions=[api.Condition(type="Ready", status="True", reason="R")],
         broadcast=api.BroadcastRound(round=1, world_size=3, receivers=2),
+        sequence=api.Sequence(),
     ).dump()
     assert set(status["broadcast"]) == set(declared["broadcast"]["properties"])
+    # Every field of the sequence the passes run: one the CRD does not declare is pruned by
+    # the API server, and the passes would run its default instead.
+    assert set(status["sequence"]) == set(declared["sequence"]["properties"])
     for key in status:
         assert key in declared, key
     pod_fields = declared["pods"]["items"]["properties"]
@@ -111,6 +115,42 @@ def test_out_of_traffic_is_camel_case_and_a_pod_still_out_has_no_figure():
     assert doc["outOfTraffic"]["worstPod"] == "b"
     assert "outOfTrafficSeconds" not in doc["pods"][0]  # None: left out, not written as null
     assert api.WeightRefitStatus().dump()["outOfTraffic"]["pods"] == 0
+
+
+def test_spec_sequence_fields_match_the_crd():
+    declared = schema()["spec"]["properties"]["sequence"]["properties"]
+    assert set(api.Sequence().dump()) == set(declared)
+    # The bounds the model refuses outside are the CRD's.
+    delay = declared["drainDelaySeconds"]
+    assert (delay["minimum"], delay["maximum"]) == (0, api.DRAIN_DELAY_MAX_SECONDS)
+
+
+@pytest.mark.parametrize("value", [0, 1, 30, 300])
+def test_drain_delay_seconds_accepted(value):
+    seq = api.Sequence.model_validate({"drainDelaySeconds": value})
+    assert seq.drain_delay_seconds == value
+    assert seq.dump()["drainDelaySeconds"] == value
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (-1, "greater than or equal to 0"),
+        (301, "less than or equal to 300"),
+        (1.5, "valid integer"),
+        (2.0, "valid integer"),
+        ("5", "valid integer"),
+        (True, "valid integer"),
+        (None, "valid integer"),
+    ],
+)
+def test_drain_delay_seconds_refused(value, says):
+    with pytest.raises(ValidationError) as refused:
+        api.Sequence.model_validate({"drainDelaySeconds": value})
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("drainDelaySeconds",)
+    assert says in error["msg"]
+    assert "drainDelaySeconds" in str(refused.value)
 
 
 def test_phases_match_the_crd_enum():

@@ -2,11 +2,13 @@
 ``wait`` is bounded by drainTimeoutSeconds (vLLM's /pause?mode=wait answers only once the
 requests in flight finished, so its wait is the drain), ``keep`` never waits for the requests
 it froze and says how many it kept, ``abort`` and ``wait`` end with the pause (never on
-/metrics, which a paused engine stops refreshing).
+/metrics, which a paused engine stops refreshing), and no pause before ``drainDelaySeconds``
+have passed since the pass took the pod out of traffic.
 The same on real vLLM under load: tests/e2e/test_refit_under_load.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +16,7 @@ from dataclasses import replace
 import pytest
 from refit_operator import podflow, runner
 from refit_operator.api import Sequence
+from refit_operator.leader import LeadershipLost
 from refit_operator.podflow import Step
 from refit_operator.runner import StepFailed
 from refit_operator.worker import WorkerClient, session
@@ -27,11 +30,18 @@ def progress() -> podflow.Progress:
     return podflow.start("wr", "u1", "B", "/c/B", now=time.time())
 
 
-async def drain(pod: SimPod, step: Step = Step.drain, **seq: object) -> str:
+async def drain(
+    pod: SimPod,
+    step: Step = Step.drain,
+    *,
+    record: podflow.Progress | None = None,
+    before_call: Callable[[], None] | None = None,
+    **seq: object,
+) -> str:
     async with session() as http:
-        worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN)
+        worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN, before_call=before_call)
         return await runner.execute_step(
-            worker, Sequence.model_validate(seq), progress(), step, False
+            worker, Sequence.model_validate(seq), record or progress(), step, False
         )
 
 
@@ -118,3 +128,85 @@ async def test_keep_resets_the_prefix_cache_of_the_frozen_requests_too(
     assert pod.call_log()[-2]["params"] == {"reset_running_requests": "true"}
     await drain(pod, Step.resetCache, drain_mode="wait")
     assert pod.call_log()[-2]["params"] == {}
+
+
+class CallTimes:
+    """A WorkerClient's before_call: when each call was about to be sent (epoch seconds)."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.lost = False  # then it raises as the leader's lease check does
+
+    def __call__(self) -> None:
+        if self.lost:
+            raise LeadershipLost("the lease may have expired")
+        self.at.append(time.time())
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
+async def test_the_pause_waits_for_the_drain_delay_since_the_pod_left_traffic(
+    sim_fleet: Callable[..., list[SimPod]], mode: str
+) -> None:
+    """spec.sequence.drainDelaySeconds: endpoints and gateways learn that the pod left traffic
+    with some lag, so the pause is sent no earlier than drainDelaySeconds after the record's
+    left_traffic; the pod serves what reaches it meanwhile (nothing is called on it)."""
+    (pod,) = sim_fleet(1, admin_token=ADMIN)
+    left = time.time() - 0.8  # the record taking the pod out of traffic, written a while ago
+    calls = CallTimes()
+    await drain(pod, record=replace(progress(), left_traffic=left), before_call=calls,
+                drain_mode=mode, drain_delay_seconds=1)  # fmt: skip
+    assert pod.calls()[0] == "pause", pod.calls()
+    assert calls.at[0] >= left + 1.0
+    # From left_traffic, not from the step's start (that would be left + 1.8).
+    assert calls.at[0] < left + 1.6
+
+
+async def test_a_pass_that_left_traffic_before_the_delay_pauses_at_once(
+    sim_fleet: Callable[..., list[SimPod]],
+) -> None:
+    """Measured from the record: a pass resumed after an operator restart (or a drain tried
+    again) whose pod left traffic longer ago than the delay does not wait again."""
+    (pod,) = sim_fleet(1, admin_token=ADMIN)
+    began = time.monotonic()
+    old = replace(progress(), left_traffic=time.time() - 5)
+    assert await drain(pod, record=old, drain_delay_seconds=3) == ""
+    assert time.monotonic() - began < 1
+    assert pod.calls() == ["pause"]
+
+
+async def test_a_record_from_a_clock_ahead_waits_no_longer_than_the_delay(
+    sim_fleet: Callable[..., list[SimPod]],
+) -> None:
+    """left_traffic written by an operator whose clock ran ahead of this one's: the wait is
+    still bounded by drainDelaySeconds."""
+    (pod,) = sim_fleet(1, admin_token=ADMIN)
+    began = time.monotonic()
+    ahead = replace(progress(), left_traffic=time.time() + 60)
+    await drain(pod, record=ahead, drain_delay_seconds=1)
+    assert time.monotonic() - began < 2
+
+
+async def test_no_drain_delay_by_default(sim_fleet: Callable[..., list[SimPod]]) -> None:
+    """drainDelaySeconds 0 (the default): the pause follows at once, as before the field."""
+    assert Sequence().drain_delay_seconds == 0
+    (pod,) = sim_fleet(1, admin_token=ADMIN)
+    began = time.monotonic()
+    assert await drain(pod, record=progress()) == ""
+    assert time.monotonic() - began < 1
+    assert pod.calls() == ["pause"]
+
+
+async def test_a_leader_that_lost_its_lease_during_the_delay_never_pauses(
+    sim_fleet: Callable[..., list[SimPod]],
+) -> None:
+    """The pause after the delay is a worker call like every other: the lease check before
+    it (WorkerClient before_call) stops a replica that may have lost its leadership
+    meanwhile, and nothing is sent to the pod."""
+    (pod,) = sim_fleet(1, admin_token=ADMIN)
+    calls = CallTimes()
+    # The lease is lost while the delay runs (the record left traffic just now).
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, setattr, calls, "lost", True)
+    with pytest.raises(LeadershipLost):
+        await drain(pod, record=progress(), before_call=calls, drain_delay_seconds=1)
+    assert pod.calls() == []
