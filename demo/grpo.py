@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,8 +22,7 @@ from typing import Any
 from refit_operator.report import render_grpo
 from refit_operator.views import table
 
-from testbed import controlplane
-from testbed.grpo_trainer import PROGRESS
+from testbed.grpo_trainer import PROGRESS, command
 
 PREFIX = "demo-grpo"  # its versions, demo-grpo-step-N, are none of the scenario's v1..v4
 # Starting the trainer (torch, transformers, TRL) takes up to a minute on 2 cores; each step
@@ -103,14 +101,10 @@ def run_grpo(
     run = GrpoRun(steps, state / "grpo-trainer.log")
     doc_path = out_dir / "grpo-run.json"
     doc_path.unlink(missing_ok=True)  # a file from an earlier run is not this run's
-    cmd = [
-        sys.executable, "-m", "testbed.grpo_trainer", "--kubeconfig", str(kubeconfig),
-        "--namespace", namespace, "--selector", selector, "--fleet-port", str(fleet_port),
-        "--port", str(controlplane.free_port()), "--model-dir", str(model.checkpoints["A"]),
-        "--probe-texts", str(model.probe_texts_file), "--out", str(doc_path),
-        "--steps", str(steps), "--prefix", PREFIX,
-        "--spec", json.dumps({"admin_token_secret": secret}),
-    ]  # fmt: skip
+    cmd = command(
+        kubeconfig, namespace, fleet_port, model, doc_path, "--selector", selector,
+        "--steps", str(steps), "--prefix", PREFIX, spec={"admin_token_secret": secret},
+    )  # fmt: skip
     began = time.monotonic()
     with run.log.open("wb") as log:
         proc = subprocess.Popen(

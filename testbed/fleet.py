@@ -256,8 +256,9 @@ def ready_violation(pod: dict[str, Any]) -> str | None:
     """Why a Ready pod may be serving weights no probe passed on (None: it is not). Ready is
     right when the pod's record is a pass that Succeeded with a passed probe; or a pass that
     keeps it serving (staging, refused while staging) under the condition that pass left
-    untouched, the one the passed probe of the version it serves wrote; or a pass that
-    restored it to that version with the model untouched."""
+    untouched, the one the passed probe of the version it serves wrote, or the one an
+    earlier pass wrote when it restored the pod to that version; or a pass that restored it
+    to that version with the model untouched."""
     if not Fleet.ready(pod):
         return None
     p = Fleet.progress(pod) or {}
@@ -270,6 +271,12 @@ def ready_violation(pod: dict[str, Any]) -> str | None:
     message = str(cond.get("message") or "")
     probed = f"weights {served} probed"  # then, after "; ", what its drain kept in flight
     if staging and cond.get("reason") == "ProbePassed" and message.split(";")[0] == probed:
+        return None
+    # Staging under the condition an earlier pass's restore wrote (podflow.readiness): that
+    # pass put the pod back on ``served`` with its model untouched, or it would not say so.
+    again = (f"serving {served} again: ", f"serving adapter {served} again: ")
+    restored_to = cond.get("reason") in ("PreviousWeights", "PreviousAdapter")
+    if staging and restored_to and message.startswith(again):
         return None
     # Restored only while no try of the pass may have changed the model (podflow.touched).
     if p.get("restored") and not p.get("touched") and cond.get("reason") == "PreviousWeights":

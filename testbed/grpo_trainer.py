@@ -97,6 +97,24 @@ def rollout_pods(tiny: TinyModel, hosts: Sequence[str]) -> Iterator[list[VllmSer
         yield servers
 
 
+def command(
+    kubeconfig: Path, namespace: str, fleet_port: int, tiny: TinyModel, out: Path, *args: str,
+    spec: Mapping[str, Any],
+) -> list[str]:  # fmt: skip
+    """The command line of a trainer process from checkpoint A that publishes to the pods of
+    ``namespace`` (``args`` added: --steps, --prefix, --selector, ...)."""
+    from testbed.vllm_server import free_port
+
+    return [
+        sys.executable, "-m", "testbed.grpo_trainer",
+        "--kubeconfig", str(kubeconfig), "--namespace", namespace,
+        "--fleet-port", str(fleet_port), "--port", str(free_port("127.0.0.1")),
+        "--model-dir", str(tiny.checkpoints["A"]),
+        "--probe-texts", str(tiny.probe_texts_file), "--out", str(out),
+        "--spec", json.dumps(spec), *args,
+    ]  # fmt: skip
+
+
 def train(
     fleet: Fleet, servers: Sequence[VllmServer], tiny: TinyModel, out: Path, *args: str,
     spec: Mapping[str, Any] | None = None, timeout: float = 400,
@@ -106,17 +124,9 @@ def train(
     document it wrote to ``out``. ``spec``: the refits' spec fields, by default the pods'
     admin Secret and sleep level 1."""
     from testbed.fleet import ADMIN_SECRET
-    from testbed.vllm_server import free_port
 
     spec = spec or {"admin_token_secret": ADMIN_SECRET, "sequence": {"sleepLevel": 1}}
-    cmd = [
-        sys.executable, "-m", "testbed.grpo_trainer",
-        "--kubeconfig", str(fleet.cp.kubeconfig), "--namespace", fleet.ns,
-        "--fleet-port", str(servers[0].port), "--port", str(free_port("127.0.0.1")),
-        "--model-dir", str(tiny.checkpoints["A"]),
-        "--probe-texts", str(tiny.probe_texts_file), "--out", str(out),
-        "--spec", json.dumps(spec), *args,
-    ]  # fmt: skip
+    cmd = command(fleet.cp.kubeconfig, fleet.ns, servers[0].port, tiny, out, *args, spec=spec)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(f"the trainer exited {done.returncode}: {done.stderr[-4000:]}")

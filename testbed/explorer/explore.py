@@ -198,11 +198,15 @@ class Explorer:
 
     def _spec(self, version: str) -> dict[str, Any]:
         r = self.rng
+        sleep_level = r.choice([0, 1])
         return {
             "fleet": {"selector": {"matchLabels": dict(FLEET)}, "port": 8000},
             "checkpoint": {"path": self.ckpt[version], "version": version},
             "sequence": {
-                "sleepLevel": r.choice([0, 1]),
+                "sleepLevel": sleep_level,
+                # Half the refits wait out a drain delay, so faults land inside it too. Derived
+                # from a choice already drawn: a new draw would reshuffle every seed's schedule.
+                "drainDelaySeconds": sleep_level,
                 "drainMode": "abort",
                 "stepTimeoutSeconds": 5,
                 "drainTimeoutSeconds": 5,

@@ -41,6 +41,17 @@ PROBED_V1 = ("ProbePassed", "weights v1 probed")
             restored=True,
         ),
         pod(False, "Refitting", "", outcome="", serving="v1", left_traffic=5.0),
+        # v2 staging while the pod serves v1 under the condition an earlier pass's restore
+        # wrote (seen when a GRPO run followed one whose broadcast was refused)
+        pod(
+            True,
+            "PreviousWeights",
+            "serving v1 again: v9 refused (TransferMismatch: x)",
+            outcome="",
+            version="v2",
+            serving="v1",
+            left_traffic=0,
+        ),
     ],
 )
 def test_legitimately_ready_or_out(case: dict[str, Any]) -> None:
@@ -54,6 +65,16 @@ def test_legitimately_ready_or_out(case: dict[str, Any]) -> None:
         pod(True, *PROBED_V1, outcome="Succeeded", version="v1", probe={"verdict": "Fail"}),
         # staging, but the condition is another version's probe
         pod(True, "ProbePassed", "weights v0 probed", outcome="", serving="v1", left_traffic=0),
+        # staging under a restore's condition of another version
+        pod(
+            True,
+            "PreviousWeights",
+            "serving v0 again: v9 refused (x)",
+            outcome="",
+            version="v2",
+            serving="v1",
+            left_traffic=0,
+        ),
         # the pass took the pod out of traffic: Ready now is wrong
         pod(True, *PROBED_V1, outcome="", version="v2", serving="v1", left_traffic=5.0),
         # nothing served with a probe when the pass began

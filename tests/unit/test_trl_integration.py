@@ -9,8 +9,10 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from refit_operator.client import RefitError
 from refit_operator.integrations.trl import (
     READY_GATE,
+    RECORDS_KEPT,
     RefitRollout,
     StaleRollout,
     choice_tokens,
@@ -150,3 +152,13 @@ def test_a_route_is_checked_when_the_rollout_is_made() -> None:
     with pytest.raises(ValueError, match="needs the pods, not service_url"):
         RefitRollout(SimpleNamespace(), route="completions", service_url="http://svc",
                      **common)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_long_run_keeps_a_bounded_record_and_an_early_selector_check() -> None:
+    common = {"port": 8000, "probe_token_ids": [[1]], "rendezvous": ("127.0.0.1", 1)}
+    rollout = RefitRollout(SimpleNamespace(), fleet_selector={"app": "x", "pool": "a"},
+                           **common)  # type: ignore[arg-type]  # fmt: skip
+    assert rollout.records.maxlen == RECORDS_KEPT  # memory stays flat over a long run
+    assert rollout.label_selector == "app=x,pool=a"
+    with pytest.raises(RefitError, match="not key=value"):
+        RefitRollout(SimpleNamespace(), fleet_selector="app in (x)", **common)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from ..client import RefitClient, default_name
+from ..client import RefitClient, default_name, parse_selector
 from ..podflow import PodView
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ READY_GATE = "refit.rollout.dev/weights-ready"  # refit_worker.contract.READINES
 # Where each route generates, and how a completion's version is known: the route's own
 # weight-version spans, or the pod's records read before and after its requests.
 ROUTES = {"generate": "/inference/v1/generate", "completions": "/v1/completions"}
+
+
+RECORDS_KEPT = 1000  # the StepRecords a RefitRollout keeps, the newest
 
 
 class StaleRollout(RuntimeError):
@@ -161,7 +165,7 @@ def served_throughout(before: PodView | None, after: PodView | None, version: st
 
 class RefitRollout:
     """The ``rollout_func`` (see the module's docstring). ``records`` holds a StepRecord per
-    published step."""
+    published step, the last RECORDS_KEPT of them (a long run's memory stays flat)."""
 
     def __init__(
         self,
@@ -194,6 +198,8 @@ class RefitRollout:
         if not probe_token_ids:
             raise ValueError("probe_token_ids is empty: the operator's probe needs prompts")
         self.client, self.selector, self.port = client, fleet_selector, port
+        # The pods to list, as a label-selector string (a bad selector fails here, early).
+        self.label_selector = parse_selector(fleet_selector).canonical()
         self.probe_token_ids = [list(ids) for ids in probe_token_ids]
         self.rendezvous, self.checkpoint_root, self.pod_root = rendezvous, checkpoint_root, pod_root
         self.service_url, self.model_name = service_url, model_name
@@ -201,7 +207,7 @@ class RefitRollout:
         self.spec = {"strategy": "AllAtOnce", **(spec or {})}
         self.route = route
         self.http = httpx.Client(timeout=request_timeout)
-        self.records: list[StepRecord] = []
+        self.records: deque[StepRecord] = deque(maxlen=RECORDS_KEPT)
         self.published: StepRecord | None = None
         self._next_pod = 0
 
@@ -253,13 +259,8 @@ class RefitRollout:
         from kubernetes import client as k8s
 
         core: Any = k8s.CoreV1Api(self.client.api_client)
-        items = core.list_namespaced_pod(self.client.namespace, label_selector=self._selector())
+        items = core.list_namespaced_pod(self.client.namespace, label_selector=self.label_selector)
         return [self.client.api_client.sanitize_for_serialization(p) for p in items.items]
-
-    def _selector(self) -> str:
-        if isinstance(self.selector, str):
-            return self.selector
-        return ",".join(f"{k}={v}" for k, v in self.selector.items())
 
     def endpoints(self, pods: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, str]]:
         """(name, base URL) to generate from: the Service, else the Ready pods."""
@@ -267,7 +268,7 @@ class RefitRollout:
             return [("service", self.service_url)]
         urls = ready_pod_urls(self.fleet_pods() if pods is None else pods, self.port)
         if not urls:
-            raise StaleRollout(f"no Ready pod selected by {self._selector()!r} to generate from")
+            raise StaleRollout(f"no Ready pod selected by {self.label_selector!r} to generate from")
         return urls
 
     def _request(self, url: str, ids: list[int], params: dict[str, Any]) -> list[Any]:
