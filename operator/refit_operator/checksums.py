@@ -68,7 +68,7 @@ def peers(records: Iterable[tuple[str, Progress]], version: str, layout: str) ->
             continue
         if p.reason == CHECKSUM_MISMATCH:
             continue
-        passed = p.outcome == "Succeeded" or bool(p.probe and p.probe.get("verdict") == "Pass")
+        passed = p.outcome == "Succeeded" or (p.probe is not None and p.probe.verdict == "Pass")
         out.append(Peer(name, p.checksum, passed))
     return out
 

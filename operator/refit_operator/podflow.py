@@ -21,6 +21,8 @@ from typing import Any, Literal
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
 from . import times
+from .api import PodProbe
+from .probe import ProbeOutcome
 from .reasons import Reason
 
 # Where a pod's record lives on the pod (docs/operator.md).
@@ -144,7 +146,7 @@ class Progress:
     started: float = 0.0
     finished: float = 0.0
     step_seconds: dict[str, float] = field(default_factory=dict)
-    probe: dict[str, Any] | None = None
+    probe: PodProbe | None = None  # the verdict and numbers, as status.pods[].probe shows them
     # The version the pod served, with a passed probe, when the pass began ("" if none): such
     # a pod keeps serving while the checkpoint stages, and goes back to serving it when the
     # load is refused before the model was touched.
@@ -205,7 +207,10 @@ class Progress:
         return bool(self.serving) and self.step in serves_while and not self.left_traffic
 
     def to_annotation(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+        # The probe in the camelCase shape of status.pods[].probe, as records have always held it.
+        probe = None if self.probe is None else self.probe.dump()
+        doc = {**asdict(replace(self, probe=None)), "probe": probe}
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_annotation(cls, text: str | None) -> Progress | None:
@@ -214,8 +219,9 @@ class Progress:
             return None
         try:
             doc = json.loads(text)
-            return cls(**doc)
-        except (ValueError, TypeError):
+            probe = doc.pop("probe", None)
+            return cls(**doc, probe=None if probe is None else PodProbe.model_validate(probe))
+        except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
             return None
 
     def newer_than(self, created: str, refit: str) -> bool:
@@ -371,7 +377,7 @@ def step_done(progress: Progress, step: str, seconds: float, now: float) -> Prog
     index = steps.index(step)
     if step == last_step_in_traffic(progress.source) and not progress.left_traffic:
         progress = replace(progress, left_traffic=now)  # the next record drains
-    if step == "drain":
+    if step == Step.drain:
         progress = replace(progress, drained_at=now)
     if index + 1 == len(steps):
         return replace(
@@ -491,19 +497,18 @@ def out_of_traffic_seconds(progress: Progress) -> float | None:
     return max(0.0, progress.finished - progress.left_traffic)
 
 
-def probe_judged(
-    progress: Progress, verdict: str, reason: str, message: str, probe: dict[str, Any], now: float
-) -> Progress:
+def probe_judged(progress: Progress, outcome: ProbeOutcome, now: float) -> Progress:
     """A probe verdict ends the pass unless it passed (then ``ready`` is next)."""
-    progress = replace(progress, probe=probe)
+    progress = replace(progress, probe=outcome.to_status())
+    verdict, reason, message = outcome.verdict, outcome.reason, outcome.message
     if verdict == "Pass":
         return progress
     if progress.source == "adapter" and progress.step == Step.probeStaged:
         # Judged through the staged name: the served adapter is untouched, restore it.
         return replace(progress, step=RESTORE, attempts=0, reason=reason, message=message)
-    outcome: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
+    ended: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
     return replace(
-        progress, outcome=outcome, reason=reason, message=message, finished=now, not_before=0.0
+        progress, outcome=ended, reason=reason, message=message, finished=now, not_before=0.0
     )
 
 

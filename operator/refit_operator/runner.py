@@ -744,11 +744,8 @@ async def _probe(
         ctx.namespace, ctx.fleet, ctx.refit_name, pod.name, outcome.verdict,
         outcome.nll, outcome.reference_nll, outcome.mean_abs_diff, outcome.max_abs_diff,
     )  # fmt: skip
-    record = outcome.to_status().dump()
     progress = replace(progress, process=worker.probed_process or "")
-    progress = podflow.probe_judged(
-        progress, outcome.verdict, outcome.reason, outcome.message, record, times.now()
-    )
+    progress = podflow.probe_judged(progress, outcome, times.now())
     if outcome.verdict == "Pass":
         return podflow.step_done(progress, progress.step, seconds, times.now())
     return progress

@@ -172,14 +172,14 @@ def probe_summary(
     probes replace the forward ones): a pod that moved on to a newer refit, left the fleet or
     is being re-probed no longer shows this refit's probe, and its result still counts."""
     mine = set()
-    probes = []
+    probes: list[PodProbe] = []
     for pod in pods:
         p = pod.progress
         if p is None or p.uid != uid:
             continue
         mine.add(pod.name)
         if p.probe is not None:
-            probes.append(PodProbe.model_validate(p.probe))
+            probes.append(p.probe)
     probes += [r.probe for r in listed if r.name not in mine and r.probe is not None]
     if before is not None and len(probes) < before.passed + before.failed + before.inconclusive:
         return before.model_copy()
@@ -244,6 +244,6 @@ def peer_nlls(pods: Sequence[PodView], version: str) -> list[float]:
     out = []
     for pod in pods:
         p = pod.progress
-        if p and p.version == version and p.probe and p.probe.get("verdict") == "Pass":
-            out.append(float(p.probe.get("nll", 0.0)))
+        if p and p.version == version and p.probe and p.probe.verdict == "Pass":
+            out.append(p.probe.nll)
     return out

@@ -93,20 +93,25 @@ def pod_rows(
     own = _own_records(doc, views)
     rows: list[list[object]] = []
     for r in fleet_results(status.pods, views, uid):
-        # As recorded: a number the record does not have prints as "-", not as a default 0.
-        p = r.model_dump(by_alias=True, mode="json", exclude_unset=True, exclude_none=True)
-        probe = p.get("probe") or {}
+        probe = r.probe
         out = r.out_of_traffic_seconds
         if out is None and r.name in own:  # a result made by an operator older than the field
             out = traffic.pod_seconds(own[r.name])
         rows.append([
-            r.name, r.phase, p.get("step") or "-", p.get("version") or "-",
-            ready.get(r.name, "-"), p.get("attempts", 0), probe.get("verdict", "-"),
-            _num(probe.get("nll")), _num(probe.get("referenceNll")),
-            _num(probe.get("meanAbsLogprobDiff")), _num(probe.get("maxAbsLogprobDiff")),
-            (p.get("checksum") or "-")[:CHECKSUM_SHOWN], seconds(out), p.get("reason") or "",
+            r.name, r.phase, r.step or "-", r.version or "-",
+            ready.get(r.name, "-"), r.attempts, probe.verdict if probe else "-",
+            _num(_recorded(probe, "nll")), _num(_recorded(probe, "reference_nll")),
+            _num(_recorded(probe, "mean_abs_logprob_diff")),
+            _num(_recorded(probe, "max_abs_logprob_diff")),
+            (r.checksum or "-")[:CHECKSUM_SHOWN], seconds(out), r.reason,
         ])  # fmt: skip
     return rows
+
+
+def _recorded(probe: api.PodProbe | None, name: str) -> object:
+    """A probe's number as recorded: None (printed "-", not as a default 0) when the record
+    does not hold it."""
+    return getattr(probe, name) if probe is not None and name in probe.model_fields_set else None
 
 
 def out_of_traffic(

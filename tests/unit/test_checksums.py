@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refit_operator import checksums, podflow
-from refit_operator.api import STATUS_CHECKSUMS_LIMIT, VersionChecksum
+from refit_operator.api import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
 from refit_operator.checksums import CHECKSUM_MISMATCH, Peer, judge, read_back
 
 PARAMS = {"dp0:pp0:pcp0:tp0:model.w": "aa", "dp0:pp0:pcp0:tp0:model.v": "bb"}
@@ -66,7 +66,7 @@ def test_peers_are_pods_of_the_version_and_layout_that_did_not_disagree():
         ("c", _progress("c", "v2", "L", "d3")),  # another version
         ("d", _progress("d", "v1", "M", "d4")),  # another layout
         ("e", _progress("e", "v1", "L", "")),  # not read back yet
-        ("f", _progress("f", "v1", "L", "d1", probe={"verdict": "Pass"})),
+        ("f", _progress("f", "v1", "L", "d1", probe=PodProbe(verdict="Pass"))),
         ("g", _progress("g", "v1", "L", "d5")),
     ]
     assert checksums.peers(records, "v1", "L") == [

@@ -4,6 +4,7 @@ from dataclasses import replace
 import pytest
 from refit_operator import podflow, times
 from refit_operator.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
+from refit_operator.probe import ProbeOutcome
 from refit_worker.fence import MAX_FENCE, format_fence
 
 
@@ -64,11 +65,12 @@ def test_worker_rejection_is_final_at_once():
 
 def test_probe_verdicts():
     p = fresh()
-    passed = podflow.probe_judged(p, "Pass", "ProbePassed", "", {"verdict": "Pass"}, 5.0)
-    assert passed.outcome == "" and passed.probe == {"verdict": "Pass"}
-    inc = podflow.probe_judged(p, "Inconclusive", "ProbeNaN", "nan", {}, 5.0)
+    passed = podflow.probe_judged(p, ProbeOutcome("Pass", "ProbePassed", "", nll=2.3), 5.0)
+    assert passed.outcome == "" and passed.probe is not None
+    assert (passed.probe.verdict, passed.probe.nll) == ("Pass", 2.3)
+    inc = podflow.probe_judged(p, ProbeOutcome("Inconclusive", "ProbeNaN", "nan"), 5.0)
     assert inc.outcome == "Inconclusive" and inc.reason == "ProbeNaN"
-    assert podflow.probe_judged(p, "Fail", "NllDrift", "", {}, 5.0).outcome == "Failed"
+    assert podflow.probe_judged(p, ProbeOutcome("Fail", "NllDrift", ""), 5.0).outcome == "Failed"
 
 
 def test_annotation_round_trip_and_garbage():
@@ -77,6 +79,26 @@ def test_annotation_round_trip_and_garbage():
     assert Progress.from_annotation("{not json") is None
     assert Progress.from_annotation('{"unknown": 1}') is None
     assert Progress.from_annotation(None) is None
+
+
+def test_the_probe_is_typed_in_memory_and_camel_case_on_the_pod():
+    outcome = ProbeOutcome("Pass", "ProbePassed", "", 2.3, 2.31, 0.01, 0.02, 40)
+    p = podflow.probe_judged(fresh(), outcome, 5.0)
+    doc = json.loads(p.to_annotation())
+    # The shape status.pods[].probe has, and records written by older operators hold.
+    assert doc["probe"] == {
+        "verdict": "Pass", "nll": 2.3, "referenceNll": 2.31, "meanAbsLogprobDiff": 0.01,
+        "maxAbsLogprobDiff": 0.02, "tokens": 40,
+    }  # fmt: skip
+    assert Progress.from_annotation(p.to_annotation()) == p
+    # An older record's probe, as written: read into the model with what it holds.
+    doc["probe"] = {"verdict": "Inconclusive", "tokens": 0}
+    back = Progress.from_annotation(json.dumps(doc))
+    assert back is not None and back.probe is not None
+    assert back.probe.verdict == "Inconclusive"
+    assert back.probe.model_fields_set == {"verdict", "tokens"}
+    doc["probe"] = {"verdict": "Maybe"}  # not a verdict: an unreadable record
+    assert Progress.from_annotation(json.dumps(doc)) is None
 
 
 def test_load_read_back_guard():
@@ -139,7 +161,7 @@ def test_failed_tries_and_verdicts_are_recorded():
     p = podflow.step_done(p, Step.drain, 0.1, 1.0)
     retry = podflow.step_failed(p, Step.sleep, "SleepTimeout", "slow", now=2.0, retries=3)
     assert retry.outcome == "" and podflow.must_record(p, retry)
-    failed = podflow.probe_judged(p, "Fail", "NllDrift", "drift", {}, 3.0)
+    failed = podflow.probe_judged(p, ProbeOutcome("Fail", "NllDrift", "drift"), 3.0)
     assert podflow.must_record(p, failed)
 
 
@@ -159,7 +181,7 @@ def test_readiness_follows_the_pass():
         assert not podflow.readiness(p).ready
     done = podflow.step_done(p, Step.ready, 0.1, 1.0)
     assert podflow.readiness(done) == podflow.Readiness(True, "ProbePassed", "weights v2 probed")
-    failed = podflow.probe_judged(p, "Fail", "NllDrift", "nll 9.1 vs 2.0", {}, 3.0)
+    failed = podflow.probe_judged(p, ProbeOutcome("Fail", "NllDrift", "nll 9.1 vs 2.0"), 3.0)
     assert podflow.readiness(failed) == podflow.Readiness(
         False, "NllDrift", "NllDrift: nll 9.1 vs 2.0"
     )

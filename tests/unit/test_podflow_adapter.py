@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from refit_operator import podflow
 from refit_operator.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
+from refit_operator.probe import ProbeOutcome
 
 
 def adapter_pass(serving: str = "v1") -> Progress:
@@ -81,8 +82,9 @@ def test_retries_before_the_swap_stay_in_traffic():
 
 def test_a_failed_staged_probe_restores_the_old_adapter():
     p = walk_to(adapter_pass(), Step.probeStaged)
-    p = podflow.probe_judged(p, "Fail", "LogprobDrift", "mean over", {"verdict": "Fail"}, 103.0)
-    assert p.step == RESTORE and not p.finished_pass and p.probe == {"verdict": "Fail"}
+    p = podflow.probe_judged(p, ProbeOutcome("Fail", "LogprobDrift", "mean over"), 103.0)
+    assert p.step == RESTORE and not p.finished_pass
+    assert p.probe is not None and p.probe.verdict == "Fail"
     p = podflow.restored(p, 104.0)
     ready = podflow.readiness(p)
     assert ready is not None and ready.ready and "LogprobDrift" in ready.message
@@ -90,7 +92,7 @@ def test_a_failed_staged_probe_restores_the_old_adapter():
 
 def test_a_failed_probe_after_the_swap_fails_closed():
     p = walk_to(adapter_pass(), Step.probe)
-    p = podflow.probe_judged(p, "Fail", "LogprobDrift", "mean over", {}, 106.0)
+    p = podflow.probe_judged(p, ProbeOutcome("Fail", "LogprobDrift", "mean over"), 106.0)
     assert p.outcome == "Failed" and not p.restored
     ready = podflow.readiness(p)
     assert ready is not None and not ready.ready and ready.reason == "LogprobDrift"

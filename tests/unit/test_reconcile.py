@@ -4,7 +4,13 @@ from dataclasses import replace
 
 from refit_operator import podflow
 from refit_operator.admission import PreflightResult, admitted_spec, fleet_problem
-from refit_operator.api import LabelSelector, Previous, WeightRefitSpec, WeightRefitStatus
+from refit_operator.api import (
+    LabelSelector,
+    PodProbe,
+    Previous,
+    WeightRefitSpec,
+    WeightRefitStatus,
+)
 from refit_operator.plan import RefitRef
 from refit_operator.podflow import PodView
 from refit_operator.reasons import Problem
@@ -54,8 +60,8 @@ def observe(r: RefitView, pods: list[PodView], **kw: object) -> Observed:
     return Observed(refit=r, fleet=fleet, pods=pods, in_flight=frozenset(), now=NOW, **kw)  # type: ignore[arg-type]
 
 
-def done(p: podflow.Progress, outcome: str = "Succeeded") -> podflow.Progress:
-    return replace(p, outcome=outcome, step="", probe={"verdict": "Pass", "nll": 1.0})  # type: ignore[arg-type]
+def done(p: podflow.Progress, outcome: podflow.Outcome = "Succeeded") -> podflow.Progress:
+    return replace(p, outcome=outcome, step="", probe=PodProbe(verdict="Pass", nll=1.0))
 
 
 def test_new_refit_asks_for_preflight_then_starts_all_pods():
@@ -552,6 +558,8 @@ def _record(i: int, outcome: str = "Succeeded", **over: object) -> podflow.Progr
     if outcome == "":
         base.update(step="load", finished=0.0, probe=None)
     base.update(over)
+    if isinstance(base["probe"], dict):  # written as the record on the pod holds it
+        base["probe"] = PodProbe.model_validate(base["probe"])
     return podflow.Progress(**base)  # type: ignore[arg-type]
 
 

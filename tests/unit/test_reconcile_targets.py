@@ -9,6 +9,7 @@ from refit_operator import podflow
 from refit_operator.api import (
     Condition,
     LabelSelector,
+    PodProbe,
     Previous,
     WeightRefitSpec,
     WeightRefitStatus,
@@ -48,7 +49,7 @@ def ref(r: RefitView, phase: str | None = None) -> RefitRef:
 def passed(r: RefitView, **over: object) -> podflow.Progress:
     """A pass of refit ``r`` that Succeeded (its probe passed)."""
     p = podflow.start(r.name, r.uid, r.spec.version, r.spec.path, NOW, created=r.created, **over)  # type: ignore[arg-type]
-    return replace(p, step="", outcome="Succeeded", probe={"verdict": "Pass"}, finished=NOW)
+    return replace(p, step="", outcome="Succeeded", probe=PodProbe(verdict="Pass"), finished=NOW)
 
 
 def pod(

@@ -93,10 +93,7 @@ async def run_pass(
         try:
             if step in (Step.probe, Step.probeStaged):
                 outcome = await judge(worker, progress.path, progress.probe_model)
-                progress = podflow.probe_judged(
-                    progress, outcome.verdict, outcome.reason, outcome.message,
-                    outcome.to_status().dump(), time.time(),
-                )  # fmt: skip
+                progress = podflow.probe_judged(progress, outcome, time.time())
                 if outcome.verdict == "Pass":
                     progress = podflow.step_done(progress, step, 0.0, time.time())
                     if step == Step.probeStaged and after_staged_probe is not None:
