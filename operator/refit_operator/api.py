@@ -343,5 +343,5 @@ class WeightRefitStatus(_Model):
     pods_omitted: int = 0  # pods needing attention left out of ``pods`` by the limit
     broadcast: BroadcastRound | None = None  # spec.broadcast only
     # spec.sequence as the preflight admitted it: the refit's passes run this one
-    # (reconcile.admitted_spec), whatever the spec says later.
+    # (admission.admitted_spec), whatever the spec says later.
     sequence: Sequence | None = None

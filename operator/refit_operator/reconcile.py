@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
-from . import checksums, plan, times, traffic
+from . import plan, times
 from .admission import PreflightResult, preflight_problem
 from .api import (
     TERMINAL_PHASES,
     BroadcastRound,
-    Condition,
     Phase,
     Previous,
     WeightRefitSpec,
@@ -24,7 +23,7 @@ from .api import (
 )
 from .podflow import PodView
 from .reasons import Problem, Reason
-from .status import conditions, pod_results, probe_summary
+from .status import conditions, from_records, receivers
 from .times import rfc3339
 
 
@@ -211,8 +210,12 @@ def decide(obs: Observed) -> Decision:
                 f"the pod's labels moved it out of the fleet of refit {p.progress.refit}, "
                 f"whose weights ({p.progress.version}) it serves; out of traffic until a pass "
                 "of its fleet's refit"))  # fmt: skip
-    if obs.refit.spec.broadcast is not None:
-        _receivers(d.status, obs)
+    refit = obs.refit
+    if refit.spec.broadcast is not None:
+        receivers(
+            d.status, refit.spec.broadcast, obs.broadcast, refit.status.conditions, obs.now,
+            refit.generation,
+        )  # fmt: skip
     return d
 
 
@@ -220,49 +223,6 @@ _RESTARTED = (
     "the container restarted and lost the weights its pass loaded; out of traffic until a "
     "pass brings it back"
 )
-# The condition the trainer waits for is named as its True reason.
-RECEIVERS_READY = Reason.ReceiversReady
-
-
-def _receivers(st: WeightRefitStatus, obs: Observed) -> None:
-    """status.broadcast and the ReceiversReady condition the trainer waits for: True while a
-    round's pods wait for the trainer's send (docs/broadcast.md, "A broadcast refit")."""
-    b = obs.refit.spec.broadcast
-    assert b is not None
-    if obs.broadcast is not None:
-        st.broadcast = obs.broadcast
-    elif st.broadcast is not None and st.broadcast.state in ("Ready", "Sending"):
-        # The operator restarted: no pod waits in that round any more (a resumed pass joins
-        # a new one), so the trainer must not send it.
-        st.broadcast = st.broadcast.model_copy(update={"state": "Done"})
-    r = st.broadcast
-    where = f"{b.rendezvous.host}:{b.rendezvous.port}"
-    if st.phase in TERMINAL_PHASES:
-        ready, reason, message = False, Reason.RefitFinished, f"the refit is {st.phase}"
-    elif r is None:
-        ready, reason, message = False, Reason.NoRound, "no pods on their way to a transfer yet"
-    elif r.state in ("Ready", "Sending"):
-        ready, reason = True, RECEIVERS_READY
-        message = (
-            f"round {r.round}: {r.receivers} pods at ranks 1-{r.world_size - 1} wait for the "
-            f"trainer (rank 0 of world size {r.world_size}) at {where}"
-        )
-    elif r.state == "Done":
-        ready, reason = False, Reason.RoundDone
-        message = f"round {r.round} received; no pods waiting for a send"
-    else:
-        ready, reason = False, Reason.Joining
-        message = f"round {r.round}: {r.receivers} pods on their way to the transfer"
-    status: Literal["True", "False"] = "True" if ready else "False"
-    old = next((c for c in obs.refit.status.conditions if c.type == RECEIVERS_READY), None)
-    changed = old is None or old.status != status
-    condition = Condition(
-        type=RECEIVERS_READY, status=status, reason=reason, message=message,
-        last_transition_time=rfc3339(obs.now) if changed or old is None
-        else old.last_transition_time,
-        observed_generation=obs.refit.generation,
-    )  # fmt: skip
-    st.conditions = [c for c in st.conditions if c.type != RECEIVERS_READY] + [condition]
 
 
 def _decide(obs: Observed) -> Decision:
@@ -326,15 +286,7 @@ def _decide(obs: Observed) -> Decision:
         # of, were they back, so that it takes them up at once.
         d.watching = _superseded_by_pods(old) and bool(_orphans(obs))
         return d
-    st.pods, st.pods_omitted = pod_results(obs.pods, refit.uid, old.pods, obs.vanished)
-    st.probe_summary = probe_summary(
-        obs.pods, refit.uid, st.pods, None if st.phase == "RollingBack" else old.probe_summary
-    )
-    mine = [(p.name, p.progress) for p in obs.pods if p.progress and p.progress.uid == refit.uid]
-    st.checksums = checksums.status_checksums(old.checksums, [p for _, p in mine], refit.uid)
-    st.out_of_traffic = traffic.summarize_out_of_traffic(
-        mine, None if st.phase == "RollingBack" else old.out_of_traffic
-    )
+    from_records(st, old, obs.pods, refit.uid, obs.vanished)
 
     # ---- deletion: finish what is in flight, start nothing new, then let go
     if refit.deleting:

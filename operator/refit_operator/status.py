@@ -1,18 +1,53 @@
 """A WeightRefit's status as people and alerts read it, rendered from the pods' records:
-the conditions (Ready, Progressing, Degraded), status.pods (the pods that need attention,
-capped), the probe summary, and the per-pod views that `kubectl refit status`, the report
-and the metrics share. Pure, like the decision it serves (reconcile.py decides; this says)."""
+the conditions (Ready, Progressing, Degraded; a broadcast's ReceiversReady, with
+status.broadcast), status.pods (the pods that need attention, capped), the probe summary, the
+agreed checksums, the time out of traffic, and the per-pod views that `kubectl refit
+status`, the report and the metrics share. Pure, like the decision it serves (reconcile.py
+decides; this says)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
-from . import traffic
-from .api import STATUS_PODS_LIMIT, Condition, PodProbe, PodResult, ProbeSummary
+from . import checksums, traffic
+from .api import (
+    STATUS_PODS_LIMIT,
+    TERMINAL_PHASES,
+    Broadcast,
+    BroadcastRound,
+    Condition,
+    PodProbe,
+    PodResult,
+    ProbeSummary,
+    WeightRefitStatus,
+)
 from .podflow import PodView, Progress, Step
 from .reasons import Reason
 from .times import rfc3339
+
+
+def _condition(
+    ctype: str,
+    value: bool,
+    reason: str,
+    message: str,
+    old: Sequence[Condition],
+    now: float,
+    generation: int,
+) -> Condition:
+    """A condition of the refit; its transition time moves only when its status does."""
+    status: Literal["True", "False"] = "True" if value else "False"
+    prev = next((c for c in old if c.type == ctype), None)
+    changed = prev is None or prev.status != status
+    return Condition(
+        type=ctype,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=rfc3339(now) if changed or prev is None else prev.last_transition_time,
+        observed_generation=generation,
+    )
 
 
 def conditions(
@@ -38,25 +73,54 @@ def conditions(
         ("Progressing", progressing, reason if progressing else phase),
         ("Degraded", degraded, why_degraded if degraded else Reason.AsExpected),
     ]
-    before = {c.type: c for c in old}
-    out = []
-    for ctype, value, why in wanted:
-        status: Literal["True", "False"] = "True" if value else "False"
-        prev = before.get(ctype)
-        changed = prev is None or prev.status != status
-        out.append(
-            Condition(
-                type=ctype,
-                status=status,
-                reason=why or phase,
-                message=message,
-                last_transition_time=rfc3339(now)
-                if changed or prev is None
-                else prev.last_transition_time,
-                observed_generation=generation,
-            )
+    return [
+        _condition(ctype, value, why or phase, message, old, now, generation)
+        for ctype, value, why in wanted
+    ]
+
+
+# The condition the trainer waits for is named as its True reason.
+RECEIVERS_READY = Reason.ReceiversReady
+
+
+def receivers(
+    st: WeightRefitStatus,
+    broadcast: Broadcast,
+    observed: BroadcastRound | None,
+    old: Sequence[Condition],
+    now: float,
+    generation: int,
+) -> None:
+    """A broadcast refit's status.broadcast (its current round, ``observed`` by the engine's
+    rounds; None: no round yet) and the ReceiversReady condition the trainer waits for: True
+    while a round's pods wait for the trainer's send (docs/broadcast.md, "A broadcast
+    refit"). ``old``: the conditions the status had before this reconcile."""
+    if observed is not None:
+        st.broadcast = observed
+    elif st.broadcast is not None and st.broadcast.state in ("Ready", "Sending"):
+        # The operator restarted: no pod waits in that round any more (a resumed pass joins
+        # a new one), so the trainer must not send it.
+        st.broadcast = st.broadcast.model_copy(update={"state": "Done"})
+    r = st.broadcast
+    where = f"{broadcast.rendezvous.host}:{broadcast.rendezvous.port}"
+    if st.phase in TERMINAL_PHASES:
+        ready, reason, message = False, Reason.RefitFinished, f"the refit is {st.phase}"
+    elif r is None:
+        ready, reason, message = False, Reason.NoRound, "no pods on their way to a transfer yet"
+    elif r.state in ("Ready", "Sending"):
+        ready, reason = True, RECEIVERS_READY
+        message = (
+            f"round {r.round}: {r.receivers} pods at ranks 1-{r.world_size - 1} wait for the "
+            f"trainer (rank 0 of world size {r.world_size}) at {where}"
         )
-    return out
+    elif r.state == "Done":
+        ready, reason = False, Reason.RoundDone
+        message = f"round {r.round} received; no pods waiting for a send"
+    else:
+        ready, reason = False, Reason.Joining
+        message = f"round {r.round}: {r.receivers} pods on their way to the transfer"
+    condition = _condition(RECEIVERS_READY, ready, reason, message, old, now, generation)
+    st.conditions = [c for c in st.conditions if c.type != RECEIVERS_READY] + [condition]
 
 
 # status.pods lists only the pods that need a person's attention, worst first (rank, then
@@ -192,6 +256,29 @@ def probe_summary(
         worst_max_abs_logprob_diff=max((p.max_abs_logprob_diff for p in probes), default=0.0),
         worst_nll_diff=max((abs(p.nll - p.reference_nll) for p in probes), default=0.0),
         nll_spread=(max(nlls) - min(nlls)) if nlls else 0.0,
+    )
+
+
+def from_records(
+    st: WeightRefitStatus,
+    old: WeightRefitStatus,
+    pods: Sequence[PodView],
+    uid: str,
+    vanished: frozenset[str] = frozenset(),
+) -> None:
+    """What the status says of the pods of refit ``uid``, from their records and ``old`` (the
+    status before this reconcile): status.pods, the probe summary, the agreed checksums and
+    the time out of traffic. While rolling back the rollback's passes replace the forward
+    ones: its summaries are made afresh, not kept from before."""
+    rolling_back = st.phase == "RollingBack"
+    st.pods, st.pods_omitted = pod_results(pods, uid, old.pods, vanished)
+    st.probe_summary = probe_summary(
+        pods, uid, st.pods, None if rolling_back else old.probe_summary
+    )
+    mine = [(p.name, p.progress) for p in pods if p.progress and p.progress.uid == uid]
+    st.checksums = checksums.status_checksums(old.checksums, [p for _, p in mine], uid)
+    st.out_of_traffic = traffic.summarize_out_of_traffic(
+        mine, None if rolling_back else old.out_of_traffic
     )
 
 

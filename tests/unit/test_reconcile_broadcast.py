@@ -9,7 +9,8 @@ from dataclasses import replace
 from refit_operator import podflow
 from refit_operator.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
 from refit_operator.plan import RefitRef
-from refit_operator.reconcile import RECEIVERS_READY, Decision, decide
+from refit_operator.reconcile import Decision, decide
+from refit_operator.status import RECEIVERS_READY
 from refit_operator.times import rfc3339
 
 from tests.unit.test_reconcile import CREATED, NOW, STARTED, done, observe, pod, refit, spec
