@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import times
-from .api import TERMINAL_PHASES
+from .api import TERMINAL_PHASES, Phase
 
 DEFAULT_HISTORY_LIMIT = 10
 
@@ -53,7 +53,7 @@ class Finished:
 
     name: str
     created: str  # creation order (times.creation_order: sorts in creation order)
-    phase: str  # status.phase
+    phase: Phase  # status.phase
     completed: float | None  # status.completionTime as Unix seconds; None if unknown
     ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
     fleet: str  # selector text: refits with equal texts are one fleet
@@ -71,7 +71,7 @@ class Finished:
         return cls(
             name=str(meta.get("name", "")),
             created=times.order_of(meta),
-            phase=str(status.get("phase") or "Pending"),
+            phase=status.get("phase") or "Pending",
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,

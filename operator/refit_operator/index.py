@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import history, plan, times
-from .api import TERMINAL_PHASES, Previous, WeightRefitSpec
+from .api import TERMINAL_PHASES, Phase, Previous, WeightRefitSpec
 from .podflow import PodView
 from .reasons import Reason
 
@@ -21,7 +21,7 @@ class Known:
     name: str
     uid: str
     created: str  # creation order (times.creation_order), the stamp included
-    phase: str
+    phase: Phase
     spec: WeightRefitSpec
     completed: float | None
     deleting: bool = False  # deletion requested: collected already, its finalizer runs
@@ -52,7 +52,7 @@ class Known:
             stamp, bool(stamp),
         )  # fmt: skip
 
-    def ref(self, phase: str | None = None) -> plan.RefitRef:
+    def ref(self, phase: Phase | None = None) -> plan.RefitRef:
         return plan.RefitRef(
             self.name, self.created, phase or self.phase, self.spec.queue_policy,
             self.spec.fleet.selector,
@@ -137,7 +137,7 @@ class RefitIndex:
         return {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
 
     def sharing(
-        self, namespace: str, uid: str, created: str, phase: str, pods: Sequence[PodView]
+        self, namespace: str, uid: str, created: str, phase: Phase, pods: Sequence[PodView]
     ) -> tuple[list[plan.RefitRef], Previous | None]:
         """The refits that select at least one of ``pods`` (the refit ``uid``'s own, itself
         included with its current ``phase``), and the newest Succeeded one of them created

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import times
-from .api import TERMINAL_PHASES, LabelSelector, ProbeSpec, Strategy, max_unavailable_count
+from .api import (
+    TERMINAL_PHASES,
+    LabelSelector,
+    Phase,
+    ProbeSpec,
+    Strategy,
+    max_unavailable_count,
+)
 from .reasons import Reason
 
 # Where a pod stands for one refit. "blocked": another refit's pass, or another operator
@@ -94,7 +101,7 @@ class RefitRef:
 
     name: str
     created: str  # creation order (times.creation_order: sorts in creation order)
-    phase: str
+    phase: Phase
     queue_policy: str = "Queue"
     selector: LabelSelector | None = None
 

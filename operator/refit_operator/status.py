@@ -17,6 +17,8 @@ from .api import (
     Broadcast,
     BroadcastRound,
     Condition,
+    Phase,
+    PodPhase,
     PodProbe,
     PodResult,
     ProbeSummary,
@@ -51,7 +53,7 @@ def _condition(
 
 
 def conditions(
-    phase: str,
+    phase: Phase,
     message: str,
     reason: str,
     generation: int,
@@ -126,7 +128,7 @@ def receivers(
 # status.pods lists only the pods that need a person's attention, worst first (rank, then
 # name). A pod that succeeded or rolled back is not listed: its record is its progress
 # annotation, so the WeightRefit stays small at any fleet size (api.STATUS_PODS_LIMIT).
-ATTENTION: Final[Mapping[str, int]] = {
+ATTENTION: Final[Mapping[PodPhase, int]] = {
     "Failed": 0,
     "Inconclusive": 1,
     "Dropped": 2,
@@ -135,7 +137,7 @@ ATTENTION: Final[Mapping[str, int]] = {
 _DELETED = "the pod was deleted mid-refit"
 
 
-def pod_phase(p: Progress, deleting: bool = False) -> str:
+def pod_phase(p: Progress, deleting: bool = False) -> PodPhase:
     """The status phase of a pod whose progress is this refit's pass."""
     if deleting:
         return "Dropped"
@@ -169,7 +171,7 @@ def pod_result(name: str, p: Progress, deleting: bool = False) -> PodResult:
     )
 
 
-def _worst_first(phase: str, name: str) -> tuple[int, str]:
+def _worst_first(phase: PodPhase, name: str) -> tuple[int, str]:
     return ATTENTION[phase], name
 
 
@@ -182,7 +184,7 @@ def pod_results(
     """(status.pods, status.podsOmitted): the pods that need attention, worst first, capped
     at api.STATUS_PODS_LIMIT, and how many more there are."""
     seen = {p.name for p in pods}
-    mine: dict[str, tuple[str, PodView]] = {}  # name -> (phase, pod)
+    mine: dict[str, tuple[PodPhase, PodView]] = {}  # name -> (phase, pod)
     for pod in pods:
         p = pod.progress
         if p is not None and p.uid == uid:
