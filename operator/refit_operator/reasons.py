@@ -93,6 +93,10 @@ class Reason(StrEnum):
     ProbeTimeout = "ProbeTimeout"  # also the probe's own scoring request
     ReadyTimeout = "ReadyTimeout"
     RestoreTimeout = "RestoreTimeout"
+    # A LoRA adapter pass's own steps (podflow.ADAPTER_STEPS).
+    LoadAdapterTimeout = "LoadAdapterTimeout"
+    ProbeStagedTimeout = "ProbeStagedTimeout"
+    SwapTimeout = "SwapTimeout"
     # --- the probe's verdicts
     ProbePassed = "ProbePassed"  # within every threshold (also the readiness reason then)
     LogprobDrift = "LogprobDrift"  # per-token logprobs differ from the reference's
