@@ -219,6 +219,8 @@ class Progress:
             return None
         try:
             doc = json.loads(text)
+            if not isinstance(doc, dict):
+                return None
             probe = doc.pop("probe", None)
             return cls(**doc, probe=None if probe is None else PodProbe.model_validate(probe))
         except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError

@@ -78,6 +78,7 @@ def test_annotation_round_trip_and_garbage():
     assert Progress.from_annotation(p.to_annotation()) == p
     assert Progress.from_annotation("{not json") is None
     assert Progress.from_annotation('{"unknown": 1}') is None
+    assert Progress.from_annotation('"a string"') is None
     assert Progress.from_annotation(None) is None
 
 
