@@ -31,7 +31,7 @@ from .reconcile import Decision, Observed, RefitView
 from .rounds import SENDING_ANNOTATION, Rounds
 from .runner import BroadcastSource, PassContext, run_pass
 from .status import peer_nlls, pod_phases
-from .worker import WorkerClient, WorkerError
+from .worker_client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Engine:
         workers: WorkerFactory | None = None,
     ) -> None:
         """``cluster``: Kubernetes (cluster.Cluster, or the explorer's in-memory one).
-        ``http``: worker.session(), one for every pod; ``workers`` makes each pod's client
+        ``http``: worker_client.session(), one for every pod; ``workers`` makes each pod's client
         (default: WorkerClient over ``http``; the explorer's talks to in-process workers)."""
         self.cluster = cluster
         self.http = http

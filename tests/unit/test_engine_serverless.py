@@ -9,7 +9,7 @@ import asyncio
 
 from refit_operator import times
 from refit_operator.engine import Engine
-from refit_operator.worker import WorkerClient
+from refit_operator.worker_client import WorkerClient
 
 from testbed.explorer.explore import ROOT, VERSIONS
 from testbed.explorer.memcluster import MemoryCluster, Store, pod_body, refit_body

@@ -17,8 +17,8 @@ PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "
         "reasons", "times", "views", "index", "traffic", "checksums"}  # fmt: skip
 # rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
 # it sits with the engine and the runner that await it, not in the pure core.
-IO_MODULES = {"cluster", "worker", "engine", "runner", "leader", "handlers", "main", "client",
-              "kubectl_plugin", "report", "metrics", "rounds"}  # fmt: skip
+IO_MODULES = {"cluster", "worker_client", "engine", "runner", "leader", "handlers", "main",
+              "client", "kubectl_plugin", "report", "metrics", "rounds"}  # fmt: skip
 IO_LIBRARIES = {"kubernetes", "kubernetes_asyncio", "kopf", "aiohttp", "httpx", "requests",
                 "urllib3", "asyncio", "socket", "subprocess", "prometheus_client"}  # fmt: skip
 
