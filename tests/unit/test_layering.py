@@ -2,7 +2,7 @@
 the pure core takes plain data in and gives decisions out, so it imports no I/O library and
 no I/O module of the package; the worker plugin imports nothing of the operator, and the
 operator imports neither torch nor vLLM; no refit_worker module imports another that imports it
-back, lazily or not."""
+back, lazily or not; and no module of the tests imports a test module."""
 
 from __future__ import annotations
 
@@ -148,6 +148,21 @@ def test_package_modules_import_their_siblings_never_their_package() -> None:
         parent = name.rpartition(".")[0]
         if parent != "refit_worker" and name != parent:
             assert parent not in targets, f"{name} imports its own package {parent}"
+
+
+TESTS = ROOT / "tests"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/fixtures/, named for what it holds: a helper inside a
+    test module is found by no one looking for it, and changing that test breaks another."""
+    graph = import_graph(TESTS)
+    assert "tests.fixtures.reload" in graph["tests.worker.test_reload"]  # the graph sees tests
+    wrong = {}
+    for name, targets in graph.items():
+        if found := sorted(t for t in targets if t.rpartition(".")[2].startswith("test_")):
+            wrong[name] = found
+    assert not wrong, f"modules importing test modules (move what they share): {wrong}"
 
 
 INTEGRATIONS = OPERATOR / "integrations"

@@ -12,7 +12,7 @@ from refit_operator.plan import RefitRef
 from refit_operator.reconcile import RECEIVERS_READY, Decision, decide
 from refit_operator.times import rfc3339
 
-from tests.unit.test_reconcile import CREATED, NOW, STARTED, done, observe, pod, refit, spec
+from tests.fixtures.refits import CREATED, NOW, STARTED, done, observe, pod, refit, spec
 
 BROADCAST = {
     "version": "b2",

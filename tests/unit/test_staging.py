@@ -19,7 +19,7 @@ from safetensors.numpy import load
 
 from testbed.simfleet import SimPod
 from testbed.simworker import SIM_WEIGHTS_FILE, make_sim_checkpoint
-from tests.unit.test_checkpoint import SHARDS, make_checkpoint, rejected
+from tests.fixtures.checkpoints import SHARDS, make_checkpoint, rejected
 
 Fleet = Callable[..., list[SimPod]]
 
