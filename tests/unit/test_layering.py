@@ -14,11 +14,14 @@ OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
 PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history",
-        "reasons", "times", "views", "index", "traffic", "checksums"}  # fmt: skip
+        "reasons", "times", "views", "index", "traffic", "checksums", "refit_document",
+        "refit_error"}  # fmt: skip
 # rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
-# it sits with the engine and the runner that await it, not in the pure core.
+# it sits with the engine and the runner that await it, not in the pure core. checkpoint_files
+# imports no I/O library at its top, but it writes files into the checkpoint directory.
 IO_MODULES = {"cluster", "worker_client", "engine", "runner", "leader", "handlers", "main",
-              "client", "kubectl_plugin", "report", "metrics", "rounds"}  # fmt: skip
+              "client", "kubectl_plugin", "report", "metrics", "rounds", "kubeconfig",
+              "checkpoint_files"}  # fmt: skip
 IO_LIBRARIES = {"kubernetes", "kubernetes_asyncio", "kopf", "aiohttp", "httpx", "requests",
                 "urllib3", "asyncio", "socket", "subprocess", "prometheus_client"}  # fmt: skip
 
@@ -166,11 +169,13 @@ def test_no_test_module_imports_another() -> None:
 
 
 INTEGRATIONS = OPERATOR / "integrations"
-# What an integration may import at module level: the client it drives, the pure reading of a
-# pod's records (podflow), the standard library and httpx. Its framework and torch only inside
+# What an integration may import at module level: the client it drives and the pure document
+# it names refits with (refit_document), the pure reading of a pod's records (podflow), the
+# standard library and httpx. Its framework and torch only inside
 # functions (the operator's image has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
-                         "pathlib", "typing", "httpx", "..client", "..podflow"}  # fmt: skip
+                         "pathlib", "typing", "httpx", "..client", "..podflow",
+                         "..refit_document"}  # fmt: skip
 
 
 def top_level_imports(path: Path) -> set[str]:
