@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -46,9 +46,20 @@ RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
 
 
-# Makes one pod's client: (base_url, *, admin_token, api_key, timeout, fence, before_call), as
-# WorkerClient's constructor without its session.
-WorkerFactory = Callable[..., WorkerClient]
+class WorkerFactory(Protocol):
+    """Makes one pod's client, as WorkerClient's constructor without its session: by default
+    WorkerClient over the engine's HTTP session; the explorer's reaches in-process workers."""
+
+    def __call__(
+        self,
+        base_url: str,
+        *,
+        admin_token: str | None,
+        api_key: str | None,
+        timeout: float,
+        fence: int | None,
+        before_call: Callable[[], None] | None,
+    ) -> WorkerClient: ...
 
 
 @dataclass
