@@ -606,7 +606,7 @@ class Explorer:
         """The process is gone: everything it runs ends where it is."""
         replica.leading = False
         tasks = [t for st in replica.engine.refits.values()
-                 for t in (*st.tasks.values(), *st.staged_ahead.values())]  # fmt: skip
+                 for t in st.passes.running()]  # fmt: skip
         tasks += list(replica.ticking.values())
         if replica.life is not None and replica.life is not asyncio.current_task():
             tasks.append(replica.life)
