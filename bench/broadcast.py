@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from refit_operator import podflow, probe, runner, worker
+from refit_operator import podflow, probe, runner, worker_client
 from refit_operator.api import Broadcast, Sequence, Thresholds
 from refit_operator.podflow import Step
-from refit_operator.worker import WorkerClient
+from refit_operator.worker_client import WorkerClient
 from refit_worker import broadcast as wire
 from refit_worker.contract import TRANSFER_BACKEND, ProbeReference
 
@@ -112,7 +112,7 @@ def refit_cycles(quick: bool, log: Log) -> tuple[list[Metric], dict[str, Any]]:
             files: list[Cycle] = []
             sends: list[Cycle] = []
             records: list[dict[str, Any]] = []
-            async with worker.session() as http:
+            async with worker_client.session() as http:
                 w = WorkerClient(server.base_url, http=http, admin_token=server.admin_token,
                                  api_key=server.api_key, timeout=300.0)  # fmt: skip
                 for i in range(n):

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from refit_operator import worker
-from refit_operator.worker import WorkerClient
+from refit_operator import worker_client
+from refit_operator.worker_client import WorkerClient
 from refit_worker import broadcast as wire
 
 from bench.broadcast import b_reference, broadcast_cycle
@@ -126,7 +126,7 @@ async def direct_refits(
     """n refits of every pod at once by the bench's broadcast cycle (after one not counted:
     the first gloo rendezvous of this process); per refit its wall time and each pod's steps."""
     out = []
-    async with worker.session() as http:
+    async with worker_client.session() as http:
         ws = [WorkerClient(s.base_url, http=http, admin_token=s.admin_token,
                            api_key=s.api_key, timeout=300.0) for s in servers]  # fmt: skip
         await b_reference(ws[0])  # read once, as the trainer's ConfigMap would carry it

@@ -42,12 +42,12 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_operator import api
 from refit_operator.leader import DEFAULT_LEASE_SECONDS
+from refit_operator.refit_document import build_refit
 from refit_worker.contract import API_GROUP
 
 from bench import apiserver
 from bench.results import Metric, summarize
 from testbed.controlplane import ControlPlane
-from testbed.fleet import weightrefit_body
 from testbed.lease_watch import LeaseRenewals, max_renewal_gap
 from testbed.operator_process import OperatorError, OperatorProcess
 from testbed.pods import register_pod
@@ -306,7 +306,8 @@ def refit_body(
     name: str, port: int, checkpoint: Path, version: str, strategy: dict[str, Any], **spec: Any
 ) -> dict[str, Any]:
     """A WeightRefit for the bench fleet (pods labelled LABELS); spec: further spec fields."""
-    return weightrefit_body(name, version, checkpoint, LABELS, port, strategy=strategy, **spec)
+    return build_refit(name, str(checkpoint), version, fleet_selector=LABELS, port=port,
+                       spec_fields={"strategy": strategy, **spec})  # fmt: skip
 
 
 def raise_fd_limit(want: int) -> int:

@@ -23,9 +23,9 @@ import time
 from statistics import median
 from typing import Any
 
-from refit_operator import worker
+from refit_operator import worker_client
 from refit_operator.api import Sequence
-from refit_operator.worker import WorkerClient
+from refit_operator.worker_client import WorkerClient
 
 from bench.results import Metric
 from bench.vllm_suites import Log, SuiteOut, first_completion, refit_cycle
@@ -68,7 +68,7 @@ async def cycles(
     and window."""
     tiny = ensure_tiny_model()
     out = []
-    async with worker.session() as http:
+    async with worker_client.session() as http:
         w = WorkerClient(server.base_url, http=http, admin_token=server.admin_token,
                          timeout=300.0)  # fmt: skip
         for i in range(n):

@@ -27,10 +27,10 @@ import aiohttp
 import blake3
 import httpx
 import psutil
-from refit_operator import podflow, probe, runner, worker
+from refit_operator import podflow, probe, runner, worker_client
 from refit_operator.api import Sequence, Thresholds
 from refit_operator.podflow import Step
-from refit_operator.worker import WorkerClient
+from refit_operator.worker_client import WorkerClient
 from refit_worker import checkpoint, contract
 
 from bench.results import Metric
@@ -108,7 +108,7 @@ def run_cycles(
 
     async def go() -> list[Cycle]:
         out: list[Cycle] = []
-        async with worker.session() as http:
+        async with worker_client.session() as http:
             w = WorkerClient(
                 server.base_url,
                 http=http,
@@ -418,7 +418,7 @@ def _client(server: VllmServer) -> Iterator[tuple[asyncio.AbstractEventLoop, Wor
     loop = asyncio.new_event_loop()
 
     async def open_session() -> aiohttp.ClientSession:
-        return worker.session()  # aiohttp binds a session to the loop it is made in
+        return worker_client.session()  # aiohttp binds a session to the loop it is made in
 
     http = loop.run_until_complete(open_session())
     try:

@@ -53,9 +53,9 @@ from typing import Any, TextIO
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.client import RefitClient, RefitFailed, RefitTimeout, reason_of
+from refit_operator.client import RefitClient, RefitFailed, RefitTimeout
 from refit_operator.report import render_refit
-from refit_operator.views import describe, duration, table
+from refit_operator.views import describe, duration, reason_of, table
 from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
 from demo import grpo

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from refit_operator.client import RefitClient, RefitError, RefitFailed
+from refit_operator.client import RefitClient, RefitFailed
+from refit_operator.refit_error import RefitError
 from refit_worker import broadcast as wire
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"

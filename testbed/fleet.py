@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator import api
 from refit_operator.podflow import PROGRESS_ANNOTATION
-from refit_worker.contract import API_GROUP, READINESS_GATE
+from refit_operator.refit_document import build_refit
+from refit_worker.contract import READINESS_GATE
 
 from testbed.controlplane import ControlPlane
 from testbed.operator_process import Operators
@@ -34,32 +34,6 @@ if TYPE_CHECKING:
 LABELS = {"app": "rollout"}
 ENDED = {"Succeeded", "Failed", "Halted", "RolledBack"}
 ADMIN_SECRET = "vllm-admin"  # the Secret add_server_pods makes, named by refit_server_pods
-
-
-def weightrefit_body(
-    name: str,
-    version: str,
-    path: Path | str,
-    labels: dict[str, str],
-    port: int,
-    **spec: Any,
-) -> dict[str, Any]:
-    """A WeightRefit of the pods labelled `labels` to the checkpoint at `path`; `spec` adds
-    spec fields (its `fleet` merges into spec.fleet)."""
-    return {
-        "apiVersion": f"{API_GROUP}/{api.VERSION}",
-        "kind": "WeightRefit",
-        "metadata": {"name": name},
-        "spec": {
-            "fleet": {
-                "selector": {"matchLabels": labels},
-                "port": port,
-                **spec.pop("fleet", {}),
-            },
-            "checkpoint": {"path": str(path), "version": version},
-            **spec,
-        },
-    }
 
 
 class Fleet:
@@ -141,7 +115,10 @@ class Fleet:
     def apply_refit(
         self, name: str, version: str, path: Path | str, port: int, **spec: Any
     ) -> None:
-        body = weightrefit_body(name, version, path, LABELS, port, **spec)
+        """A WeightRefit of the LABELS pods; ``spec``: further spec fields as the API spells
+        them (refit_document.build_refit's spec_fields)."""
+        body = build_refit(name, str(path), version, fleet_selector=LABELS, port=port,
+                           spec_fields=spec)  # fmt: skip
         self.custom.create_namespaced_custom_object(
             "refit.rollout.dev", "v1alpha1", self.ns, "weightrefits", body
         )

@@ -32,8 +32,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refit_operator.client import RefitClient, RefitError, RefitFailed
+from refit_operator.client import RefitClient, RefitFailed
 from refit_operator.integrations.trl import RefitRollout, StepRecord
+from refit_operator.refit_error import RefitError
 
 if TYPE_CHECKING:
     from testbed.fleet import Fleet

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_operator.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE, READY_PATH
 
-from testbed.fleet import weightrefit_body
 from testbed.node_images import OPERATOR_IMAGE, WORKER_IMAGE
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import ENGINE_ENV, engine_args
@@ -180,15 +180,15 @@ def fleet_service(name: str) -> dict[str, Any]:
 
 
 def weightrefit(name: str, version: str, path: Path, **spec: Any) -> dict[str, Any]:
-    return weightrefit_body(
+    admin = {"adminTokenSecretRef": {"name": ADMIN_SECRET, "key": "token"}}
+    return build_refit(
         name,
+        str(path),
         version,
-        path,
-        FLEET_LABELS,
-        VLLM_PORT,
-        fleet={"adminTokenSecretRef": {"name": ADMIN_SECRET, "key": "token"}},
-        strategy={"type": "AllAtOnce"},
-        **spec,
+        fleet_selector=FLEET_LABELS,
+        port=VLLM_PORT,
+        strategy="AllAtOnce",
+        spec_fields={"fleet": admin, **spec},
     )
 
 

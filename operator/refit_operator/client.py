@@ -11,8 +11,8 @@
         print(e.phase, e.reason, e.message, e.pod_failures)
 
 Synchronous on purpose (the official `kubernetes` client): a training loop is not an event
-loop. Writing the manifest and the probe reference goes through refit_worker's own writers;
-the reference needs torch and transformers, imported only when asked for.
+loop. The document it submits is refit_document's; the files it writes into the checkpoint
+first, checkpoint_files'; its cluster configuration, kubeconfig's.
 """
 
 from __future__ import annotations
@@ -28,30 +28,25 @@ from typing import Any
 
 import urllib3
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
-from pydantic import ValidationError
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
 from . import api, times
+from .checkpoint_files import write_checkpoint_files
+from .kubeconfig import default_namespace, load_api_client
 from .reasons import Reason
+from .refit_document import API_VERSION, build_refit, default_name, stamped
+from .refit_error import RefitError
 from .rounds import SENDING_ANNOTATION
 from .views import reason_of
 
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
-API_VERSION = f"{API_GROUP}/{api.VERSION}"
 FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
-_NAME_MAX = 63
 # The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
 _POD_EVENT = re.compile(r"^pod (\S+): ([A-Za-z]+): (.*)$", re.S)
-_SELECTOR_TERM = re.compile(r"^\s*([A-Za-z0-9][-A-Za-z0-9_./]*)\s*(==|=)\s*([-A-Za-z0-9_.]*)\s*$")
-
-
-class RefitError(Exception):
-    """The refit could not be submitted or followed; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,7 @@ class RefitFailed(RefitError):
         )
 
 
-class History:
+class WatchedFailures:
     """What a refit showed while it was watched. A rollback rewrites the pods' results and
     the refit's reason afterwards, so the cause is kept from the statuses seen before."""
 
@@ -144,153 +139,6 @@ def pod_failures(status: Mapping[str, Any]) -> list[PodFailure]:
     return out
 
 
-def parse_selector(selector: Mapping[str, str] | str | api.LabelSelector) -> api.LabelSelector:
-    """A fleet selector from a dict of labels, an equality selector string ("app=x,pool=y")
-    or a LabelSelector. Set-based expressions need a LabelSelector (no string parser here)."""
-    if isinstance(selector, api.LabelSelector):
-        sel = selector
-    elif isinstance(selector, str):
-        labels = {}
-        for term in filter(None, (t.strip() for t in selector.split(","))):
-            m = _SELECTOR_TERM.match(term)
-            if m is None:
-                raise RefitError(
-                    f"fleet_selector term {term!r} is not key=value; pass a LabelSelector "
-                    "for set-based expressions"
-                )
-            labels[m.group(1)] = m.group(3)
-        sel = api.LabelSelector(match_labels=labels)
-    else:
-        sel = api.LabelSelector(match_labels=dict(selector))
-    if not sel.match_labels and not sel.match_expressions:
-        raise RefitError("fleet_selector must not be empty: it would select every pod")
-    return sel
-
-
-def default_name(version: str) -> str:
-    """A DNS-1123 name from the version: refit-<version>, lowercased, cut to 63 characters."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", version.lower()).strip("-")
-    return f"refit-{slug}"[:_NAME_MAX].rstrip("-")
-
-
-def build_refit(
-    name: str,
-    checkpoint_path: str,
-    version: str,
-    *,
-    fleet_selector: Mapping[str, str] | str | api.LabelSelector,
-    port: int | None = None,
-    admin_token_secret: str | None = None,
-    strategy: str | None = None,
-    max_unavailable: int | str | None = None,
-    canary: int | None = None,
-    on_failure: str | None = None,
-    queue_policy: str | None = None,
-    thresholds: Mapping[str, float] | None = None,
-    failure_limit: int | None = None,
-    sequence: Mapping[str, Any] | None = None,
-    labels: Mapping[str, str] | None = None,
-    broadcast: Mapping[str, Any] | None = None,
-    probe_reference_config_map: str | None = None,
-) -> dict[str, Any]:
-    """The WeightRefit document. Only what the caller set goes into the spec: the API server
-    fills in the defaults, so the stored object says which choices were made on purpose.
-    The spec is checked against the operator's own model first, so a typo fails here, with
-    the field named, before anything reaches the cluster."""
-    fleet: dict[str, Any] = {"selector": parse_selector(fleet_selector).dump()}
-    if port is not None:
-        fleet["port"] = port
-    if admin_token_secret is not None:
-        fleet["adminTokenSecretRef"] = {"name": admin_token_secret}
-    spec: dict[str, Any] = {"fleet": fleet}
-    if broadcast is not None:  # spec.broadcast instead of a checkpoint (docs/broadcast.md)
-        spec["broadcast"] = {"version": version, **broadcast}
-    else:
-        spec["checkpoint"] = {"path": checkpoint_path, "version": version}
-    strat = {
-        k: v
-        for k, v in (("type", strategy), ("maxUnavailable", max_unavailable), ("canary", canary))
-        if v is not None
-    }
-    if strat:
-        spec["strategy"] = strat
-    probe: dict[str, Any] = {}
-    if thresholds:
-        probe["thresholds"] = dict(thresholds)
-    if failure_limit is not None:
-        probe["failureLimit"] = failure_limit
-    if probe_reference_config_map is not None:
-        probe["reference"] = {
-            "source": "ConfigMap",
-            "configMapRef": {"name": probe_reference_config_map},
-        }
-    if probe:
-        spec["probe"] = probe
-    if sequence:
-        spec["sequence"] = dict(sequence)
-    if on_failure is not None:
-        spec["onFailure"] = on_failure
-    if queue_policy is not None:
-        spec["queuePolicy"] = queue_policy
-    try:
-        api.WeightRefitSpec.model_validate(spec)
-    except ValidationError as e:
-        raise RefitError(f"invalid WeightRefit spec: {e}") from e
-    meta: dict[str, Any] = {"name": name}
-    if labels:
-        meta["labels"] = dict(labels)
-    return {"apiVersion": API_VERSION, "kind": api.KIND, "metadata": meta, "spec": spec}
-
-
-def stamped(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with its creation stamp (times.CREATED_ANNOTATION), taken just before it is
-    sent: refits a trainer creates within one second of each other keep the order it created
-    them in, whatever their names (docs/concepts.md, "Which refit is newer")."""
-    annotations = body.setdefault("metadata", {}).setdefault("annotations", {})
-    annotations[times.CREATED_ANNOTATION] = times.stamp(time.time_ns())
-    return body
-
-
-def write_checkpoint_files(
-    checkpoint_dir: Path,
-    version: str,
-    *,
-    write_manifest: bool,
-    reference_texts: Sequence[str] | Path | None,
-    tokenizer_dir: Path | None = None,
-    dtype: str = "float32",
-    max_tokens: int = 128,
-) -> None:
-    """refit-manifest.json and refit-probe.json through refit_worker's writers (the same
-    code the pods verify with). The reference is computed by HF transformers on the
-    checkpoint itself: torch is imported only here."""
-    if not checkpoint_dir.is_dir():
-        raise RefitError(f"checkpoint directory {checkpoint_dir} does not exist")
-    if write_manifest:
-        from refit_worker import checkpoint
-
-        checkpoint.write_manifest(checkpoint_dir)
-    if reference_texts is not None:
-        from refit_worker import reference
-
-        texts = (
-            reference.read_texts(reference_texts)
-            if isinstance(reference_texts, Path)
-            else list(reference_texts)
-        )
-        if not texts:
-            raise RefitError("write_reference_texts is empty: the probe needs prompts")
-        ref = reference.compute_reference(
-            checkpoint_dir,
-            texts,
-            version=version,
-            tokenizer_dir=tokenizer_dir,
-            dtype=dtype,
-            max_tokens=max_tokens,
-        )
-        reference.write_reference(checkpoint_dir, ref)
-
-
 class RefitClient:
     """Talks to one cluster. ``namespace`` is the default for every call."""
 
@@ -303,11 +151,11 @@ class RefitClient:
         api_client: k8s.ApiClient | None = None,
     ) -> None:
         if api_client is None:
-            api_client = _load_client(kubeconfig, context)
+            api_client = load_api_client(kubeconfig, context)
         self.api_client = api_client
         # Any: the generated client's signatures say `object` for custom resources (dicts).
         self.custom: Any = k8s.CustomObjectsApi(api_client)
-        self.namespace = namespace or _default_namespace(kubeconfig, context)
+        self.namespace = namespace or default_namespace(kubeconfig, context)
 
     def close(self) -> None:
         self.api_client.close()
@@ -341,8 +189,9 @@ class RefitClient:
         write_manifest / write_reference_texts: write refit-manifest.json and the probe
         reference (from these texts, or a file of one text per line) into the directory
         first. Other keywords (strategy, max_unavailable, canary, on_failure, port,
-        admin_token_secret, queue_policy, thresholds, failure_limit, sequence, labels) set
-        the matching spec fields; unset ones take the API defaults.
+        admin_token_secret, queue_policy, thresholds, failure_limit, sequence, labels,
+        spec_fields) set the matching spec fields (refit_document.build_refit); unset ones
+        take the API defaults.
 
         Submitting the same name, path and version again returns the existing refit (a
         trainer that retries after a lost answer does not refit twice); the same name with
@@ -472,13 +321,13 @@ class RefitClient:
     ) -> dict[str, Any]:
         from refit_worker import broadcast as wire
 
-        history = History()
+        watched = WatchedFailures()
         sent = 0
         last: dict[str, Any] | None = None
         for status in self._statuses(name, ns, timeout):
-            last = _follow(status, last, on_update, history)
+            last = _follow(status, last, on_update, watched)
             if _final(status):
-                return self._verdict(name, ns, status, history)
+                return self._verdict(name, ns, status, watched)
             ready = _round_ready(status)
             if ready is None or ready[0] <= sent:
                 continue
@@ -548,12 +397,12 @@ class RefitClient:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         ns = namespace or self.namespace
-        history = History()
+        watched = WatchedFailures()
         last: dict[str, Any] | None = None
         for status in self._statuses(name, ns, timeout):
-            last = _follow(status, last, on_update, history)
+            last = _follow(status, last, on_update, watched)
             if _final(status):
-                return self._verdict(name, ns, status, history)
+                return self._verdict(name, ns, status, watched)
         raise AssertionError("unreachable: _statuses ends only by raising")
 
     def _statuses(self, name: str, ns: str, timeout: float) -> Iterator[dict[str, Any]]:
@@ -575,15 +424,15 @@ class RefitClient:
                     raise RefitTimeout(name, timeout, status)
 
     def _verdict(
-        self, name: str, ns: str, status: dict[str, Any], history: History
+        self, name: str, ns: str, status: dict[str, Any], watched: WatchedFailures
     ) -> dict[str, Any]:
         if status.get("phase") == "Succeeded":
             return status
-        if status.get("phase") == "RolledBack" and not history.failures:
-            self._history_from_events(name, ns, history)
-        raise history.failed(name, status)
+        if status.get("phase") == "RolledBack" and not watched.failures:
+            self._failures_from_events(name, ns, watched)
+        raise watched.failed(name, status)
 
-    def _history_from_events(self, name: str, ns: str, history: History) -> None:
+    def _failures_from_events(self, name: str, ns: str, watched: WatchedFailures) -> None:
         """The refit ended before we watched it: its Events still say what failed."""
         try:
             core: Any = k8s.CoreV1Api(self.api_client)
@@ -598,9 +447,9 @@ class RefitClient:
             m = _POD_EVENT.match(e.get("message", ""))
             if e.get("reason") in (Reason.PodRefitFailed, Reason.PodRefitInconclusive) and m:
                 phase = e["reason"].removeprefix("PodRefit")
-                history.failures[m[1]] = PodFailure(m[1], phase, m[2], m[3])
+                watched.failures[m[1]] = PodFailure(m[1], phase, m[2], m[3])
             elif e.get("type") == "Warning" and "rolling back to" in e.get("message", ""):
-                history.cause = str(e.get("reason", ""))
+                watched.cause = str(e.get("reason", ""))
 
     def _watch(self, name: str, ns: str, rv: str, left: float) -> Any:
         w = k8s_watch.Watch()
@@ -635,13 +484,13 @@ def _follow(
     status: dict[str, Any],
     last: dict[str, Any] | None,
     on_update: Callable[[dict[str, Any]], None] | None,
-    history: History,
+    watched: WatchedFailures,
 ) -> dict[str, Any]:
-    """One status read while following a refit: ``on_update`` on a change, the history
+    """One status read while following a refit: ``on_update`` on a change, the failures
     kept; returns the status as the new ``last``."""
     if status != last and on_update is not None:
         on_update(status)
-    history.observe(status)
+    watched.observe(status)
     return status
 
 
@@ -678,42 +527,6 @@ def _api_message(e: ApiException) -> str:
         return str(body.get("message") or e.reason)
     except ValueError:
         return f"HTTP {e.status} {e.reason}"
-
-
-def _load_client(kubeconfig: str | Path | None, context: str | None) -> k8s.ApiClient:
-    if kubeconfig is None and context is None:
-        try:
-            k8s_config.load_incluster_config()
-            return k8s.ApiClient()
-        except k8s_config.ConfigException:
-            pass
-    try:
-        return k8s_config.new_client_from_config(
-            config_file=str(kubeconfig) if kubeconfig else None, context=context
-        )
-    except (k8s_config.ConfigException, OSError) as e:
-        raise RefitError(f"no usable Kubernetes configuration: {e}") from e
-
-
-def _default_namespace(kubeconfig: str | Path | None, context: str | None) -> str:
-    """The kubeconfig context's namespace, the pod's own namespace in-cluster, else default."""
-    sa_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    try:
-        _, current = k8s_config.list_kube_config_contexts(
-            config_file=str(kubeconfig) if kubeconfig else None
-        )
-        if context:
-            contexts, _ = k8s_config.list_kube_config_contexts(
-                config_file=str(kubeconfig) if kubeconfig else None
-            )
-            current = next((c for c in contexts if c["name"] == context), current)
-        ns = (current or {}).get("context", {}).get("namespace")
-        if ns:
-            return str(ns)
-    except (k8s_config.ConfigException, OSError, TypeError):
-        if sa_ns.is_file():
-            return sa_ns.read_text().strip()
-    return "default"
 
 
 # ------------------------------------------------------------ module-level shortcuts

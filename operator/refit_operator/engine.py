@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -31,7 +31,7 @@ from .reconcile import Decision, Observed, RefitView
 from .rounds import SENDING_ANNOTATION, Rounds
 from .runner import BroadcastSource, PassContext, run_pass
 from .status import peer_nlls, pod_phases
-from .worker import WorkerClient, WorkerError
+from .worker_client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -46,53 +46,118 @@ RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
 
 
-# Makes one pod's client: (base_url, *, admin_token, api_key, timeout, fence, before_call), as
-# WorkerClient's constructor without its session.
-WorkerFactory = Callable[..., WorkerClient]
+class WorkerFactory(Protocol):
+    """Makes one pod's client, as WorkerClient's constructor without its session: by default
+    WorkerClient over the engine's HTTP session; the explorer's reaches in-process workers."""
+
+    def __call__(
+        self,
+        base_url: str,
+        *,
+        admin_token: str | None,
+        api_key: str | None,
+        timeout: float,
+        fence: int | None,
+        before_call: Callable[[], None] | None,
+    ) -> WorkerClient: ...
 
 
 @dataclass
-class _RefitState:
-    """In-memory state of one refit: nothing here is needed to resume after a restart."""
+class _Secrets:
+    """The pods' credentials, read from the Secrets the spec names: by the preflight, or by
+    the first tick that starts a pass after a restart (the preflight is not rerun)."""
+
+    token: str | None = None  # the pods' admin token
+    api_key: str | None = None  # vLLM's --api-key, for /v1
+    loaded: bool = False
+
+
+@dataclass
+class _Passes:
+    """The pod passes this process runs for the refit (runner.run_pass), by pod name. The
+    pods' progress records what a pass did; a restarted process resumes from those."""
 
     tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     # The pod object (uid, address) each pass in flight drives: a pass belongs to that pod.
     driven: dict[str, PodView] = field(default_factory=dict)
-    token: str | None = None  # the pods' admin token
-    api_key: str | None = None  # vLLM's --api-key, for /v1
-    secrets_loaded: bool = False
-    references: dict[str, ProbeReference] = field(default_factory=dict)
-    pods: list[PodView] = field(default_factory=list)  # this tick's, as listed
-    by_name: dict[str, PodView] = field(default_factory=dict)  # the same, by pod name
+    staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
     live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
-    written: dict[str, Any] | None = None
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    thresholds_published: bool = False
-    # NLLs of the pods passed at a version, sorted, from this tick's pods: every probe of the
-    # tick compares against the same list, built once (per probe it was quadratic in pods).
+
+    def running(self) -> list[asyncio.Task[Any]]:
+        """Every task this process runs for the refit: what its deletion cancels."""
+        return [*self.tasks.values(), *self.staged_ahead.values()]
+
+
+@dataclass
+class _Listing:
+    """This tick's pods, as listed: what the tick's decisions and the passes it starts act
+    on. Built anew by each tick."""
+
+    pods: list[PodView] = field(default_factory=list)
+    by_name: dict[str, PodView] = field(default_factory=dict)
+    # NLLs of the pods passed at a version, sorted: every probe of the tick compares against
+    # the same list, built once (per probe it was quadratic in pods).
     peers: dict[str, list[float]] = field(default_factory=dict)
-    staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
+
+    @classmethod
+    def of(cls, pods: list[PodView]) -> _Listing:
+        return cls(pods, {p.name: p for p in pods})
+
+
+@dataclass
+class _Reported:
+    """What this process already wrote, published or logged for the refit, so that it does
+    so once: a restarted process does it once more, which is harmless."""
+
+    written: dict[str, Any] | None = None  # the last status written
+    thresholds_published: bool = False
+    sequence_ignored: bool = False  # a changed spec.sequence was logged
+
+
+@dataclass
+class _RefitState:
+    """In-memory state of one refit, dropped with it (Engine._forget): nothing here is needed
+    to resume after a restart. Caches (references, broadcast) are read again, secrets too,
+    passes resume from the pods' progress records, and a status is written again only if the
+    decision differs from the one stored."""
+
+    passes: _Passes = field(default_factory=_Passes)
+    secrets: _Secrets = field(default_factory=_Secrets)
+    listing: _Listing = field(default_factory=_Listing)
+    reported: _Reported = field(default_factory=_Reported)
+    references: dict[str, ProbeReference] = field(default_factory=dict)  # by checkpoint path
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
     waiting: bool = False  # another refit shares its pods and is not finished, or holds one
-    sequence_ignored: bool = False  # a changed spec.sequence was logged (once)
-
-    def listed(self, pods: list[PodView]) -> None:
-        """This tick's pods: what the tick's decisions and the passes it starts act on."""
-        self.pods, self.by_name, self.peers = pods, {p.name: p for p in pods}, {}
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # decide again now
 
     def peer_checksums(self, version: str, layout: str, me: str) -> list[checksums.Peer]:
         """The other pods' read-backs at (version, layout): their records as listed this
         tick, overlaid with the live progress of the passes in flight (a pod that read back
         a moment ago under AllAtOnce is a peer already)."""
-        records = {p.name: p.progress for p in self.pods if p.progress is not None}
-        records.update(self.live)
+        records = {p.name: p.progress for p in self.listing.pods if p.progress is not None}
+        records.update(self.passes.live)
         return checksums.peers(((n, p) for n, p in records.items() if n != me), version, layout)
 
     def peer_nlls(self, version: str) -> list[float]:
-        if version not in self.peers:
-            self.peers[version] = sorted(peer_nlls(self.pods, version))
-        return self.peers[version]
+        peers = self.listing.peers
+        if version not in peers:
+            peers[version] = sorted(peer_nlls(self.listing.pods, version))
+        return peers[version]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick read, built once and handed to each of its steps (as Argo Rollouts'
+    rolloutContext): the refit as read and its view, and what is kept for it."""
+
+    doc: dict[str, Any]  # the WeightRefit as read; its status is written against this read
+    view: RefitView
+    state: _RefitState
+
+    @property
+    def namespace(self) -> str:
+        return self.view.namespace
 
 
 def _revision(doc: dict[str, Any]) -> int:
@@ -128,7 +193,7 @@ class Engine:
         workers: WorkerFactory | None = None,
     ) -> None:
         """``cluster``: Kubernetes (cluster.Cluster, or the explorer's in-memory one).
-        ``http``: worker.session(), one for every pod; ``workers`` makes each pod's client
+        ``http``: worker_client.session(), one for every pod; ``workers`` makes each pod's client
         (default: WorkerClient over ``http``; the explorer's talks to in-process workers)."""
         self.cluster = cluster
         self.http = http
@@ -168,7 +233,7 @@ class Engine:
                 self.refits[uid].wake.set()
         st = self.refits.pop(gone.uid, None)
         if st is not None:
-            for task in (*st.tasks.values(), *st.staged_ahead.values()):
+            for task in st.passes.running():
                 task.cancel()
         metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
 
@@ -262,6 +327,27 @@ class Engine:
             self._forget(gone)
 
     async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
+        """One reconcile of a refit, as Argo Rollouts' reconcile: read the refit, observe its
+        pods, decide, act on the decision, write the status (at most once)."""
+        t = await self._read(namespace, name, deleting)
+        if t is None:
+            return None
+        obs = await self._observe(t)
+        d = await self._decide(t, obs)
+        await self._act(t, d)
+        await self._write(t, d)
+        phase = d.status.phase
+        ended = phase != t.view.status.phase
+        if ended and phase in TERMINAL_PHASES:
+            self._wake(namespace, obs.fleet, t.view.uid)
+        if phase in TERMINAL_PHASES and (d.dormant or ended):
+            await self._collect(namespace, ended)
+        metrics.reconcile_done()
+        return d
+
+    async def _read(self, namespace: str, name: str, deleting: bool) -> Tick | None:
+        """The refit as the API server has it now, with the spec it admitted; None, and
+        everything kept for it forgotten, when it no longer exists."""
         since = self.index.seq
         doc = await self.cluster.get_refit(namespace, name)
         if doc is None:
@@ -288,71 +374,79 @@ class Engine:
         )
         st = self.state(view.uid)
         await self._resync(namespace, st.waiting)
-        if spec is not asked and not st.sequence_ignored:
-            st.sequence_ignored = True
+        if spec is not asked and not st.reported.sequence_ignored:
+            st.reported.sequence_ignored = True
             log.warning(
                 "%s/%s: spec.sequence changed after the preflight (an API server with an older "
                 "CRD accepted it): the refit keeps the sequence it admitted: %s",
                 namespace, name, spec.sequence.model_dump(by_alias=True),
             )  # fmt: skip
-        st.tasks = {n: t for n, t in st.tasks.items() if not t.done()}
-        st.driven = {n: p for n, p in st.driven.items() if n in st.tasks}
-        selector = spec.fleet.selector.canonical()
-        before = {p.name for p in st.pods} | {p.name for p in view.status.pods}
+        return Tick(doc, view, st)
+
+    async def _observe(self, t: Tick) -> Observed:
+        """List the refit's pods and stop the passes whose pod is gone or replaced: what
+        reconcile.decide decides from."""
+        namespace, view, st, passes = t.namespace, t.view, t.state, t.state.passes
+        passes.tasks = {n: task for n, task in passes.tasks.items() if not task.done()}
+        passes.driven = {n: p for n, p in passes.driven.items() if n in passes.tasks}
+        selector = view.spec.fleet.selector.canonical()
+        before = {p.name for p in st.listing.pods} | {p.name for p in view.status.pods}
         listed = await self.cluster.list_pods(namespace, selector)
         # A pod replaced under its name (new uid) or readdressed: its pass stops calling the
         # old address now, and the pod as it is now gets a pass of its own (the uid's claim
         # and progress say whether that one resumes or starts afresh).
-        await self._stop(st, [p.name for p in listed if _replaced(st.driven.get(p.name), p)])
-        st.listed(self._with_live(listed, st))
+        await self._stop(
+            passes, [p.name for p in listed if _replaced(passes.driven.get(p.name), p)]
+        )
+        st.listing = _Listing.of(self._with_live(listed, passes))
+        pods = st.listing.pods
         fleet, previous = self.index.sharing(
-            namespace, view.uid, view.created, view.status.phase, st.pods
+            namespace, view.uid, view.created, view.status.phase, pods
         )
-        st.waiting = any(r.name != name and r.phase not in TERMINAL_PHASES for r in fleet) or any(
-            p.claim is not None and p.claim.uid != view.uid for p in st.pods
-        )
-        present = {p.name for p in st.pods if not p.deleting}
+        st.waiting = any(
+            r.name != view.name and r.phase not in TERMINAL_PHASES for r in fleet
+        ) or any(p.claim is not None and p.claim.uid != view.uid for p in pods)
+        present = {p.name for p in pods if not p.deleting}
         vanished = frozenset(
-            [n for n in st.tasks if n not in present and await self._gone(namespace, st.driven[n])]
-        )
-        await self._stop(st, vanished)  # deleted mid-pass: nothing left to make safe
+            [n for n in passes.tasks
+             if n not in present and await self._gone(namespace, passes.driven[n])]
+        )  # fmt: skip
+        await self._stop(passes, vanished)  # deleted mid-pass: nothing left to make safe
         for gone in before - present:
             metrics.forget_pod(namespace, selector, gone)
         refits = self.index.names(namespace)
-        obs = Observed(
-            refit=view, fleet=fleet, pods=st.pods, in_flight=frozenset(st.tasks),
+        return Observed(
+            refit=view, fleet=fleet, pods=pods, in_flight=frozenset(passes.tasks),
             now=times.now(), previous=previous, vanished=vanished, refits=refits,
             broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
-            elsewhere=await self._elsewhere(st, refits),
+            elsewhere=await self._elsewhere(pods, refits),
         )  # fmt: skip
+
+    async def _decide(self, t: Tick, obs: Observed) -> Decision:
         d = reconcile.decide(obs)
         if d.need_preflight:
-            d = reconcile.decide(replace(obs, preflight=await self._preflight(view, st)))
-        # A restarted pod before vLLM is back up and the kubelet would mark it Ready.
-        for name, why in d.withdraw.items():
-            await self.cluster.withdraw(st.by_name[name], namespace, why.reason, why.message)
-        if d.start:
-            await self._start(namespace, doc, view, st, d)
-        if d.stage_ahead:
-            await self._stage_ahead(view, st, d.stage_ahead)
-        await self._write(namespace, doc, view, st, d)
-        if d.status.phase != view.status.phase and d.status.phase in TERMINAL_PHASES:
-            self._wake(namespace, fleet, view.uid)
-        ended = d.status.phase != view.status.phase
-        if d.status.phase in TERMINAL_PHASES and (d.dormant or ended):
-            await self._collect(namespace, ended)
-        metrics.reconcile_done()
+            d = reconcile.decide(replace(obs, preflight=await self._preflight(t)))
         return d
 
+    async def _act(self, t: Tick, d: Decision) -> None:
+        # A restarted pod before vLLM is back up and the kubelet would mark it Ready.
+        for name, why in d.withdraw.items():
+            await self.cluster.withdraw(
+                t.state.listing.by_name[name], t.namespace, why.reason, why.message
+            )
+        if d.start:
+            await self._start(t, d)
+        if d.stage_ahead:
+            await self._stage_ahead(t, d.stage_ahead)
+
     @staticmethod
-    def _with_live(pods: list[PodView], st: _RefitState) -> list[PodView]:
+    def _with_live(pods: list[PodView], passes: _Passes) -> list[PodView]:
         """Pods as listed, with the in-memory progress of the passes in flight: a pass records
         its progress on the pod only at checkpoints, and the status shows every step."""
-        for name in [n for n in st.live if n not in st.tasks]:  # in place: passes hold it
-            del st.live[name]
-        return [
-            replace(pod, progress=st.live[pod.name]) if pod.name in st.live else pod for pod in pods
-        ]
+        live = passes.live
+        for name in [n for n in live if n not in passes.tasks]:  # in place: passes hold it
+            del live[name]
+        return [replace(pod, progress=live[pod.name]) if pod.name in live else pod for pod in pods]
 
     async def _patch_status(self, namespace: str, doc: dict[str, Any], new: dict[str, Any]) -> bool:
         """Write the status decided from ``doc``, conditional on the status being still the
@@ -374,7 +468,7 @@ class Engine:
             rv = fresh["metadata"].get("resourceVersion", "")
         return False
 
-    def _wake(self, namespace: str, fleet: list[plan.RefitRef], me: str) -> None:
+    def _wake(self, namespace: str, fleet: Sequence[plan.RefitRef], me: str) -> None:
         """A refit just finished: the refits it concerns decide now, not at their next
         (possibly dormant) tick: the queued one starts, a finished one sees its pods moved on
         or takes up convergence again."""
@@ -397,18 +491,18 @@ class Engine:
         return bool(meta.get("deletionTimestamp")) or meta.get("uid") != pod.uid
 
     @staticmethod
-    async def _stop(st: _RefitState, names: Collection[str]) -> None:
+    async def _stop(passes: _Passes, names: Collection[str]) -> None:
         """Stop these pods' passes, and wait until they have stopped: none calls its pod
         again once this returns (a cancelled pass runs nothing but its cleanup)."""
-        tasks = [st.tasks.pop(n) for n in names]
+        tasks = [passes.tasks.pop(n) for n in names]
         for name in names:
-            st.driven.pop(name, None)
+            passes.driven.pop(name, None)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_SECONDS)
 
-    async def _elsewhere(self, st: _RefitState, refits: Mapping[str, str]) -> frozenset[str]:
+    async def _elsewhere(self, pods: list[PodView], refits: Mapping[str, str]) -> frozenset[str]:
         """Pods whose claim belongs to another operator process that may still act
         (leader.holder_alive): no pass of this process takes them over. A claim that names
         no Lease (written before claims did) is judged by this process's own Lease."""
@@ -417,7 +511,7 @@ class Engine:
         me = self.cluster.identity
         claims = {
             p.name: (p.claim.lease or self.lease.key, p.claim.holder, p.claim.lease_seconds)
-            for p in st.pods
+            for p in pods
             if p.claim is not None and p.claim.holder != me and p.claim.uid in refits
         }
         if not claims:
@@ -439,16 +533,16 @@ class Engine:
             await self.cluster.delete_refit(namespace, k.name)
 
     # ------------------------------------------------------------------ preflight
-    async def _preflight(self, view: RefitView, st: _RefitState) -> PreflightResult:
-        spec = view.spec
-        if admission.fleet_problem(st.pods) is not None:
+    async def _preflight(self, t: Tick) -> PreflightResult:
+        spec, pods = t.view.spec, t.state.listing.pods
+        if admission.fleet_problem(pods) is not None:
             # decide() reports it. Nothing is sent to any pod: the admin token goes in clear
             # to a pod's IP, and only to pods the Pod objects vouch for (PodView.vetted).
             return PreflightResult()
-        problem = await self._load_secrets(view, st)
+        problem = await self._load_secrets(t)
         if problem is not None:
             return PreflightResult(problem=problem)
-        reachable = sorted(st.pods, key=lambda p: p.name)
+        reachable = sorted(pods, key=lambda p: p.name)
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
         t_step = float(spec.sequence.step_timeout_seconds)
 
@@ -458,7 +552,7 @@ class Engine:
             async def one(pod: PodView) -> Any:
                 async with sem:
                     try:
-                        return await ask(self._client(view, st, pod))
+                        return await ask(self._client(t, pod))
                     except WorkerError as e:
                         return f"{what} failed ({e.kind}): {e.message}"
 
@@ -469,7 +563,8 @@ class Engine:
             lambda c: c.refit_info(timeout=t_step), "refit_info"
         )
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
-        st.admitted = {
+        passes = t.state.passes
+        passes.admitted = {
             name: identity[name]
             for name, info in infos.items()
             if admission.admission_problem(
@@ -478,24 +573,23 @@ class Engine:
             is None
         }
         problem = None
-        if len(st.admitted) == len(reachable):  # else decide() refuses a pod already
-            problem = await self._check_reference(view, st, reachable[0])
+        if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
+            problem = await self._check_reference(t, reachable[0])
         world_sizes: dict[str, int | str] = {}
         if spec.broadcast is not None:
             if problem is None:
-                problem = await self._load_broadcast(view, st)
+                problem = await self._load_broadcast(t)
 
             world_sizes = await each(lambda c: c.world_size(timeout=t_step), "get_world_size")
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
-    async def _check_reference(
-        self, view: RefitView, st: _RefitState, pod: PodView
-    ) -> Problem | None:
+    async def _check_reference(self, t: Tick, pod: PodView) -> Problem | None:
         """Fetch the probe reference and score it on one pod (one request for all prompts): a
         reference the model cannot score fails the refit before any pod is touched."""
-        client = self._client(view, st, pod)
+        view = t.view
+        client = self._client(t, pod)
         try:
-            reference = await self._reference(view, st, view.spec.path, client)
+            reference = await self._reference(t, view.spec.path, client)
         except probe.ReferenceMismatch as e:
             return Problem(e.reason, str(e))
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
@@ -520,11 +614,10 @@ class Engine:
             return Problem(Reason.PodUnreachable, f"pod {pod.name}: scoring failed: {e.message}")
         return None
 
-    async def _reference(
-        self, view: RefitView, st: _RefitState, path: str, client: WorkerClient
-    ) -> ProbeReference:
-        if path in st.references:
-            return st.references[path]
+    async def _reference(self, t: Tick, path: str, client: WorkerClient) -> ProbeReference:
+        view, references = t.view, t.state.references
+        if path in references:
+            return references[path]
         src = view.spec.probe.reference
         # A rollback probes the previous checkpoint against its own reference file.
         if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.path:
@@ -542,12 +635,13 @@ class Engine:
             reference = await client.probe_reference(
                 path, timeout=float(view.spec.sequence.step_timeout_seconds)
             )
-        st.references[path] = reference
+        references[path] = reference
         return reference
 
-    async def _load_broadcast(self, view: RefitView, st: _RefitState) -> Problem | None:
+    async def _load_broadcast(self, t: Tick) -> Problem | None:
         """Read the trainer's transfer manifest from its ConfigMap and check it against the
         spec's digest, before any pod is touched; a problem or None."""
+        view, st = t.view, t.state
         b = view.spec.broadcast
         assert b is not None
         ref = b.manifest.config_map_ref
@@ -572,21 +666,21 @@ class Engine:
         st.broadcast = BroadcastSource(b, manifest.to_json_dict(), rounds)
         return None
 
-    async def _load_secrets(self, view: RefitView, st: _RefitState) -> Problem | None:
+    async def _load_secrets(self, t: Tick) -> Problem | None:
         """Read the admin token and the /v1 API key the spec names; a problem or None."""
-        fleet = view.spec.fleet
+        secrets, fleet = t.state.secrets, t.view.spec.fleet
         for ref, attr in ((fleet.admin_token_secret_ref, "token"),
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
             value = await self._read_key(
-                "Secret", view.namespace, ref.name, ref.key,
+                "Secret", t.namespace, ref.name, ref.key,
                 missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
             )  # fmt: skip
             if isinstance(value, Problem):
                 return value
-            setattr(st, attr, value)
-        st.secrets_loaded = True
+            setattr(secrets, attr, value)
+        secrets.loaded = True
         return None
 
     async def _read_key(
@@ -610,84 +704,83 @@ class Engine:
         return value
 
     # ---------------------------------------------------------------- pod passes
-    def _client(
-        self, view: RefitView, st: _RefitState, pod: PodView, fence: int | None = None
-    ) -> WorkerClient:
-        url = f"http://{pod.ip}:{view.spec.fleet.port}"
+    def _client(self, t: Tick, pod: PodView, fence: int | None = None) -> WorkerClient:
+        spec, secrets = t.view.spec, t.state.secrets
+        url = f"http://{pod.ip}:{spec.fleet.port}"
         # The one place a pod's client gets the token: never for a pod the Pod object does
         # not vouch for (the decisions call none; this holds if one ever did).
-        token = st.token if pod.vetted else None
-        return self.workers(url, admin_token=token, api_key=st.api_key,
-                            timeout=float(view.spec.sequence.step_timeout_seconds),
+        token = secrets.token if pod.vetted else None
+        return self.workers(url, admin_token=token, api_key=secrets.api_key,
+                            timeout=float(spec.sequence.step_timeout_seconds),
                             fence=fence, before_call=self.check)  # fmt: skip
 
-    async def _start(
-        self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
-    ) -> None:
-        if not st.secrets_loaded:  # after a restart the preflight that read them is not rerun
-            await self._load_secrets(view, st)
+    async def _start(self, t: Tick, d: Decision) -> None:
+        view, st, passes = t.view, t.state, t.state.passes
+        if not st.secrets.loaded:  # after a restart the preflight that read them is not rerun
+            await self._load_secrets(t)
         problem = None
         if view.spec.broadcast is not None and st.broadcast is None:
-            problem = await self._load_broadcast(view, st)  # after a restart, as the secrets
+            problem = await self._load_broadcast(t)  # after a restart, as the secrets
             if problem is not None:  # each pass fails with it: the gate then decides
                 log.error(
                     "%s: no broadcast source: %s: %s", view.name, problem.reason, problem.message
                 )
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
-            return await self._reference(view, st, path, client)
+            return await self._reference(t, path, client)
 
         ctx = PassContext(
-            cluster=self.cluster, namespace=namespace, refit_doc=doc, refit_name=view.name,
+            cluster=self.cluster, namespace=t.namespace, refit_doc=t.doc, refit_name=view.name,
             refit_uid=view.uid, refit_created=view.created,
             fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
-            client=lambda pod, fence: self._client(view, st, pod, fence),
+            client=lambda pod, fence: self._client(t, pod, fence),
             next_fence=self.next_fence, reference=reference,
             peer_nlls=st.peer_nlls, peer_checksums=st.peer_checksums,
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),
-            admitted=st.admitted, live=st.live, broadcast=st.broadcast, source_problem=problem,
-            lease=self.lease.key if self.lease else "",
+            admitted=passes.admitted, live=passes.live, broadcast=st.broadcast,
+            source_problem=problem, lease=self.lease.key if self.lease else "",
             lease_seconds=self.lease.duration if self.lease else 0,
         )  # fmt: skip
-        pods = st.by_name
+        pods = st.listing.by_name
         if st.broadcast is not None:  # the passes started together receive one send
             st.broadcast.rounds.open(
                 s.pod for s in d.start
-                if s.pod in pods and s.pod not in st.tasks and _receives(pods[s.pod], s)
+                if s.pod in pods and s.pod not in passes.tasks and _receives(pods[s.pod], s)
             )  # fmt: skip
         for start in d.start:
-            if start.pod in st.tasks or start.pod not in pods:
+            if start.pod in passes.tasks or start.pod not in pods:
                 continue
-            task = asyncio.create_task(self._guarded(ctx, pods[start.pod], start, st))
-            st.tasks[start.pod] = task
-            st.driven[start.pod] = pods[start.pod]
+            task = asyncio.create_task(self._guarded(ctx, pods[start.pod], start, st.wake))
+            passes.tasks[start.pod] = task
+            passes.driven[start.pod] = pods[start.pod]
 
-    async def _stage_ahead(self, view: RefitView, st: _RefitState, names: list[str]) -> None:
+    async def _stage_ahead(self, t: Tick, names: list[str]) -> None:
         """Ask the next batch's pods to stage the checkpoint while they serve. Without a
         fencing token, like the admission's refit_info: staging changes nothing a pass relies
         on (the load uses staged bytes only if no file changed since), and a token would fence
         off a pass that took the pod meanwhile. Best effort: the pass stages anyway."""
-        if not st.secrets_loaded:
-            await self._load_secrets(view, st)
-        pods = st.by_name
+        view, st, passes = t.view, t.state, t.state.passes
+        if not st.secrets.loaded:
+            await self._load_secrets(t)
+        pods = st.listing.by_name
         path = view.spec.path
         timeout = float(view.spec.sequence.load_timeout_seconds)
 
         async def stage(pod: PodView) -> None:
             try:
-                note = (await self._client(view, st, pod).stage(path, timeout=timeout)).get("note")
+                note = (await self._client(t, pod).stage(path, timeout=timeout)).get("note")
                 log.info("%s: pod %s staged ahead of its turn: %s", view.name, pod.name, note)
             except (WorkerError, LeadershipLost) as e:
                 log.info("%s: pod %s did not stage ahead: %s", view.name, pod.name, e)
 
         for name in names:
-            if name in pods and name not in st.tasks and name not in st.staged_ahead:
-                st.staged_ahead[name] = asyncio.create_task(stage(pods[name]))
+            if name in pods and name not in passes.tasks and name not in passes.staged_ahead:
+                passes.staged_ahead[name] = asyncio.create_task(stage(pods[name]))
 
     async def _guarded(
-        self, ctx: PassContext, pod: PodView, start: reconcile.PodStart, st: _RefitState
+        self, ctx: PassContext, pod: PodView, start: reconcile.PodStart, wake: asyncio.Event
     ) -> None:
         try:
             await run_pass(ctx, pod, start)
@@ -705,19 +798,20 @@ class Engine:
             log.exception("pod %s: pass interrupted: %s", pod.name, e)
             await asyncio.sleep(1.0)
         finally:
-            st.wake.set()
+            wake.set()
 
     # -------------------------------------------------------------------- status
-    async def _write(
-        self, namespace: str, doc: dict[str, Any], view: RefitView, st: _RefitState, d: Decision
-    ) -> None:
+    async def _write(self, t: Tick, d: Decision) -> None:
+        """The tick's one status write (only if the decision changed it), its events, and the
+        metrics of the fleet the refit owns."""
+        namespace, doc, view, st = t.namespace, t.doc, t.view, t.state
         new = d.status.dump()
         old = view.status.dump()
-        if new != old and new != st.written:
+        if new != old and new != st.reported.written:
             if not await self._patch_status(namespace, doc, new):
                 st.wake.set()  # someone else wrote the status: decide again from a fresh read
                 return
-            st.written = new
+            st.reported.written = new
         for e in d.events:
             await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
         fleet = d.status.fleet
@@ -734,8 +828,9 @@ class Engine:
         target = view.spec.version
         if phase in ("RollingBack", "RolledBack") and d.status.previous is not None:
             target = d.status.previous.version or target
-        by_phase = pod_phases(d.status.pods, st.pods, view.uid)
-        live = [p for p in st.pods if not p.deleting]
+        pods = st.listing.pods
+        by_phase = pod_phases(d.status.pods, pods, view.uid)
+        live = [p for p in pods if not p.deleting]
         active = phase in ACTIVE_PHASES
         metrics.fleet_state(
             namespace, fleet, view.name, pods_by_phase=by_phase,
@@ -745,10 +840,10 @@ class Engine:
             started_at=times.epoch(d.status.start_time) if active else None,
             timeout_seconds=float(view.spec.sequence.total_timeout_seconds) if active else None,
         )  # fmt: skip
-        if not st.thresholds_published:
-            t = view.spec.probe.thresholds
+        if not st.reported.thresholds_published:
+            th = view.spec.probe.thresholds
             metrics.probe_thresholds(
-                namespace, fleet, view.name, mean_abs_diff=t.mean_abs_logprob_diff,
-                max_abs_diff=t.max_abs_logprob_diff, nll_diff=t.nll_diff,
+                namespace, fleet, view.name, mean_abs_diff=th.mean_abs_logprob_diff,
+                max_abs_diff=th.max_abs_logprob_diff, nll_diff=th.nll_diff,
             )  # fmt: skip
-            st.thresholds_published = True
+            st.reported.thresholds_published = True

@@ -30,13 +30,9 @@ from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP
 
 from . import api
-from .client import (
-    RefitClient,
-    RefitError,
-    RefitFailed,
-    RefitTimeout,
-    parse_selector,
-)
+from .client import RefitClient, RefitFailed, RefitTimeout
+from .refit_document import parse_selector
+from .refit_error import RefitError
 from .views import (
     HISTORY_HEADERS,
     REFIT_HEADERS,

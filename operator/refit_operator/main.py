@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from . import cluster, handlers, history, metrics, worker
+from . import cluster, handlers, history, metrics, worker_client
 from .engine import Engine
 from .leader import DEFAULT_LEASE_SECONDS, Lease, RenewalThread
 
@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> int:
     # this loop nor thousands of pod writes queued on its connections can delay one.
     renewals = RenewalThread(lease, lambda: cluster.connect(args.kubeconfig))
     holder = asyncio.create_task(renewals.run())
-    async with worker.session() as http:
+    async with worker_client.session() as http:
         policy = history.Policy(args.history_limit)
         engine = Engine(cluster.Cluster(api_client, identity), http, lease, policy)
         await engine.sync(args.namespace or None)

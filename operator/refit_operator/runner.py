@@ -25,7 +25,7 @@ from .podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUnti
 from .reasons import Problem, Reason, pass_event, step_timeout
 from .reconcile import PodStart
 from .rounds import Rounds, TrainerTimeout, rank_problem
-from .worker import WorkerClient, WorkerError
+from .worker_client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from refit_operator import history, times
 from refit_operator.engine import Engine
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
 from refit_operator.leader import LeadershipLost, Lease
-from refit_operator.worker import WorkerClient
+from refit_operator.worker_client import WorkerClient
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
@@ -606,7 +606,7 @@ class Explorer:
         """The process is gone: everything it runs ends where it is."""
         replica.leading = False
         tasks = [t for st in replica.engine.refits.values()
-                 for t in (*st.tasks.values(), *st.staged_ahead.values())]  # fmt: skip
+                 for t in st.passes.running()]  # fmt: skip
         tasks += list(replica.ticking.values())
         if replica.life is not None and replica.life is not asyncio.current_task():
             tasks.append(replica.life)

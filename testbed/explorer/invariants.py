@@ -1,7 +1,7 @@
-"""The safety invariants of shared/ARCHITECTURE.md as code, over the explorer's ground truth:
-the in-memory API server's objects (what the operator wrote) and the simulated pod processes
-(what the pods really hold). Each check names the invariant it holds (docs/concepts.md,
-"Invariants and the explorer").
+"""The safety invariants as code, over the explorer's ground truth: the in-memory API server's
+objects (what the operator wrote) and the simulated pod processes (what the pods really hold).
+Each check names the invariant it holds (the table in docs/concepts.md, "Invariants and the
+explorer").
 
 - one-driver: a pod admits a fenced call only from the pass whose claim the pod records now
   (no two passes' calls interleave on one pod);

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from refit_operator.client import RefitClient, RefitError, RefitFailed, RefitTimeout
+from refit_operator.client import RefitClient, RefitFailed, RefitTimeout
+from refit_operator.refit_error import RefitError
 from refit_worker import contract
 
 from testbed.controlplane import ControlPlane

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from refit_operator.refit_document import build_refit
 
-from testbed.fleet import Fleet, make_checkpoints, weightrefit_body
+from testbed.fleet import Fleet, make_checkpoints
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -23,7 +24,7 @@ PROMPTLY = 20
 
 def apply(fleet: Fleet, name: str, version: str, path: Path, labels: dict[str, str], port: int,
           **spec: Any) -> None:  # fmt: skip
-    body = weightrefit_body(name, version, path, labels, port, **spec)
+    body = build_refit(name, str(path), version, fleet_selector=labels, port=port, spec_fields=spec)
     fleet.custom.create_namespaced_custom_object(
         "refit.rollout.dev", "v1alpha1", fleet.ns, "weightrefits", body
     )

@@ -290,7 +290,7 @@ def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
     from refit_operator.api import Thresholds
     from refit_operator.probe import evaluate
 
-    from tests.worker.test_reload import scores
+    from tests.fixtures.reload import scores
 
     fl, op = fleet
     good, skewed = servers

@@ -51,15 +51,15 @@ def main() -> int:
 
         from testbed.tiny_model import ensure_tiny_model
         from testbed.vllm_server import start_vllm_server
-        from tests.gpu.check_flashinfer_fp8_reload import Report
-        from tests.worker.test_broadcast import (
+        from tests.fixtures.broadcast import (
             checksums,
             connect,
             refit_by_broadcast,
             send_round,
             verdict,
         )
-        from tests.worker.test_reload import refit_cycle
+        from tests.fixtures.reload import refit_cycle
+        from tests.gpu.check_flashinfer_fp8_reload import Report
     except ImportError as e:
         print(f"[SKIP] environment: {e}", flush=True)
         return 2

@@ -175,7 +175,10 @@ def test_refit_body_selects_the_bench_fleet() -> None:
     body = scale.refit_body("step-1", 8000, Path("/ckpt/1"), "v1", {"type": "AllAtOnce"},
                             ttlSecondsAfterFinished=5)  # fmt: skip
     assert body["metadata"] == {"name": "step-1"}
-    assert body["spec"]["fleet"] == {"selector": {"matchLabels": scale.LABELS}, "port": 8000}
+    assert body["spec"]["fleet"] == {
+        "selector": {"matchLabels": scale.LABELS, "matchExpressions": []},
+        "port": 8000,
+    }
     assert body["spec"]["checkpoint"] == {"path": "/ckpt/1", "version": "v1"}
     assert body["spec"]["ttlSecondsAfterFinished"] == 5
 

@@ -21,24 +21,10 @@ from refit_worker.contract import (
     MANIFEST_FORMAT_VERSION,
     Manifest,
     ManifestTensor,
-    RefitRejected,
 )
 from safetensors.numpy import save_file
 
-SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-
-
-def make_checkpoint(directory: Path, fill: float = 1.0) -> Path:
-    directory.mkdir(parents=True)
-    save_file(
-        {"a.weight": np.full((4, 8), fill, np.float32), "a.bias": np.zeros(4, np.float32)},
-        str(directory / SHARDS[0]),
-    )
-    save_file(
-        {"b.weight": np.arange(6, dtype=np.float16).reshape(2, 3)}, str(directory / SHARDS[1])
-    )
-    checkpoint.write_manifest(directory)
-    return directory
+from tests.fixtures.checkpoints import make_checkpoint, rejected
 
 
 @pytest.fixture
@@ -46,13 +32,6 @@ def root(tmp_path: Path) -> Path:
     r = tmp_path / "root"
     make_checkpoint(r / "ckpt")
     return r
-
-
-def rejected(code: str, fn: Callable[..., object], *args: object) -> str:
-    with pytest.raises(RefitRejected) as info:
-        fn(*args)
-    assert info.value.code == code, info.value
-    return info.value.detail
 
 
 def test_manifest_describes_every_file_and_tensor(root: Path) -> None:

@@ -1,63 +1,10 @@
-"""refit_operator.client without a cluster: the document it builds, how it reads verdicts."""
+"""refit_operator.client without a cluster: how it reads verdicts."""
 
 from __future__ import annotations
 
-import pytest
-from refit_operator import api
-from refit_operator.client import (
-    RefitError,
-    RefitFailed,
-    RefitTimeout,
-    build_refit,
-    default_name,
-    parse_selector,
-    pod_failures,
-    reason_of,
-)
+from refit_operator.client import RefitFailed, RefitTimeout, WatchedFailures, pod_failures
 from refit_operator.reasons import Problem
-
-
-def test_build_refit_sets_only_what_was_asked():
-    doc = build_refit(
-        "refit-step-1", "/ckpt/step-1", "step-1", fleet_selector={"app": "rollout"},
-        strategy="Rolling", canary=1, on_failure="Rollback", port=8001,
-    )  # fmt: skip
-    assert doc["apiVersion"] == "refit.rollout.dev/v1alpha1" and doc["kind"] == "WeightRefit"
-    assert doc["metadata"] == {"name": "refit-step-1"}
-    assert doc["spec"] == {
-        "fleet": {"selector": {"matchLabels": {"app": "rollout"}, "matchExpressions": []},
-                  "port": 8001},
-        "checkpoint": {"path": "/ckpt/step-1", "version": "step-1"},
-        "strategy": {"type": "Rolling", "canary": 1},
-        "onFailure": "Rollback",
-    }  # fmt: skip
-
-
-def test_build_refit_rejects_a_bad_field_before_the_cluster_sees_it():
-    with pytest.raises(RefitError, match=r"strategy\.type"):
-        build_refit("x", "/c", "v", fleet_selector="app=a", strategy="Sideways")
-    with pytest.raises(RefitError, match=r"onFailure|on_failure"):
-        build_refit("x", "/c", "v", fleet_selector="app=a", on_failure="Panic")
-
-
-def test_parse_selector_forms():
-    assert parse_selector("app=rollout, pool==eval").match_labels == {
-        "app": "rollout",
-        "pool": "eval",
-    }
-    assert parse_selector({"a": "b"}).canonical() == "a=b"
-    sel = api.LabelSelector(match_labels={"x": "y"})
-    assert parse_selector(sel) is sel
-    with pytest.raises(RefitError, match="not key=value"):
-        parse_selector("env in (a,b)")
-    with pytest.raises(RefitError, match="must not be empty"):
-        parse_selector("")
-
-
-def test_default_name_is_a_dns_label():
-    assert default_name("Step_100.bf16") == "refit-step-100-bf16"
-    assert len(default_name("v" * 100)) == 63
-
+from refit_operator.views import reason_of
 
 HALTED = {
     "phase": "Halted",
@@ -104,9 +51,7 @@ def test_timeout_message_says_where_it_stands():
 
 
 def test_a_rollback_keeps_the_cause_seen_before_it():
-    from refit_operator.client import History
-
-    h = History()
+    h = WatchedFailures()
     rolling = {**HALTED, "phase": "RollingBack"}
     h.observe(rolling)
     rolled = {"phase": "RolledBack", "message": "2 pods rolled back to v2",

@@ -19,7 +19,7 @@ from refit_operator.api import Sequence
 from refit_operator.leader import LeadershipLost
 from refit_operator.podflow import Step
 from refit_operator.runner import StepFailed
-from refit_operator.worker import WorkerClient, session
+from refit_operator.worker_client import WorkerClient, session
 
 from testbed.simfleet import SimPod
 

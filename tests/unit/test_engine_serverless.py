@@ -1,60 +1,173 @@
 """Issue 28: an Engine constructed without an API server or a worker socket: the Kube
 protocol (here the explorer's in-memory cluster), a worker factory (in-process simulated
 workers) and the operator's clock on virtual time. One tick decides and starts the passes;
-the passes take the claims, drive the workers with fencing tokens and finish."""
+the passes take the claims, drive the workers with fencing tokens and finish. The seam shows
+what a tick does: it writes its decision once, forgets a refit deleted mid-pass, and stops
+before its next write once the lease check raises."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import pytest
 from refit_operator import times
+from refit_operator.api import WeightRefitStatus
 from refit_operator.engine import Engine
-from refit_operator.worker import WorkerClient
+from refit_operator.leader import LeadershipLost, Lease
+from refit_operator.worker_client import WorkerClient
 
 from testbed.explorer.explore import ROOT, VERSIONS
-from testbed.explorer.memcluster import MemoryCluster, Store, pod_body, refit_body
+from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store, pod_body, refit_body
 from testbed.explorer.vtime import VirtualClock, VirtualLoop
 from testbed.explorer.workers import ExplorerSimServer, InProcessSession, checkpoints
 
+T = TypeVar("T")
+NS = "ns"
 
-def test_an_engine_without_a_server_refits_a_fleet() -> None:
+
+@dataclass
+class Bed:
+    """An Engine over the in-memory cluster, with a fleet of simulated workers and one
+    WeightRefit ``wr`` of them to v1."""
+
+    store: Store
+    sim: ExplorerSimServer
+    cluster: MemoryCluster
+    engine: Engine
+
+    def status(self) -> dict[str, Any]:
+        """The refit's status as stored, as the engine compares statuses."""
+        doc = self.store.objects[("WeightRefit", NS, "wr")]
+        return WeightRefitStatus.model_validate(doc.get("status") or {}).dump()
+
+    def worker_calls(self) -> int:
+        return sum(len(pod.calls) for pod in self.sim.pods.values())
+
+
+async def _bed(pods: int = 2, lease: Lease | None = None, store: Store | None = None) -> Bed:
+    store = store or Store()
+    sim = ExplorerSimServer([f"10.9.0.{i + 1}" for i in range(pods)], str(ROOT), None)
+    session = InProcessSession(sim)
+    for i, ip in enumerate(sim.pods):
+        store.create("Pod", NS, pod_body(f"p{i}", ip, {"app": "a"}))
+    ckpt = checkpoints(ROOT, VERSIONS[:1])
+    spec = {"fleet": {"selector": {"matchLabels": {"app": "a"}}},
+            "checkpoint": {"path": ckpt["v1"], "version": "v1"}}  # fmt: skip
+    store.create("WeightRefit", NS, refit_body("wr", spec))
+    cluster = MemoryCluster(store, "op")
+    engine = Engine(
+        cluster,
+        None,
+        lease,
+        workers=lambda url, **kw: WorkerClient(url, http=session, **kw),  # type: ignore[arg-type]
+    )
+    await engine.sync([NS])
+    return Bed(store, sim, cluster, engine)
+
+
+def _on_virtual_time(main: Callable[[VirtualClock], Coroutine[Any, Any, T]]) -> T:
+    """Run ``main`` on a virtual loop, with the operator's clock on the loop's time."""
     clock = VirtualClock()
     loop = VirtualLoop(clock)
-    ckpt = checkpoints(ROOT, VERSIONS[:1])
+    try:
+        with times.using(clock):
+            return loop.run_until_complete(main(clock))
+    finally:
+        loop.close()
 
-    async def main() -> tuple[str, list[str | None]]:
-        store = Store()
-        sim = ExplorerSimServer(["10.9.0.1", "10.9.0.2"], str(ROOT), None)
-        session = InProcessSession(sim)
-        for i, ip in enumerate(sim.pods):
-            store.create("Pod", "ns", pod_body(f"p{i}", ip, {"app": "a"}))
-        spec = {"fleet": {"selector": {"matchLabels": {"app": "a"}}},
-                "checkpoint": {"path": ckpt["v1"], "version": "v1"}}  # fmt: skip
-        store.create("WeightRefit", "ns", refit_body("wr", spec))
-        engine = Engine(
-            MemoryCluster(store, "op"),
-            None,
-            workers=lambda url, **kw: WorkerClient(url, http=session, **kw),  # type: ignore[arg-type]
-        )
-        await engine.sync(["ns"])
+
+def test_an_engine_without_a_server_refits_a_fleet() -> None:
+    async def main(clock: VirtualClock) -> tuple[str, list[str | None], float]:
+        bed = await _bed()
         phase = ""
         for _ in range(60):
-            d = await engine.tick("ns", "wr")
+            d = await bed.engine.tick(NS, "wr")
             assert d is not None
             phase = d.status.phase
             if phase == "Succeeded":
                 break
             await asyncio.sleep(1.0)
-        fences = [call["fence"] for pod in sim.pods.values() for call in pod.calls
+        fences = [call["fence"] for pod in bed.sim.pods.values() for call in pod.calls
                   if call["step"] == "refit_load"]  # fmt: skip
         assert fences and all(isinstance(f, int) for f in fences)
-        return phase, [sim.serves(ip) for ip in sim.pods]
+        return phase, [bed.sim.serves(ip) for ip in bed.sim.pods], clock.elapsed
 
-    try:
-        with times.using(clock):
-            phase, serving = loop.run_until_complete(main())
-    finally:
-        loop.close()
+    phase, serving, elapsed = _on_virtual_time(main)
     assert phase == "Succeeded"
     assert serving == ["v1", "v1"]
-    assert clock.elapsed > 0  # the passes ran on virtual time
+    assert elapsed > 0  # the passes ran on virtual time
+
+
+def test_a_tick_writes_its_decision_once() -> None:
+    """However many pods step, a tick writes the status once, and only when its decision
+    differs from the status it read."""
+
+    async def main(clock: VirtualClock) -> list[tuple[bool, int]]:
+        bed = await _bed(pods=4)
+        writes: list[str] = []
+        patch = bed.cluster.patch_status
+
+        async def counted(namespace: str, name: str, *args: Any, **kwargs: Any) -> None:
+            writes.append(name)
+            await patch(namespace, name, *args, **kwargs)
+
+        bed.cluster.patch_status = counted  # type: ignore[method-assign]
+        ticks: list[tuple[bool, int]] = []  # (decision changed the status, writes)
+        finished = 0
+        while finished < 2 and len(ticks) < 60:  # on to a tick after the one that finished
+            before, written = bed.status(), len(writes)
+            d = await bed.engine.tick(NS, "wr")
+            assert d is not None
+            ticks.append((d.status.dump() != before, len(writes) - written))
+            finished += d.status.phase == "Succeeded"
+            await asyncio.sleep(1.0)
+        return ticks
+
+    ticks = _on_virtual_time(main)
+    assert all(writes == int(changed) for changed, writes in ticks), ticks
+    assert any(changed for changed, _ in ticks) and any(not changed for changed, _ in ticks)
+
+
+def test_a_refit_deleted_mid_pass_is_forgotten() -> None:
+    """The tick that finds its refit gone drops what was kept for it and cancels its passes."""
+
+    async def main(clock: VirtualClock) -> None:
+        bed = await _bed()
+        d = await bed.engine.tick(NS, "wr")
+        assert d is not None and d.start
+        uid = bed.store.objects[("WeightRefit", NS, "wr")]["metadata"]["uid"]
+        tasks = bed.engine.refits[uid].passes.running()
+        assert tasks and not any(t.done() for t in tasks)
+        bed.store.remove("WeightRefit", NS, "wr")
+        assert await bed.engine.tick(NS, "wr") is None
+        assert uid not in bed.engine.refits
+        assert uid not in bed.engine.index.known
+        await asyncio.wait(tasks, timeout=10.0)
+        assert all(t.cancelled() for t in tasks)
+
+    _on_virtual_time(main)
+
+
+def test_a_lost_lease_stops_the_engine_before_its_next_write() -> None:
+    """Once the lease check raises, the tick stops at its first write, and the passes at
+    their next request: nothing more reaches the cluster or the pods."""
+
+    async def main(clock: VirtualClock) -> None:
+        store = Store()
+        lease = Lease(None, "refit-system", "refit", "op", 15, api=MemoryLeases(store))
+        await lease.acquire()
+        bed = await _bed(lease=lease, store=store)
+        d = await bed.engine.tick(NS, "wr")
+        assert d is not None and d.start
+        lease.lost.set()
+        await asyncio.sleep(1.0)  # what was sent before lands
+        revision, calls = store.revision, bed.worker_calls()
+        with pytest.raises(LeadershipLost):
+            await bed.engine.tick(NS, "wr")
+        await asyncio.sleep(30.0)
+        assert (store.revision, bed.worker_calls()) == (revision, calls)
+
+    _on_virtual_time(main)

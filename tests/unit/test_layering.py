@@ -2,7 +2,7 @@
 the pure core takes plain data in and gives decisions out, so it imports no I/O library and
 no I/O module of the package; the worker plugin imports nothing of the operator, and the
 operator imports neither torch nor vLLM; no refit_worker module imports another that imports it
-back, lazily or not."""
+back, lazily or not; and no module of the tests imports a test module."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
 PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history",
-        "reasons", "times", "views", "index", "traffic", "checksums"}  # fmt: skip
+        "reasons", "times", "views", "index", "traffic", "checksums", "refit_document",
+        "refit_error"}  # fmt: skip
 # rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
-# it sits with the engine and the runner that await it, not in the pure core.
-IO_MODULES = {"cluster", "worker", "engine", "runner", "leader", "handlers", "main", "client",
-              "kubectl_plugin", "report", "metrics", "rounds"}  # fmt: skip
+# it sits with the engine and the runner that await it, not in the pure core. checkpoint_files
+# imports no I/O library at its top, but it writes files into the checkpoint directory.
+IO_MODULES = {"cluster", "worker_client", "engine", "runner", "leader", "handlers", "main",
+              "client", "kubectl_plugin", "report", "metrics", "rounds", "kubeconfig",
+              "checkpoint_files"}  # fmt: skip
 IO_LIBRARIES = {"kubernetes", "kubernetes_asyncio", "kopf", "aiohttp", "httpx", "requests",
                 "urllib3", "asyncio", "socket", "subprocess", "prometheus_client"}  # fmt: skip
 
@@ -150,12 +153,29 @@ def test_package_modules_import_their_siblings_never_their_package() -> None:
             assert parent not in targets, f"{name} imports its own package {parent}"
 
 
+TESTS = ROOT / "tests"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/fixtures/, named for what it holds: a helper inside a
+    test module is found by no one looking for it, and changing that test breaks another."""
+    graph = import_graph(TESTS)
+    assert "tests.fixtures.reload" in graph["tests.worker.test_reload"]  # the graph sees tests
+    wrong = {}
+    for name, targets in graph.items():
+        if found := sorted(t for t in targets if t.rpartition(".")[2].startswith("test_")):
+            wrong[name] = found
+    assert not wrong, f"modules importing test modules (move what they share): {wrong}"
+
+
 INTEGRATIONS = OPERATOR / "integrations"
-# What an integration may import at module level: the client it drives, the pure reading of a
-# pod's records (podflow), the standard library and httpx. Its framework and torch only inside
+# What an integration may import at module level: the client it drives and the pure document
+# it names refits with (refit_document), the pure reading of a pod's records (podflow), the
+# standard library and httpx. Its framework and torch only inside
 # functions (the operator's image has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
-                         "pathlib", "typing", "httpx", "..client", "..podflow"}  # fmt: skip
+                         "pathlib", "typing", "httpx", "..client", "..podflow",
+                         "..refit_document"}  # fmt: skip
 
 
 def top_level_imports(path: Path) -> set[str]:

@@ -13,7 +13,7 @@ from refit_operator.api import WeightRefitStatus
 from refit_operator.reconcile import decide
 from refit_worker.contract import ContractError, RefitInfo
 
-from tests.unit.test_reconcile import info, observe, pod, refit, spec
+from tests.fixtures.refits import info, observe, pod, refit, spec
 
 TP2 = info(tensor_parallel_size=2)
 

@@ -4,64 +4,13 @@ from dataclasses import replace
 
 from refit_operator import podflow
 from refit_operator.admission import PreflightResult, admitted_spec, fleet_problem
-from refit_operator.api import (
-    LabelSelector,
-    PodProbe,
-    Previous,
-    WeightRefitSpec,
-    WeightRefitStatus,
-)
+from refit_operator.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
 from refit_operator.plan import RefitRef
 from refit_operator.podflow import PodView
 from refit_operator.reasons import Problem
-from refit_operator.reconcile import Observed, RefitView, decide
-from refit_operator.times import rfc3339
-from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
+from refit_operator.reconcile import decide
 
-NOW = 1_800_000_000.0
-CREATED = "2026-11-29T00:00:00Z"
-STARTED = rfc3339(NOW - 5)
-
-
-def spec(**over: object) -> WeightRefitSpec:
-    doc = {
-        "fleet": {"selector": {"matchLabels": {"app": "rollout"}}},
-        "checkpoint": {"path": "/ckpt/v2", "version": "v2"},
-        **over,
-    }
-    return WeightRefitSpec.model_validate(doc)
-
-
-def info(**over: object) -> RefitInfo:
-    base = dict(
-        vllm_version="0.32.0", attention_backend="CPU_ATTN", kv_cache_dtype="auto",
-        cudagraph_mode="NONE", capabilities=REQUIRED_CAPABILITIES, unsafe_reasons=(),
-        weight_version="v1", model="m", allowed_root="/ckpt",
-    )  # fmt: skip
-    base.update(over)
-    return RefitInfo(**base)  # type: ignore[arg-type]
-
-
-def pod(name: str, progress: podflow.Progress | None = None, **over: object) -> PodView:
-    base = dict(
-        name=name, ip="127.0.0.2", has_gate=True, running=True, deleting=False, ready=True,
-        restarts=0, progress=progress,
-    )  # fmt: skip
-    base.update(over)
-    return PodView(**base)  # type: ignore[arg-type]
-
-
-def refit(s: WeightRefitSpec, status: WeightRefitStatus | None = None) -> RefitView:
-    return RefitView("wr", "uid", 1, CREATED, s, status or WeightRefitStatus())
-
-
-def observe(r: RefitView, pods: list[PodView], **kw: object) -> Observed:
-    fleet = kw.pop("fleet", [RefitRef(r.name, r.created, r.status.phase)])
-    return Observed(refit=r, fleet=fleet, pods=pods, in_flight=frozenset(), now=NOW, **kw)  # type: ignore[arg-type]
-
-
-def done(p: podflow.Progress, outcome: podflow.Outcome = "Succeeded") -> podflow.Progress:
-    return replace(p, outcome=outcome, step="", probe=PodProbe(verdict="Pass", nll=1.0))
+from tests.fixtures.refits import CREATED, NOW, STARTED, done, info, observe, pod, refit, spec
 
 
 def test_new_refit_asks_for_preflight_then_starts_all_pods():

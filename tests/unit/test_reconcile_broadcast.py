@@ -13,7 +13,7 @@ from refit_operator.reconcile import Decision, decide
 from refit_operator.status import RECEIVERS_READY
 from refit_operator.times import rfc3339
 
-from tests.unit.test_reconcile import CREATED, NOW, STARTED, done, observe, pod, refit, spec
+from tests.fixtures.refits import CREATED, NOW, STARTED, done, observe, pod, refit, spec
 
 BROADCAST = {
     "version": "b2",

@@ -21,7 +21,7 @@ from refit_operator.api import WeightRefitStatus
 from refit_operator.reconcile import decide
 from refit_worker.contract import RefitInfo
 
-from tests.unit.test_reconcile import info, observe, pod, refit, spec
+from tests.fixtures.refits import info, observe, pod, refit, spec
 
 CT = info(kv_cache_dtype="fp8_e4m3", kv_cache_scales="compressed-tensors")
 

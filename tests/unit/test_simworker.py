@@ -9,8 +9,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from refit_operator import worker
-from refit_operator.worker import WorkerClient, WorkerError
+from refit_operator import worker_client
+from refit_operator.worker_client import WorkerClient, WorkerError
 from refit_worker import contract, fence
 
 from testbed.simfleet import SimFleet, SimPod
@@ -21,7 +21,7 @@ Fleet = Callable[..., list[SimPod]]
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with worker.session() as session:
+    async with worker_client.session() as session:
         yield session
 
 
@@ -350,6 +350,6 @@ async def test_crash_and_restart_forget_the_mark(
     pod.restart()
     # A fresh process admits any token: the pod lost its weights too, so whoever drives it
     # next starts over. (A new session: the crash reset the kept-alive connection.)
-    async with worker.session() as fresh:
+    async with worker_client.session() as fresh:
         await WorkerClient(pod.base_url, http=fresh, fence=2).pause("wait")
     assert pod.state()["fence"] == 2

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from refit_operator import worker
-from refit_operator.worker import WorkerClient, WorkerError
+from refit_operator import worker_client
+from refit_operator.worker_client import WorkerClient, WorkerError
 from refit_worker import checkpoint
 from refit_worker.checkpoint import digests, staging
 from refit_worker.contract import MANIFEST_FILE
@@ -19,7 +19,7 @@ from safetensors.numpy import load
 
 from testbed.simfleet import SimPod
 from testbed.simworker import SIM_WEIGHTS_FILE, make_sim_checkpoint
-from tests.unit.test_checkpoint import SHARDS, make_checkpoint, rejected
+from tests.fixtures.checkpoints import SHARDS, make_checkpoint, rejected
 
 Fleet = Callable[..., list[SimPod]]
 
@@ -292,7 +292,7 @@ def test_a_taken_checkpoint_is_staged_again(root: Path) -> None:
 # --- the simulated worker -------------------------------------------------------------------
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with worker.session() as session:
+    async with worker_client.session() as session:
         yield session
 
 

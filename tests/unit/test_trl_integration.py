@@ -9,7 +9,6 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from refit_operator.client import RefitError
 from refit_operator.integrations.trl import (
     READY_GATE,
     RECORDS_KEPT,
@@ -23,6 +22,7 @@ from refit_operator.integrations.trl import (
     served_throughout,
 )
 from refit_operator.podflow import PROGRESS_ANNOTATION, PodView, Progress
+from refit_operator.refit_error import RefitError
 from refit_worker.contract import READINESS_GATE
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from refit_operator import worker
-from refit_operator.worker import WorkerClient, WorkerError
+from refit_operator import worker_client
+from refit_operator.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.simfleet import SimFleet, SimPod
@@ -58,7 +58,7 @@ def pod(fleet: SimFleet) -> SimPod:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with worker.session() as session:  # the operator's own session
+    async with worker_client.session() as session:  # the operator's own session
         yield session
 
 
@@ -428,7 +428,7 @@ async def test_a_full_connection_pool_is_a_connect_error(
 ) -> None:
     # Waiting for a pooled connection is part of connecting: it is bounded by the connect
     # budget, shrunk here so that it runs out well before the call's own timeout.
-    monkeypatch.setattr(worker, "CONNECT_TIMEOUT_SECONDS", 0.1)
+    monkeypatch.setattr(worker_client, "CONNECT_TIMEOUT_SECONDS", 0.1)
     pod.set_fault("pause", "hang")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as small:
         c = client(pod, small)

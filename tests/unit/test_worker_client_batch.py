@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from refit_operator import worker
-from refit_operator.worker import WorkerClient, WorkerError
+from refit_operator import worker_client
+from refit_operator.worker_client import WorkerClient, WorkerError
 
 MODEL = "mock-model"
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -80,7 +80,7 @@ async def http() -> AsyncIterator[Make]:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         _, port = runner.addresses[0][:2]
-        async with worker.session() as session:
+        async with worker_client.session() as session:
 
             def make(rewrite: Rewrite) -> tuple[WorkerClient, Server]:
                 server.rewrite = rewrite

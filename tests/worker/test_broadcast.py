@@ -18,26 +18,31 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from refit_operator.api import Thresholds
-from refit_operator.probe import evaluate
 from refit_worker import broadcast
-from refit_worker.contract import TRANSFER_BACKEND, ProbeReference, parse_rejection
+from refit_worker.contract import TRANSFER_BACKEND, parse_rejection
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
-from tests.worker.test_reload import admin, refit_cycle, rejection, scores
+from tests.fixtures.broadcast import (
+    Tensors,
+    checksums,
+    connect,
+    post,
+    refit_by_broadcast,
+    send_round,
+    verdict,
+)
+from tests.fixtures.reload import admin, refit_cycle, rejection, scores
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 UNSENT = "model.norm.weight"
-Tensors = dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +62,6 @@ def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
 @pytest.fixture(scope="module")
 def tensors(tiny_model: TinyModel) -> dict[str, Tensors]:
     return {name: broadcast.load_tensors(tiny_model.checkpoints[name]) for name in ("A", "B")}
-
-
-def post(server: VllmServer, path: str, body: Any = None, **headers: str) -> httpx.Response:
-    """One admin call on a connection of its own (calls run concurrently, and vLLM closes
-    the connection after a 500); `headers` add to the admin token."""
-    return httpx.post(
-        server.base_url + path,
-        json=body,
-        headers={**server.admin_headers(), "Connection": "close", **headers},
-        timeout=120,
-    )
 
 
 class RouterClient:
@@ -94,86 +88,11 @@ class RouterClient:
         self._post("/finish_weight_update", {"weight_version": weight_version})
 
 
-def connect(server: VllmServer, **init: Any) -> broadcast.Sender:
-    """Open the rendezvous and initialize the server's engine into it (both wait for each
-    other, so the HTTP call runs on a thread)."""
-    sender = broadcast.Sender(2, timeout_seconds=init.pop("timeout_seconds", 120))
-    with ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(
-            post, server, "/init_weight_transfer_engine", {"init_info": sender.init_info(1, **init)}
-        )
-        sender.connect()
-        r = joined.result()
-    assert r.status_code == 200, r.text[:300]
-    return sender
-
-
 @pytest.fixture(scope="module")
 def sender(vllm_server: VllmServer) -> Iterator[broadcast.Sender]:
     sender = connect(vllm_server)
     yield sender
     sender.close()
-
-
-def send_round(
-    server: VllmServer, sender: broadcast.Sender, promise: Any, sent: Tensors
-) -> tuple[httpx.Response, dict[str, float]]:
-    """/start_weight_update, then /update_weights with the promise while the trainer
-    broadcasts `sent`: the update's answer and the round's timings."""
-    started = time.perf_counter()
-    r = post(server, "/start_weight_update")
-    assert r.status_code == 200, r.text[:300]
-    with ThreadPoolExecutor(1) as pool:
-        update = pool.submit(
-            post, server, "/update_weights", {"update_info": {"manifest": promise}}
-        )
-        stats = sender.send(sent)
-        answer = update.result()
-    timings = {"sendSeconds": stats.seconds, "roundSeconds": time.perf_counter() - started}
-    return answer, timings
-
-
-def refit_by_broadcast(
-    server: VllmServer, http: httpx.Client, sender: broadcast.Sender, sent: Tensors, version: str
-) -> dict[str, Any]:
-    """The per-pod order for a broadcast: pause, transfer, finish with the version, reset
-    the prefix cache, resume; then what the worker says it loaded."""
-    promise = broadcast.build_manifest(sent)
-    admin(server, http, "POST", "/pause", params={"mode": "wait"})
-    try:
-        answer, timings = send_round(server, sender, promise.to_json_dict(), sent)
-        assert answer.status_code == 200, answer.text[:300]
-        admin(server, http, "POST", "/finish_weight_update", json={"weight_version": version})
-        admin(server, http, "POST", "/reset_prefix_cache")
-    finally:
-        admin(server, http, "POST", "/resume")
-    received = dict(server.rpc(http, "refit_received", promise.digest, version))
-    assert received["manifest"] == promise.to_json_dict()
-    assert received["digest"] == received["promisedDigest"] == promise.digest
-    assert (received["state"], received["finished"], received["version"]) == (
-        "loaded",
-        True,
-        version,
-    )
-    print(
-        f"\nbroadcast {version}: {received['tensors']} tensors, {received['bytes']} bytes; "
-        f"trainer send {timings['sendSeconds']:.3f} s, "
-        f"start..update {timings['roundSeconds']:.3f} s, "
-        f"worker receive {received['receiveSeconds']:.3f} s, load {received['loadSeconds']:.3f} s"
-    )
-    return received
-
-
-def verdict(server: VllmServer, http: httpx.Client, ref: ProbeReference) -> tuple[str, str]:
-    outcome = evaluate(ref, scores(server, http, ref), Thresholds())
-    return outcome.verdict, outcome.message
-
-
-def checksums(server: VllmServer, http: httpx.Client) -> dict[str, str]:
-    """vLLM's own per-parameter SHA-256 of the served weights (/weight_checker)."""
-    return dict(
-        admin(server, http, "POST", "/weight_checker", json={"action": "checksum"})["checksums"]
-    )
 
 
 def test_a_broadcast_of_B_loads_B_and_passes_its_probe(

@@ -22,7 +22,7 @@ import pytest
 from refit_operator import podflow, runner
 from refit_operator.api import Sequence
 from refit_operator.podflow import Step
-from refit_operator.worker import WorkerClient, session
+from refit_operator.worker_client import WorkerClient, session
 
 from testbed.vllm_server import VllmServer
 

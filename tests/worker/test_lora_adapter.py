@@ -20,7 +20,7 @@ import pytest
 from refit_operator import podflow, probe, runner
 from refit_operator.api import Sequence, Thresholds
 from refit_operator.podflow import Progress, RunStep, Step
-from refit_operator.worker import WorkerClient, WorkerError
+from refit_operator.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.tiny_adapter import TinyAdapters, ensure_tiny_adapters

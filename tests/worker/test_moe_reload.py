@@ -38,8 +38,7 @@ from testbed.tiny_moe import (
     ensure_tiny_moe,
 )
 from testbed.vllm_server import VllmServer, start_vllm_server
-from tests.worker.test_reload import assert_matches, rejection, scores
-from tests.worker.test_staging import staged_refit, swap
+from tests.fixtures.reload import assert_matches, rejection, scores, staged_refit, swap
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

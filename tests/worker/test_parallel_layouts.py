@@ -29,9 +29,8 @@ from refit_worker.contract import FENCE_HEADER, TRANSFER_BACKEND, parse_rejectio
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
-from tests.worker.test_broadcast import post
-from tests.worker.test_reload import admin, assert_matches, differs, scores
-from tests.worker.test_staging import swap
+from tests.fixtures.broadcast import post
+from tests.fixtures.reload import admin, assert_matches, differs, scores, swap
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

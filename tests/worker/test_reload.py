@@ -5,60 +5,24 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import httpx
 import pytest
-from refit_worker.contract import PROBE_FILE, ProbeReference, parse_rejection
+from refit_worker.contract import PROBE_FILE, ProbeReference
 
 from testbed.tiny_model import EXPECTED_REJECTION, TinyModel
 from testbed.vllm_server import VllmServer
+from tests.fixtures.reload import (
+    NLL_TOL,
+    TOKEN_TOL,
+    assert_matches,
+    differs,
+    refit_cycle,
+    rejection,
+    scores,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-NLL_TOL = 1e-4  # fp32 engine vs fp32 HF reference (measured ~1e-6)
-TOKEN_TOL = 1e-3
-
-
-def admin(server: VllmServer, http: httpx.Client, method: str, path: str, **kw: Any) -> Any:
-    r = http.request(method, server.base_url + path, headers=server.admin_headers(), **kw)
-    assert r.status_code == 200, f"{method} {path}: {r.status_code} {r.text[:300]}"
-    return r.json() if r.content else None
-
-
-def refit_cycle(server: VllmServer, http: httpx.Client, path: str, version: str) -> dict[str, Any]:
-    """The operator's per-pod order: sleep, wake weights, load, wake KV, reset, stamp."""
-    admin(server, http, "POST", "/sleep", params={"level": 1})
-    admin(server, http, "POST", "/wake_up", params={"tags": "weights"})
-    server.rpc(http, "refit_preflight", path)
-    loaded = server.rpc(http, "refit_load", path, version)
-    admin(server, http, "POST", "/wake_up", params={"tags": "kv_cache"})
-    admin(server, http, "POST", "/reset_prefix_cache")
-    admin(server, http, "POST", "/update_weight_version", json={"new_version": version})
-    assert admin(server, http, "GET", "/weight_info")["weight_version"] == version
-    assert admin(server, http, "GET", "/is_sleeping")["is_sleeping"] is False
-    return dict(loaded)
-
-
-def scores(server: VllmServer, http: httpx.Client, ref: ProbeReference) -> list[list[float | None]]:
-    return [server.prompt_logprobs(http, list(p.token_ids)) for p in ref.prompts]
-
-
-def nll(logprobs: list[float | None]) -> float:
-    scored = [lp for lp in logprobs[1:] if lp is not None]
-    return -sum(scored) / len(scored)
-
-
-def assert_matches(got: list[list[float | None]], ref: ProbeReference) -> None:
-    for lps, prompt in zip(got, ref.prompts, strict=True):
-        assert abs(nll(lps) - prompt.nll) <= NLL_TOL, (nll(lps), prompt.nll)
-        worst = max(abs(a - b) for a, b in zip(lps[1:], prompt.logprobs[1:], strict=True))  # type: ignore[operator]
-        assert worst <= TOKEN_TOL
-
-
-def differs(got: list[list[float | None]], ref: ProbeReference) -> float:
-    """Largest |NLL difference| over the prompts."""
-    return max(abs(nll(lps) - p.nll) for lps, p in zip(got, ref.prompts, strict=True))
 
 
 def test_dummy_start_then_refit_A_matches_the_hf_reference(
@@ -85,20 +49,6 @@ def test_refit_A_to_B_matches_the_hf_reference(
     got = scores(vllm_server, http, ref_b)
     assert_matches(got, ref_b)
     assert differs(got, ref_a) > 10 * NLL_TOL
-
-
-def rejection(server: VllmServer, http: httpx.Client, method: str, *args: str) -> tuple[str, str]:
-    # vLLM answers a failed RPC with 500 and then closes the connection (Starlette's
-    # ServerErrorMiddleware re-raises); "Connection: close" keeps httpx from reusing it.
-    r = http.post(
-        server.base_url + "/collective_rpc",
-        json={"method": method, "args": list(args)},
-        headers={**server.admin_headers(), "Connection": "close"},
-    )
-    assert r.status_code == 500, r.text[:300]
-    parsed = parse_rejection(r.text)
-    assert parsed is not None, r.text[:300]
-    return parsed
 
 
 @pytest.mark.parametrize("variant", sorted(EXPECTED_REJECTION))

@@ -28,7 +28,7 @@ from refit_operator.probe import evaluate
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import SERVED_MODEL, VllmServer, start_vllm_server
-from tests.worker.test_reload import admin, refit_cycle, scores
+from tests.fixtures.reload import admin, refit_cycle, scores
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

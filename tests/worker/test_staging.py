@@ -17,7 +17,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -25,7 +24,7 @@ from refit_worker import checkpoint
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
-from tests.worker.test_reload import admin, assert_matches, rejection, scores
+from tests.fixtures.reload import admin, assert_matches, rejection, scores, staged_refit, swap
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -73,25 +72,6 @@ def copy_of(root: Path, name: str, as_name: str) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(root / name, target)
     return target
-
-
-def swap(server: VllmServer, http: httpx.Client, path: str, version: str) -> dict[str, Any]:
-    """The operator's order after staging: drain (sleep), wake weights, load, wake KV,
-    reset the prefix cache, stamp the version."""
-    admin(server, http, "POST", "/sleep", params={"level": 1})
-    admin(server, http, "POST", "/wake_up", params={"tags": "weights"})
-    try:
-        loaded = dict(server.rpc(http, "refit_load", path, version))
-    finally:
-        admin(server, http, "POST", "/wake_up", params={"tags": "kv_cache"})
-    admin(server, http, "POST", "/reset_prefix_cache")
-    admin(server, http, "POST", "/update_weight_version", json={"new_version": version})
-    return loaded
-
-
-def staged_refit(server: VllmServer, http: httpx.Client, path: Path, version: str) -> Any:
-    staged = server.rpc(http, "refit_stage", str(path))
-    return staged, swap(server, http, str(path), version)
 
 
 def test_stage_then_load_uses_the_staged_bytes(

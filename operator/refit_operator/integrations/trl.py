@@ -41,8 +41,9 @@ from typing import Any
 
 import httpx
 
-from ..client import RefitClient, default_name, parse_selector
+from ..client import RefitClient
 from ..podflow import PodView
+from ..refit_document import default_name, parse_selector
 
 log = logging.getLogger(__name__)
 READY_GATE = "refit.rollout.dev/weights-ready"  # refit_worker.contract.READINESS_GATE
