@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from refit_operator import podflow, probe, runner, worker_client
-from refit_operator.api import Broadcast, Sequence, Thresholds
-from refit_operator.podflow import Step
-from refit_operator.worker_client import WorkerClient
+from refit_operator import runner
+from refit_operator.core import podflow, probe
+from refit_operator.core.api import Broadcast, Sequence, Thresholds
+from refit_operator.core.podflow import Step
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import broadcast as wire
 from refit_worker.contract import TRANSFER_BACKEND, ProbeReference
 

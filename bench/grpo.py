@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from refit_operator import worker_client
-from refit_operator.worker_client import WorkerClient
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import broadcast as wire
 
 from bench.broadcast import b_reference, broadcast_cycle

@@ -40,9 +40,9 @@ from typing import Any
 import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator import api
-from refit_operator.leader import DEFAULT_LEASE_SECONDS
-from refit_operator.refit_document import build_refit
+from refit_operator.core import api
+from refit_operator.edges.leader import DEFAULT_LEASE_SECONDS
+from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import API_GROUP
 
 from bench import apiserver
@@ -169,7 +169,7 @@ class Bench:
     def lease_log(self, lease: str) -> list[str]:
         """What the operator logged about its Lease (why it stopped leading)."""
         text = (self.work / f"{lease}.log").read_text(errors="replace")
-        return [line for line in text.splitlines() if "refit_operator.leader" in line][-5:]
+        return [line for line in text.splitlines() if "refit_operator.edges.leader" in line][-5:]
 
     def get_refit(self, ns: str, name: str) -> tuple[dict[str, Any], int]:
         """The WeightRefit and the size in bytes of its JSON as the API server sent it."""

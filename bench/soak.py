@@ -58,7 +58,7 @@ STEP_TIMEOUT = 120.0  # seconds one refit may take before the soak stops
 SETTLE_TIMEOUT = 30.0  # seconds the history collection may take after the last refit
 WINDOW = 100  # refits compared at the start and at the end
 SAMPLE_EVERY = 50  # refits between RSS / WeightRefit-count samples
-DEFAULT_HISTORY_LIMIT = 10  # the operator's default (refit_operator.history)
+DEFAULT_HISTORY_LIMIT = 10  # the operator's default (refit_operator.core.history)
 RAW_EXTRA = ("poll_seconds", "seconds")  # keys of the result's raw beside SoakRun's
 
 Log = Callable[[str], None]

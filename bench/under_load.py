@@ -23,9 +23,9 @@ import time
 from statistics import median
 from typing import Any
 
-from refit_operator import worker_client
-from refit_operator.api import Sequence
-from refit_operator.worker_client import WorkerClient
+from refit_operator.core.api import Sequence
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient
 
 from bench.results import Metric
 from bench.vllm_suites import Log, SuiteOut, first_completion, refit_cycle

@@ -4,7 +4,7 @@ The refit cycle here runs the operator's own step code (runner.execute_step over
 podflow.STEPS, the API's default sequence) through its WorkerClient against one real server:
 pause and drain, sleep, wake weights, preflight, load, wake KV cache, reset prefix cache and
 resume, stamp and read back the version; then the probe (reference + scoring of every
-reference prompt, judged by refit_operator.probe.evaluate, which must say Pass).
+reference prompt, judged by refit_operator.core.probe.evaluate, which must say Pass).
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ import aiohttp
 import blake3
 import httpx
 import psutil
-from refit_operator import podflow, probe, runner, worker_client
-from refit_operator.api import Sequence, Thresholds
-from refit_operator.podflow import Step
-from refit_operator.worker_client import WorkerClient
+from refit_operator import runner
+from refit_operator.core import podflow, probe
+from refit_operator.core.api import Sequence, Thresholds
+from refit_operator.core.podflow import Step
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import checkpoint, contract
 
 from bench.results import Metric

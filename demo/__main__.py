@@ -12,13 +12,13 @@ each server's own loopback address, and a real Prometheus scraping the operator.
     v3  checkpoint mixed  Rolling, canary 1   valid manifest, wrong weights  -> the probe
         rejects the canary, the rollout halts, the canary is rolled back     -> RolledBack
     v4  broadcast of A    AllAtOnce           a trainer process sends A's tensors over
-        gloo (refit_operator.client); each pod checks them against the trainer's promise
+        gloo (refit_operator.tools.client); each pod checks them against the trainer's promise
         before loading, then the probe gates it as for a checkpoint           -> Succeeded
     GRPO  a short GRPO run through Refit (demo/grpo.py): TRL's GRPOTrainer publishes its
         policy at every step (demo-grpo-step-0..N, broadcast), the pods generate its
         rollouts                                       -> every refit and training Succeeded
 
-with live per-pod progress, a summary table and PNG reports (refit_operator.report; the GRPO
+with live per-pod progress, a summary table and PNG reports (refit_operator.tools.report; the GRPO
 run's reward and refit time per step in grpo.png). Exit 0 only when every outcome is the
 expected one, every GRPO step's completions came from that step's version, and every pod
 serves the last version (v4, or the GRPO run's last step), in traffic.
@@ -53,9 +53,9 @@ from typing import Any, TextIO
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.client import RefitClient, RefitFailed, RefitTimeout
-from refit_operator.report import render_refit
-from refit_operator.views import describe, duration, reason_of, table
+from refit_operator.core.views import describe, duration, reason_of, table
+from refit_operator.tools.client import RefitClient, RefitFailed, RefitTimeout
+from refit_operator.tools.report import render_refit
 from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
 from demo import grpo
@@ -276,7 +276,7 @@ class Live:
 
 def start_trainer(model: Any, step: Step, port: int, kubeconfig: Path, log: Path) -> Any:
     """The trainer of a broadcast step: its own process (torch stays out of this one),
-    `testbed.broadcast_trainer`, which sends through refit_operator.client."""
+    `testbed.broadcast_trainer`, which sends through refit_operator.tools.client."""
     spec = {"admin_token_secret": SECRET, "on_failure": "Rollback", **step.strategy}
     ckpt = model.checkpoints[step.checkpoint]
     cmd = [
@@ -530,7 +530,7 @@ def keep_running(out: TextIO, cp: Any, metrics_port: int, prom_url: str, state: 
         f"  export KUBECONFIG={cp.kubeconfig}\n"
         f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE}\n"
         f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE} -o wide\n"
-        f"  .venv/bin/python -m refit_operator.kubectl_plugin history -n {NAMESPACE}\n"
+        f"  .venv/bin/python -m refit_operator.tools.kubectl_plugin history -n {NAMESPACE}\n"
         f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics\n"
         f"  Prometheus:       {prom_url} (API: {prom_url}/api/v1/query?query=refit_refits_total)\n"
         f"  logs and state:   {state}\n"

@@ -4,7 +4,7 @@ development dependency: the operator never imports this).
 The generated JSON is committed under monitoring/dashboards/ and copied into the chart
 (charts/refit-operator/files/dashboards/); `make generate` (hack/generate.py) writes both, and
 tests/unit/test_generated.py fails when either differs from what `rendered()` builds.
-Every query uses only metrics from refit_operator.metrics (and Prometheus' own `up`).
+Every query uses only metrics from refit_operator.edges.metrics (and Prometheus' own `up`).
 """
 
 from __future__ import annotations

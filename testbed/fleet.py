@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.podflow import PROGRESS_ANNOTATION
-from refit_operator.refit_document import build_refit
+from refit_operator.core.podflow import PROGRESS_ANNOTATION
+from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE
 
 from testbed.controlplane import ControlPlane

@@ -1,9 +1,10 @@
 """A simulated vLLM worker fleet: ONE subprocess serving many loopback addresses.
 
 Each simulated pod listens on its own loopback address (127.x.y.z, all on one port) and
-answers the endpoints :class:`refit_operator.worker_client.WorkerClient` uses with the response
-shapes of a real vLLM 0.32 pod running the refit_worker plugin (tests/worker/test_contract.py
-holds the two to the same shapes): ``/health``, ``/refit/ready``, ``/metrics``, ``/v1/models``,
+answers the endpoints :class:`refit_operator.edges.worker_client.WorkerClient` uses with the
+response shapes of a real vLLM 0.32 pod running the refit_worker plugin
+(tests/worker/test_contract.py holds the two to the same shapes): ``/health``, ``/refit/ready``,
+``/metrics``, ``/v1/models``,
 ``/v1/completions`` (a token-id prompt or a list of them, ``prompt_logprobs``), ``/pause``,
 ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
 ``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
@@ -112,7 +113,7 @@ closes it when the test ends)
     async def test_x(sim_fleet):
         pods = sim_fleet(3, admin_token="t")  # SimFleet(3, admin_token="t").pods
         pods[1].set_fault("refit_load", "error", code="LoadFailed", times=1)
-        async with refit_operator.worker_client.session() as http:
+        async with refit_operator.edges.worker_client.session() as http:
             ... WorkerClient(pods[1].base_url, http=http, admin_token="t") ...
         assert pods[1].calls() == ["pause", "sleep", ...]
 

@@ -19,19 +19,20 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from . import admission, checksums, history, metrics, plan, probe, reconcile, times
-from .admission import PreflightResult
-from .api import TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
-from .cluster import AccessDenied, ClaimLost, Kube, PodBusy
-from .index import Known, RefitIndex
-from .leader import LeadershipLost, Lease
-from .podflow import STEPS, PodView, Progress, Step
-from .reasons import Problem, Reason
-from .reconcile import Decision, Observed, RefitView
-from .rounds import SENDING_ANNOTATION, Rounds
+from .core import admission, checksums, history, plan, probe, reconcile, times
+from .core.admission import PreflightResult
+from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
+from .core.index import Known, RefitIndex
+from .core.podflow import STEPS, PodView, Progress, Step
+from .core.reasons import Problem, Reason
+from .core.reconcile import Decision, Observed, RefitView
+from .core.status import peer_nlls, pod_phases
+from .edges import metrics
+from .edges.cluster import AccessDenied, ClaimLost, Kube, PodBusy
+from .edges.leader import LeadershipLost, Lease
+from .edges.worker_client import WorkerClient, WorkerError
+from .rounds import Rounds
 from .runner import BroadcastSource, PassContext, run_pass
-from .status import peer_nlls, pod_phases
-from .worker_client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,11 @@ from typing import Any
 import kopf
 from refit_worker.contract import API_GROUP
 
-from . import api, metrics
-from .cluster import FINALIZER
+from .core import api
+from .edges import metrics
+from .edges.cluster import FINALIZER
+from .edges.leader import LeadershipLost
 from .engine import Engine
-from .leader import LeadershipLost
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,11 @@ from typing import Any
 
 import kopf
 
-from . import cluster, handlers, history, metrics, worker_client
+from . import handlers
+from .core import history
+from .edges import cluster, metrics, worker_client
+from .edges.leader import DEFAULT_LEASE_SECONDS, Lease, RenewalThread
 from .engine import Engine
-from .leader import DEFAULT_LEASE_SECONDS, Lease, RenewalThread
 
 log = logging.getLogger("refit_operator")
 

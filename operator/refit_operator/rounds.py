@@ -23,13 +23,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from refit_worker.contract import API_GROUP
-
-from .api import BroadcastRound, RoundState
-from .reasons import Problem, Reason
-
-# The trainer's announcement: "I listen for round N" (the round's number, as a string).
-SENDING_ANNOTATION = f"{API_GROUP}/broadcast-sending"
+from .core.api import SENDING_ANNOTATION, BroadcastRound, RoundState
+from .core.reasons import Problem, Reason
 
 
 class TrainerTimeout(Exception):

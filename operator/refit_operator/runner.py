@@ -17,15 +17,16 @@ from dataclasses import dataclass, field, replace
 from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
-from . import checksums, metrics, podflow, probe, times
-from .admission import admission_problem
-from .api import Broadcast, Sequence, WeightRefitSpec
-from .cluster import ClaimedPod, ClaimLost, Kube
-from .podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUntil
-from .reasons import Problem, Reason, pass_event, step_timeout
-from .reconcile import PodStart
+from .core import checksums, podflow, probe, times
+from .core.admission import admission_problem
+from .core.api import Broadcast, Sequence, WeightRefitSpec
+from .core.podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUntil
+from .core.reasons import Problem, Reason, pass_event, step_timeout
+from .core.reconcile import PodStart
+from .edges import metrics
+from .edges.cluster import ClaimedPod, ClaimLost, Kube
+from .edges.worker_client import WorkerClient, WorkerError
 from .rounds import Rounds, TrainerTimeout, rank_problem
-from .worker_client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_operator import history, times
+from refit_operator.core import history, times
+from refit_operator.edges.leader import LeadershipLost, Lease
+from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.engine import Engine
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
-from refit_operator.leader import LeadershipLost, Lease
-from refit_operator.worker_client import WorkerClient
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE

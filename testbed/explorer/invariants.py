@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit_operator import times
-from refit_operator.api import LabelSelector
+from refit_operator.core import times
+from refit_operator.core.api import LabelSelector
+from refit_operator.core.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from refit_operator.core.reasons import Reason
 from refit_operator.engine import Engine
-from refit_operator.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
-from refit_operator.reasons import Reason
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_operator import api, times
-from refit_operator.cluster import FINALIZER, Cluster
-from refit_operator.podflow import PodView
+from refit_operator.core import api, times
+from refit_operator.core.podflow import PodView
+from refit_operator.edges.cluster import FINALIZER, Cluster
 from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
 
 Key = tuple[str, str, str]  # kind, namespace, name

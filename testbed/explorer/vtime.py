@@ -3,7 +3,7 @@
 The loop is asyncio's own selector loop; only its selector's wait is replaced: where the real
 one would block until the next timer, the virtual one moves the clock to that timer at once.
 So ``asyncio.sleep(600)`` costs nothing, timeouts fire in schedule order, and a run is a
-function of its seed. The operator reads the same clock through ``refit_operator.times``.
+function of its seed. The operator reads the same clock through ``refit_operator.core.times``.
 """
 
 from __future__ import annotations

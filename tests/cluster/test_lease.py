@@ -13,8 +13,8 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes_asyncio import client
-from refit_operator import cluster
-from refit_operator.leader import FENCE_SHIFT, LeadershipLost, Lease, RenewalThread
+from refit_operator.edges import cluster
+from refit_operator.edges.leader import FENCE_SHIFT, LeadershipLost, Lease, RenewalThread
 
 from testbed.controlplane import ControlPlane
 from testbed.lease_watch import LeaseRenewals, max_renewal_gap

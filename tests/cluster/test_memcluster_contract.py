@@ -17,10 +17,20 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_operator import api, cluster, podflow
-from refit_operator.cluster import FINALIZER, MERGE, SMP, Cluster, Kube, PodBusy, _done, read_json
-from refit_operator.leader import Lease
-from refit_operator.podflow import CLAIM_ANNOTATION, Claim
+from refit_operator.core import api, podflow
+from refit_operator.core.podflow import CLAIM_ANNOTATION, Claim
+from refit_operator.edges import cluster
+from refit_operator.edges.cluster import (
+    FINALIZER,
+    MERGE,
+    SMP,
+    Cluster,
+    Kube,
+    PodBusy,
+    _done,
+    read_json,
+)
+from refit_operator.edges.leader import Lease
 from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from testbed.controlplane import ControlPlane

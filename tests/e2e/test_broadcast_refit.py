@@ -1,7 +1,7 @@
 """Broadcast refits end to end on real parts: the `refit-operator` process on the real API
 server drives two real vLLM CPU servers (the refit-gloo engine, the admin guard, the worker
 extension), and a real trainer process (`testbed.broadcast_trainer`, through
-`refit_operator.client`) sends the tensors over gloo once per round.
+`refit_operator.tools.client`) sends the tensors over gloo once per round.
 
 Every pass reads back its pod's runtime weights after the load or receive (vLLM's weight
 checker and the buffers' digests, through the guard with the pass's fence): pods of one
@@ -287,8 +287,8 @@ def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
     WeightChecksumMismatch at the checksum step, never probed, and stays out of traffic,
     while the probe alone (the same reference, thresholds and code) passes it."""
     import httpx
-    from refit_operator.api import Thresholds
-    from refit_operator.probe import evaluate
+    from refit_operator.core.api import Thresholds
+    from refit_operator.core.probe import evaluate
 
     from tests.fixtures.reload import scores
 

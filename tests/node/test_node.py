@@ -22,7 +22,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
-from refit_operator.podflow import PROGRESS_ANNOTATION
+from refit_operator.core.podflow import PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 
 from testbed.node import NODE_NAME, POD_SUBNET, Node

@@ -19,7 +19,7 @@ Stages are separate so a scraper sees counters and histograms grow between scrap
 
 from __future__ import annotations
 
-from refit_operator.metrics import Metrics
+from refit_operator.edges.metrics import Metrics
 
 NS = "rl"
 FLEETS = ("app=rollout", "app=eval", "app=canary")

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from refit_operator import metrics as metrics_module
-from refit_operator.metrics import POD_PHASES, Metrics
+from refit_operator.edges import metrics as metrics_module
+from refit_operator.edges.metrics import POD_PHASES, Metrics
 
 from testbed.controlplane import free_port
 from tests.observability import artifacts, driver

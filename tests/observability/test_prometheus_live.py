@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a live /metrics endpoint fed by the operator's metrics functions;
 every dashboard panel query and every alert expression must return data from it.
 
-This module drives refit_operator.metrics with tests/observability/driver.py (a realistic
+This module drives refit_operator.edges.metrics with tests/observability/driver.py (a realistic
 sequence of calls, three fleets ending in the states the alerts are about). The same checks run
 against the real operator during real refits in test_operator_scrape.py.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
-from refit_operator.metrics import Metrics
+from refit_operator.edges.metrics import Metrics
 
 from testbed.controlplane import free_port
 from testbed.prometheus import PrometheusServer

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
-from refit_operator import api
+from refit_operator.core import api
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "weightrefit.yaml"
 
@@ -175,7 +175,7 @@ def test_selector_canonical_is_order_independent():
 
 
 def test_label_selector_matches_like_kubernetes():
-    from refit_operator.api import LabelSelector
+    from refit_operator.core.api import LabelSelector
 
     sel = LabelSelector.model_validate(
         {

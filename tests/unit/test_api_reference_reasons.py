@@ -1,4 +1,4 @@
-"""Every reason the operator can report is named in its catalogue (refit_operator.reasons) and
+"""Every reason the operator can report is named in its catalogue (refit_operator.core.reasons) and
 explained in docs/troubleshooting.md.
 
 The catalogue holds the worker's rejection codes (contract.REJECTION_CODES) and the timeout
@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from refit_operator import api, podflow
-from refit_operator.reasons import Reason, step_timeout
+from refit_operator.core import api, podflow
+from refit_operator.core.reasons import Reason, step_timeout
 from refit_worker import contract
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ PHASES = set(get_args(api.Phase)) | set(get_args(api.PodPhase))
 def camel_literals() -> dict[str, set[str]]:
     """Module -> the CamelCase string literals in its source (the catalogue's own left out)."""
     found: dict[str, set[str]] = {}
-    for path in sorted(OPERATOR.glob("*.py")):
+    for path in sorted(OPERATOR.rglob("*.py")):
         if path.stem == "reasons":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -54,13 +54,15 @@ def test_the_catalogue_holds_the_worker_codes_and_every_step_timeout():
 def test_no_reason_is_written_outside_the_catalogue():
     catalogued = set(Reason) - PHASES  # RolledBack is both a reason and a phase
     stray = {m: sorted(v & catalogued) for m, v in camel_literals().items() if v & catalogued}
-    assert not stray, f"use refit_operator.reasons.Reason for these: {stray}"
+    assert not stray, f"use refit_operator.core.reasons.Reason for these: {stray}"
     unknown = {
         m: sorted(v - set(Reason) - PHASES - NOT_REASONS)
         for m, v in camel_literals().items()
         if v - set(Reason) - PHASES - NOT_REASONS
     }
-    assert not unknown, f"add these reasons to refit_operator.reasons (or NOT_REASONS): {unknown}"
+    assert not unknown, (
+        f"add these reasons to refit_operator.core.reasons (or NOT_REASONS): {unknown}"
+    )
 
 
 def test_every_reason_is_in_the_troubleshooting_doc():

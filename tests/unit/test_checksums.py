@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from refit_operator import checksums, podflow
-from refit_operator.api import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
-from refit_operator.checksums import CHECKSUM_MISMATCH, Peer, judge, read_back
+from refit_operator.core import checksums, podflow
+from refit_operator.core.api import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
+from refit_operator.core.checksums import CHECKSUM_MISMATCH, Peer, judge, read_back
 
 PARAMS = {"dp0:pp0:pcp0:tp0:model.w": "aa", "dp0:pp0:pcp0:tp0:model.v": "bb"}
 BUFFERS = {"dp0:pp0:pcp0:tp0:model.rotary.cache": "cc"}

@@ -1,10 +1,10 @@
-"""refit_operator.client without a cluster: how it reads verdicts."""
+"""refit_operator.tools.client without a cluster: how it reads verdicts."""
 
 from __future__ import annotations
 
-from refit_operator.client import RefitFailed, RefitTimeout, WatchedFailures, pod_failures
-from refit_operator.reasons import Problem
-from refit_operator.views import reason_of
+from refit_operator.core.reasons import Problem
+from refit_operator.core.views import reason_of
+from refit_operator.tools.client import RefitFailed, RefitTimeout, WatchedFailures, pod_failures
 
 HALTED = {
     "phase": "Halted",

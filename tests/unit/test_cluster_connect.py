@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from refit_operator import cluster
+from refit_operator.edges import cluster
 
 KUBECONFIG = """apiVersion: v1
 kind: Config

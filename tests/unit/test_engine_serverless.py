@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-from refit_operator import times
-from refit_operator.api import WeightRefitStatus
+from refit_operator.core import times
+from refit_operator.core.api import WeightRefitStatus
+from refit_operator.edges.leader import LeadershipLost, Lease
+from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.engine import Engine
-from refit_operator.leader import LeadershipLost, Lease
-from refit_operator.worker_client import WorkerClient
 
 from testbed.explorer.explore import ROOT, VERSIONS
 from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store, pod_body, refit_body

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from refit_operator import api, history, times
-from refit_operator.history import Finished, Policy, to_delete
+from refit_operator.core import api, history, times
+from refit_operator.core.history import Finished, Policy, to_delete
 
 NOW = 1_000_000.0
 FLEET = "rl/app=rollout"

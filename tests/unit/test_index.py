@@ -1,12 +1,12 @@
-"""The engine's index of WeightRefits (refit_operator.index), with plain documents."""
+"""The engine's index of WeightRefits (refit_operator.core.index), with plain documents."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from refit_operator import history, plan, times
-from refit_operator.index import RefitIndex
-from refit_operator.podflow import PodView
+from refit_operator.core import history, plan, times
+from refit_operator.core.index import RefitIndex
+from refit_operator.core.podflow import PodView
 
 
 def doc(name: str, created: str, phase: str, selector: dict[str, Any], **meta: Any) -> dict:

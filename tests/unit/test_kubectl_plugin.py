@@ -7,11 +7,11 @@ import argparse
 import json
 
 import pytest
-from refit_operator import api
-from refit_operator.kubectl_plugin import parse_timeout
-from refit_operator.podflow import PROGRESS_ANNOTATION
-from refit_operator.reconcile import RefitView
-from refit_operator.views import describe, history_rows, plan_batches, plan_report, table
+from refit_operator.core import api
+from refit_operator.core.podflow import PROGRESS_ANNOTATION
+from refit_operator.core.reconcile import RefitView
+from refit_operator.core.views import describe, history_rows, plan_batches, plan_report, table
+from refit_operator.tools.kubectl_plugin import parse_timeout
 from refit_worker.contract import READINESS_GATE
 
 
@@ -45,7 +45,7 @@ def view(doc: dict) -> RefitView:
 
 
 def views(*docs: dict) -> list:
-    from refit_operator.podflow import PodView
+    from refit_operator.core.podflow import PodView
 
     return [PodView.from_pod(d) for d in docs]
 
@@ -194,7 +194,7 @@ def test_describe_headlines_the_time_out_of_traffic_and_shows_it_per_pod():
 def test_out_of_traffic_from_the_pods_records_when_the_status_has_none():
     """An operator older than status.outOfTraffic: the summary comes from the pods' records
     of this refit (another refit's record is not counted)."""
-    from refit_operator.views import out_of_traffic
+    from refit_operator.core.views import out_of_traffic
 
     doc = refit_doc()
     doc["metadata"]["namespace"] = "ns"

@@ -1,8 +1,21 @@
-"""The layers of the operator package, read from the imports of its source (no import runs):
-the pure core takes plain data in and gives decisions out, so it imports no I/O library and
-no I/O module of the package; the worker plugin imports nothing of the operator, and the
-operator imports neither torch nor vLLM; no refit_worker module imports another that imports it
-back, lazily or not; and no module of the tests imports a test module."""
+"""The layers of the house, read from the imports of its source (no import runs), written as
+import-linter's contracts read: each test below is one contract.
+
+    refit_operator.tools        what users import: the trainer client, kubectl refit, reports,
+                                framework integrations
+    refit_operator (top level)  the controller: the engine's ticks, the per-pod runner, the
+                                broadcast rounds, the kopf glue and the entry point
+    refit_operator.edges        thin I/O edges: the Kubernetes API, the pods' HTTP, the Lease,
+                                the Prometheus metrics
+    refit_operator.core         the pure core: plain data in, decisions out
+
+- layers: a module imports its own layer and the layers below it, never one above;
+- independence: the tools never import the controller, nor the controller the tools (a
+  trainer's process never loads the engine; the operator's image never needs a tool);
+- forbidden: the core imports no I/O library; the operator imports neither torch nor vLLM; the
+  worker plugin (refit_worker) imports nothing of the operator;
+- acyclic: no module of either package imports another that imports it back, lazily or not.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
-PURE = {"api", "plan", "podflow", "probe", "admission", "reconcile", "status", "history",
-        "reasons", "times", "views", "index", "traffic", "checksums", "refit_document",
-        "refit_error"}  # fmt: skip
-# rounds holds no client of its own, but its coordination is asyncio's (events, timeouts):
-# it sits with the engine and the runner that await it, not in the pure core. checkpoint_files
-# imports no I/O library at its top, but it writes files into the checkpoint directory.
-IO_MODULES = {"cluster", "worker_client", "engine", "runner", "leader", "handlers", "main",
-              "client", "kubectl_plugin", "report", "metrics", "rounds", "kubeconfig",
-              "checkpoint_files"}  # fmt: skip
+CONTROLLER = "refit_operator"  # the top-level modules
+# Lowest first: a layer may import the layers before it in this tuple.
+LAYERS = ("refit_operator.core", "refit_operator.edges", CONTROLLER, "refit_operator.tools")
+INDEPENDENT = (CONTROLLER, "refit_operator.tools")
 IO_LIBRARIES = {"kubernetes", "kubernetes_asyncio", "kopf", "aiohttp", "httpx", "requests",
                 "urllib3", "asyncio", "socket", "subprocess", "prometheus_client"}  # fmt: skip
 
@@ -41,28 +49,6 @@ def imports(path: Path) -> set[str]:
             elif node.module:
                 out.add(node.module.split(".")[0])
     return out
-
-
-def test_every_module_is_placed_in_a_layer() -> None:
-    modules = {p.stem for p in OPERATOR.glob("*.py")} - {"__init__"}
-    assert modules == PURE | IO_MODULES, "place the new module in PURE or IO_MODULES"
-
-
-def test_pure_core_imports_no_io() -> None:
-    bad = {}
-    for name in sorted(PURE):
-        found = imports(OPERATOR / f"{name}.py")
-        wrong = (found & IO_LIBRARIES) | {m for m in found if m.lstrip(".") in IO_MODULES}
-        if wrong:
-            bad[name] = sorted(wrong)
-    assert not bad, f"pure modules importing I/O: {bad}"
-
-
-def test_operator_never_imports_torch_or_vllm_and_worker_never_the_operator() -> None:
-    for path in OPERATOR.glob("*.py"):
-        assert not imports(path) & {"torch", "vllm", "safetensors"}, path.name
-    for path in WORKER.rglob("*.py"):
-        assert "refit_operator" not in imports(path), path
 
 
 def module_files(package_dir: Path) -> dict[str, Path]:
@@ -168,13 +154,13 @@ def test_no_test_module_imports_another() -> None:
     assert not wrong, f"modules importing test modules (move what they share): {wrong}"
 
 
-INTEGRATIONS = OPERATOR / "integrations"
+INTEGRATIONS = OPERATOR / "tools" / "integrations"
 # What an integration may import at module level: the client it drives and the pure document
 # it names refits with (refit_document), the pure reading of a pod's records (podflow), the
 # standard library and httpx. Its framework and torch only inside
 # functions (the operator's image has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
-                         "pathlib", "typing", "httpx", "..client", "..podflow",
+                         "pathlib", "typing", "httpx", "..client", "...core",
                          "..refit_document"}  # fmt: skip
 
 
@@ -199,3 +185,70 @@ def test_integrations_import_their_framework_lazily() -> None:
     lazily = imports(path)
     assert {"torch", "transformers", "kubernetes", "refit_worker"} <= lazily
     assert "vllm" not in lazily and "trl" not in lazily  # it drives TRL, never imports it
+
+
+def layer_of(module: str) -> str:
+    for layer in LAYERS:
+        if layer != CONTROLLER and (module == layer or module.startswith(layer + ".")):
+            return layer
+    return CONTROLLER
+
+
+def test_the_top_level_holds_only_the_controller() -> None:
+    top = {p.stem for p in OPERATOR.glob("*.py")} - {"__init__"}
+    assert top == {"engine", "runner", "rounds", "handlers", "main"}, (
+        "a new module goes in core/ (pure), edges/ (I/O) or tools/ (what users import)"
+    )
+    folders = {p.name for p in OPERATOR.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == {"core", "edges", "tools"}
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of a module from a layer above its own."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if t not in LAYERS and rank[layer_of(t)] > rank[layer_of(m)])  # fmt: skip
+
+
+def crossing(graph: dict[str, set[str]]) -> list[str]:
+    """The imports between the tools and the controller, either way."""
+    pair = set(INDEPENDENT)
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if t not in LAYERS and {layer_of(m), layer_of(t)} == pair)  # fmt: skip
+
+
+def test_contract_layers() -> None:
+    up = upward(import_graph(OPERATOR))
+    assert not up, f"imports of a higher layer: {up}"
+
+
+def test_contract_tools_and_controller_are_independent() -> None:
+    both = crossing(import_graph(OPERATOR))
+    assert not both, f"tools and controller import each other: {both}"
+
+
+def test_the_contracts_see_a_violation() -> None:
+    assert layer_of("refit_operator.tools.integrations.trl") == "refit_operator.tools"
+    graph = {"refit_operator.core.plan": {"refit_operator.edges.cluster"},
+             "refit_operator.tools.client": {"refit_operator.rounds", "refit_operator.core"},
+             "refit_operator.engine": {"refit_operator.core.plan"}}  # fmt: skip
+    assert upward(graph) == ["refit_operator.core.plan -> refit_operator.edges.cluster"]
+    assert crossing(graph) == ["refit_operator.tools.client -> refit_operator.rounds"]
+
+
+def test_contract_the_core_imports_no_io() -> None:
+    bad = {p.stem: sorted(imports(p) & IO_LIBRARIES) for p in (OPERATOR / "core").glob("*.py")}
+    assert not {k: v for k, v in bad.items() if v}, f"pure modules importing I/O: {bad}"
+
+
+def test_contract_operator_and_worker_never_import_each_other() -> None:
+    for path in OPERATOR.rglob("*.py"):
+        if INTEGRATIONS not in path.parents:  # an integration loads torch in the trainer only
+            assert not imports(path) & {"torch", "vllm", "safetensors"}, path
+    for path in WORKER.rglob("*.py"):
+        assert "refit_operator" not in imports(path), path
+
+
+def test_contract_no_import_cycle_among_operator_modules() -> None:
+    cycle = find_cycle(import_graph(OPERATOR))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_operator import leader
-from refit_operator.leader import Lease, Observer, holder_alive
-from refit_operator.times import rfc3339_micro
+from refit_operator.core.times import rfc3339_micro
+from refit_operator.edges import leader
+from refit_operator.edges.leader import Lease, Observer, holder_alive
 
 DAY = 86_400.0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from refit_operator import history
+from refit_operator.core import history
 from refit_operator.main import parse_args, process_identity
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from refit_operator import metrics
-from refit_operator.metrics import Metrics
+from refit_operator.edges import metrics
+from refit_operator.edges.metrics import Metrics
 
 
 def series(registry: CollectorRegistry) -> list[tuple[str, dict[str, str]]]:

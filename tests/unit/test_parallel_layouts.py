@@ -8,9 +8,9 @@ import dataclasses
 import json
 
 import pytest
-from refit_operator.admission import PreflightResult, layout_problem, world_size_problem
-from refit_operator.api import WeightRefitStatus
-from refit_operator.reconcile import decide
+from refit_operator.core.admission import PreflightResult, layout_problem, world_size_problem
+from refit_operator.core.api import WeightRefitStatus
+from refit_operator.core.reconcile import decide
 from refit_worker.contract import ContractError, RefitInfo
 
 from tests.fixtures.refits import info, observe, pod, refit, spec

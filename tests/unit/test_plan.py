@@ -1,6 +1,6 @@
-from refit_operator import plan
-from refit_operator.api import ProbeSpec, Strategy
-from refit_operator.plan import RefitRef
+from refit_operator.core import plan
+from refit_operator.core.api import ProbeSpec, Strategy
+from refit_operator.core.plan import RefitRef
 
 
 def states(**kw: str) -> dict[str, plan.PodState]:

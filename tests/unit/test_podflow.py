@@ -2,9 +2,9 @@ import json
 from dataclasses import replace
 
 import pytest
-from refit_operator import podflow, times
-from refit_operator.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
-from refit_operator.probe import ProbeOutcome
+from refit_operator.core import podflow, times
+from refit_operator.core.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
+from refit_operator.core.probe import ProbeOutcome
 from refit_worker.fence import MAX_FENCE, format_fence
 
 

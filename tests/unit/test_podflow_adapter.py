@@ -5,9 +5,9 @@ staged name and keeps the pod in traffic on the old adapter; after the swap it f
 from __future__ import annotations
 
 import pytest
-from refit_operator import podflow
-from refit_operator.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
-from refit_operator.probe import ProbeOutcome
+from refit_operator.core import podflow
+from refit_operator.core.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
+from refit_operator.core.probe import ProbeOutcome
 
 
 def adapter_pass(serving: str = "v1") -> Progress:

@@ -1,7 +1,7 @@
 import math
 
-from refit_operator.api import Thresholds
-from refit_operator.probe import evaluate
+from refit_operator.core.api import Thresholds
+from refit_operator.core.probe import evaluate
 from refit_worker.contract import ProbePrompt, ProbeReference
 
 REF = ProbeReference(
@@ -72,7 +72,7 @@ def test_status_form_is_finite():
 
 def test_a_reference_of_another_version_is_refused():
     import pytest
-    from refit_operator.probe import ReferenceMismatch, check_reference_version
+    from refit_operator.core.probe import ReferenceMismatch, check_reference_version
 
     check_reference_version(REF, "v1", "ConfigMap ref")
     with pytest.raises(ReferenceMismatch) as e:

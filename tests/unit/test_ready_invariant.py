@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from refit_operator.podflow import PROGRESS_ANNOTATION
+from refit_operator.core.podflow import PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 
 from testbed.fleet import ready_violation

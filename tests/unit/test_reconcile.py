@@ -2,13 +2,13 @@
 
 from dataclasses import replace
 
-from refit_operator import podflow
-from refit_operator.admission import PreflightResult, admitted_spec, fleet_problem
-from refit_operator.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
-from refit_operator.plan import RefitRef
-from refit_operator.podflow import PodView
-from refit_operator.reasons import Problem
-from refit_operator.reconcile import decide
+from refit_operator.core import podflow
+from refit_operator.core.admission import PreflightResult, admitted_spec, fleet_problem
+from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
+from refit_operator.core.plan import RefitRef
+from refit_operator.core.podflow import PodView
+from refit_operator.core.reasons import Problem
+from refit_operator.core.reconcile import decide
 
 from tests.fixtures.refits import CREATED, NOW, STARTED, done, info, observe, pod, refit, spec
 
@@ -515,7 +515,7 @@ def _record(i: int, outcome: str = "Succeeded", **over: object) -> podflow.Progr
 def test_status_of_a_10000_pod_fleet_is_small_and_lists_the_worst_first():
     import json
 
-    from refit_operator.api import STATUS_PODS_LIMIT
+    from refit_operator.core.api import STATUS_PODS_LIMIT
 
     n = 10_000
     failed = {f"vllm-{i:05d}" for i in range(7, n, 500)}  # 20
@@ -596,7 +596,7 @@ def test_succeeded_and_rolled_back_pods_are_not_listed_but_counted():
 
 
 def test_dropped_pods_are_remembered_within_the_limit_worst_first():
-    from refit_operator.api import STATUS_PODS_LIMIT, PodResult
+    from refit_operator.core.api import STATUS_PODS_LIMIT, PodResult
 
     s = spec()
     st = WeightRefitStatus(
@@ -619,7 +619,7 @@ def test_dropped_pods_are_remembered_within_the_limit_worst_first():
 
 
 def test_result_for_a_pod_now_in_another_refits_hands_is_kept_only_if_it_needs_attention():
-    from refit_operator.api import PodResult
+    from refit_operator.core.api import PodResult
 
     s = spec(probe={"failureLimit": 1})
     old = [
@@ -660,8 +660,8 @@ def test_summary_of_a_finished_refit_keeps_probes_of_pods_that_moved_on():
 
 
 def test_fleet_results_show_every_pod_from_its_record():
-    from refit_operator.api import PodResult
-    from refit_operator.status import fleet_results, pod_phases
+    from refit_operator.core.api import PodResult
+    from refit_operator.core.status import fleet_results, pod_phases
 
     listed = [
         PodResult(name="b", phase="Failed", reason="LogprobDrift"),
@@ -693,7 +693,7 @@ def test_status_pods_limit_is_the_crds_max_items():
     from pathlib import Path
 
     import yaml
-    from refit_operator.api import STATUS_PODS_LIMIT
+    from refit_operator.core.api import STATUS_PODS_LIMIT
 
     crd = yaml.safe_load((Path(__file__).parents[2] / "crds" / "weightrefit.yaml").read_text())
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from refit_operator import podflow
-from refit_operator.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
-from refit_operator.plan import RefitRef
-from refit_operator.reconcile import Decision, decide
-from refit_operator.status import RECEIVERS_READY
-from refit_operator.times import rfc3339
+from refit_operator.core import podflow
+from refit_operator.core.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
+from refit_operator.core.plan import RefitRef
+from refit_operator.core.reconcile import Decision, decide
+from refit_operator.core.status import RECEIVERS_READY
+from refit_operator.core.times import rfc3339
 
 from tests.fixtures.refits import CREATED, NOW, STARTED, done, observe, pod, refit, spec
 

@@ -15,10 +15,10 @@ import dataclasses
 import json
 
 import pytest
-from refit_operator import podflow
-from refit_operator.admission import PreflightResult, admission_problem
-from refit_operator.api import WeightRefitStatus
-from refit_operator.reconcile import decide
+from refit_operator.core import podflow
+from refit_operator.core.admission import PreflightResult, admission_problem
+from refit_operator.core.api import WeightRefitStatus
+from refit_operator.core.reconcile import decide
 from refit_worker.contract import RefitInfo
 
 from tests.fixtures.refits import info, observe, pod, refit, spec

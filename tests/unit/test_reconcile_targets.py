@@ -5,8 +5,8 @@ checkpoint that pod served (docs/concepts.md, "Convergence" and "Rollback")."""
 
 from dataclasses import replace
 
-from refit_operator import podflow
-from refit_operator.api import (
+from refit_operator.core import podflow
+from refit_operator.core.api import (
     Condition,
     LabelSelector,
     PodProbe,
@@ -14,9 +14,9 @@ from refit_operator.api import (
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from refit_operator.plan import RefitRef
-from refit_operator.podflow import PodView
-from refit_operator.reconcile import Observed, RefitView, decide, foreign, rollback_targets
+from refit_operator.core.plan import RefitRef
+from refit_operator.core.podflow import PodView
+from refit_operator.core.reconcile import Observed, RefitView, decide, foreign, rollback_targets
 
 NOW = 1_800_000_000.0
 OLD, NEW, NEWEST = "2026-11-01T00:00:00Z", "2026-11-02T00:00:00Z", "2026-11-03T00:00:00Z"

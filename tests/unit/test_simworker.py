@@ -9,8 +9,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from refit_operator import worker_client
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract, fence
 
 from testbed.simfleet import SimFleet, SimPod

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from refit_operator import worker_client
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import checkpoint
 from refit_worker.checkpoint import digests, staging
 from refit_worker.contract import MANIFEST_FILE

@@ -1,6 +1,6 @@
-"""The one RFC 3339 writer and parser (refit_operator.times)."""
+"""The one RFC 3339 writer and parser (refit_operator.core.times)."""
 
-from refit_operator import times
+from refit_operator.core import times
 
 
 def test_epoch_reads_what_kubernetes_writes() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from refit_operator import api, podflow, traffic
-from refit_operator.podflow import STEPS, Progress
+from refit_operator.core import api, podflow, traffic
+from refit_operator.core.podflow import STEPS, Progress
 
 
 def passed(left: float, back: float, *, serving: str = "") -> Progress:

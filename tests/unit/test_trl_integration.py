@@ -1,4 +1,4 @@
-"""The pure parts of refit_operator.integrations.trl: how TRL's prompt batch is grouped, which
+"""The pure parts of refit_operator.tools.integrations.trl: how TRL's prompt batch is grouped, which
 pods generate, which sampling settings go to vLLM, and how a completion is checked against the
 version the trainer published (the fail-closed part): by the route's weight-version spans, or,
 on /v1/completions, by the pod's records before and after its requests."""
@@ -9,7 +9,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from refit_operator.integrations.trl import (
+from refit_operator.core.podflow import PROGRESS_ANNOTATION, PodView, Progress
+from refit_operator.tools.integrations.trl import (
     READY_GATE,
     RECORDS_KEPT,
     RefitRollout,
@@ -21,8 +22,7 @@ from refit_operator.integrations.trl import (
     sampling_params,
     served_throughout,
 )
-from refit_operator.podflow import PROGRESS_ANNOTATION, PodView, Progress
-from refit_operator.refit_error import RefitError
+from refit_operator.tools.refit_error import RefitError
 from refit_worker.contract import READINESS_GATE
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from refit_operator import worker_client
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.simfleet import SimFleet, SimPod

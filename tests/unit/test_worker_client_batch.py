@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from refit_operator import worker_client
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator.edges import worker_client
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 
 MODEL = "mock-model"
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.simfleet import SimFleet

@@ -19,10 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator import podflow, runner
-from refit_operator.api import Sequence
-from refit_operator.podflow import Step
-from refit_operator.worker_client import WorkerClient, session
+from refit_operator import runner
+from refit_operator.core import podflow
+from refit_operator.core.api import Sequence
+from refit_operator.core.podflow import Step
+from refit_operator.edges.worker_client import WorkerClient, session
 
 from testbed.vllm_server import VllmServer
 

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from refit_operator import podflow, probe, runner
-from refit_operator.api import Sequence, Thresholds
-from refit_operator.podflow import Progress, RunStep, Step
-from refit_operator.worker_client import WorkerClient, WorkerError
+from refit_operator import runner
+from refit_operator.core import podflow, probe
+from refit_operator.core.api import Sequence, Thresholds
+from refit_operator.core.podflow import Progress, RunStep, Step
+from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
 from testbed.tiny_adapter import TinyAdapters, ensure_tiny_adapters

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator.api import Thresholds
-from refit_operator.probe import evaluate
+from refit_operator.core.api import Thresholds
+from refit_operator.core.probe import evaluate
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import SERVED_MODEL, VllmServer, start_vllm_server

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 from refit_worker.contract import API_GROUP
 
-from . import api, times
+from ..core import api, times
 from .refit_error import RefitError
 
 API_VERSION = f"{API_GROUP}/{api.VERSION}"

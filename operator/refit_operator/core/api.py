@@ -12,6 +12,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from refit_worker.contract import API_GROUP
 
 VERSION = "v1alpha1"
 PLURAL = "weightrefits"
@@ -308,6 +309,8 @@ class OutOfTrafficSummary(_Model):
 
 
 RoundState = Literal["Joining", "Ready", "Sending", "Done"]
+# The trainer's announcement on the WeightRefit: "I listen for round N" (the round's number).
+SENDING_ANNOTATION = f"{API_GROUP}/broadcast-sending"
 
 
 class BroadcastRound(_Model):

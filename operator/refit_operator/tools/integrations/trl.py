@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer trains through Refit: ``GRPOTrainer(rollout_func=RefitRollout(...))``.
 
-    from refit_operator.client import RefitClient
-    from refit_operator.integrations.trl import RefitRollout
+    from refit_operator.tools.client import RefitClient
+    from refit_operator.tools.integrations.trl import RefitRollout
 
     rollout = RefitRollout(RefitClient(namespace="rl"), fleet_selector="app=rollout",
                            port=8000, probe_token_ids=ids, rendezvous=("10.0.0.5", 29600))
@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from ..client import RefitClient
-from ..podflow import PodView
+from ...core.podflow import PodView
 from ..refit_document import default_name, parse_selector
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class RefitRollout:
         rec = StepRecord(step=step, version=version, refit=default_name(version))
         started = rec.publish_began_at = time.monotonic()
         ref = reference.reference_from_model(
-            model, self.probe_token_ids, version=version, tool="refit_operator.integrations.trl"
+            model, self.probe_token_ids, version=version, tool="refit_operator.tools.integrations.trl"
         )
         referenced = time.monotonic()
         if self.rendezvous is not None:

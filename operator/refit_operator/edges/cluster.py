@@ -21,9 +21,17 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, READINESS_GATE
 
-from . import api, metrics, times
-from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, PodView, Progress, Readiness
-from .times import rfc3339
+from ..core import api, times
+from ..core.podflow import (
+    CLAIM_ANNOTATION,
+    PROGRESS_ANNOTATION,
+    Claim,
+    PodView,
+    Progress,
+    Readiness,
+)
+from ..core.times import rfc3339
+from . import metrics
 
 log = logging.getLogger(__name__)
 

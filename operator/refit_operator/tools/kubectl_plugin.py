@@ -29,11 +29,11 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP
 
-from . import api
+from ..core import api
 from .client import RefitClient, RefitFailed, RefitTimeout
 from .refit_document import parse_selector
 from .refit_error import RefitError
-from .views import (
+from ..core.views import (
     HISTORY_HEADERS,
     REFIT_HEADERS,
     describe,

@@ -29,7 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from . import podflow
+from ..core import podflow
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Trainer-side client: submit a WeightRefit for a checkpoint directory and wait for its verdict.
 
-    from refit_operator.client import RefitClient, RefitFailed
+    from refit_operator.tools.client import RefitClient, RefitFailed
 
     refits = RefitClient()                         # in-cluster config, else KUBECONFIG
     name = refits.submit("/ckpt/step-100", "step-100", fleet_selector={"app": "rollout"},
@@ -32,14 +32,14 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
-from . import api, times
+from ..core import api, times
 from .checkpoint_files import write_checkpoint_files
 from .kubeconfig import default_namespace, load_api_client
-from .reasons import Reason
+from ..core.reasons import Reason
 from .refit_document import API_VERSION, build_refit, default_name, stamped
 from .refit_error import RefitError
-from .rounds import SENDING_ANNOTATION
-from .views import reason_of
+from ..core.api import SENDING_ANNOTATION
+from ..core.views import reason_of
 
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default

@@ -1,6 +1,6 @@
 """A picture of one refit instead of a log: per-pod probe results and a per-pod step timeline.
 
-    python -m refit_operator.report --refit NAME -n NAMESPACE [--kubeconfig PATH] --out report.png
+    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] --out report.png
 
 reads the WeightRefit and its fleet's pods from the API server and draws every pod: each pod's
 own record (its refit.rollout.dev/progress annotation) folded with the refit's status.pods,
@@ -29,9 +29,9 @@ from typing import Any, Final
 
 from refit_worker.contract import API_GROUP
 
-from . import api, times, traffic
-from .podflow import STEPS, PodView, Progress
-from .views import seconds, version_of
+from ..core import api, times, traffic
+from ..core.podflow import STEPS, PodView, Progress
+from ..core.views import seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
@@ -385,7 +385,7 @@ async def _fetch(
     from kubernetes_asyncio import client
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    from .cluster import connect, read_json
+    from ..edges.cluster import connect, read_json
 
     api_client = await connect(kubeconfig)
     async with api_client:
@@ -423,7 +423,7 @@ def render_refit(
     results = None
     windows = None
     if pods is not None:
-        from .status import fleet_results
+        from ..core.status import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
         views = [PodView.from_pod(p) for p in pods]
@@ -503,7 +503,7 @@ def render_grpo(run: Mapping[str, Any], out: Path, *, title: str = "") -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m refit_operator.report",
+        prog="python -m refit_operator.tools.report",
         description="Render a PNG report of one WeightRefit: probe results and step timeline.",
     )
     p.add_argument("--refit", required=True, help="WeightRefit name")

@@ -47,7 +47,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from . import times
+from ..core import times
 from .cluster import read_json
 
 log = logging.getLogger(__name__)
