@@ -373,6 +373,7 @@ class PodState:
             "asleep": sorted(self.asleep),
             "running": self.running,
             "waiting": self.waiting,
+            "generating": self.generating,  # requests decoding now (not the /metrics gauges)
             "fence": self.fences.highest,
             "vouched": self.ready_mark.version,  # /refit/ready: None until a pass vouched
             "staged": (

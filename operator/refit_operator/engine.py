@@ -575,7 +575,7 @@ class Engine:
         }
         problem = None
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
-            problem = await self._check_reference(t, reachable[0])
+            problem = await self._check_reference(t, reachable)
         world_sizes: dict[str, int | str] = {}
         if spec.broadcast is not None:
             if problem is None:
@@ -584,10 +584,14 @@ class Engine:
             world_sizes = await each(lambda c: c.world_size(timeout=t_step), "get_world_size")
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
-    async def _check_reference(self, t: Tick, pod: PodView) -> Problem | None:
+    async def _check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:
         """Fetch the probe reference and score it on one pod (one request for all prompts): a
-        reference the model cannot score fails the refit before any pod is touched."""
+        reference the model cannot score fails the refit before any pod is touched. Scored on
+        a pod that serves (admission.reference_scorers); when every pod may be paused by an
+        earlier failed pass, each pod's probe scores it after its pass resumed the pod."""
         view = t.view
+        scorers = admission.reference_scorers(pods)
+        pod = scorers[0] if scorers else pods[0]
         client = self._client(t, pod)
         try:
             reference = await self._reference(t, view.spec.path, client)
@@ -595,6 +599,12 @@ class Engine:
             return Problem(e.reason, str(e))
         except (WorkerError, ContractError, ValueError, AccessDenied) as e:
             return Problem(Reason.ReferenceInvalid, f"probe reference unusable: {e}")
+        if not scorers:
+            log.info(
+                "%s/%s: every pod may be paused by an earlier failed pass; the reference is "
+                "scored by each pod's probe", view.namespace, view.name,
+            )  # fmt: skip
+            return None
         try:
             await client.score_prompts(
                 [list(p.token_ids) for p in reference.prompts],

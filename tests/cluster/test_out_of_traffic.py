@@ -5,14 +5,16 @@ the weights it had (real API server, real operator process, simulated workers)."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from testbed.fleet import Fleet, make_checkpoints, start_fleet
-from testbed.simworker import SIM_WEIGHTS_FILE
+from testbed.simworker import SIM_MODEL, SIM_WEIGHTS_FILE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -224,3 +226,42 @@ def test_the_drain_waits_for_the_kubelet_to_take_the_pod_out_of_endpoints(
     record = fleet.progress(fleet.pod("pod-0"))
     assert record["finished"] - record["left_traffic"] >= 2.0, record
     assert record["finished"] > caught_up
+
+
+def test_a_pod_a_drain_timeout_left_paused_does_not_fail_the_next_refit(
+    harness, sim_fleet, tmp_path
+):
+    """Regression (found on real vLLM under load): a DrainTimeout fails closed with the pod
+    paused, and the next refit's preflight scored its probe reference on that pod (the first
+    by name): the score queued until probeTimeoutSeconds, and that refit and every later one
+    failed PodUnreachable before touching any pod. The preflight scores on a pod in traffic;
+    the next refit then takes the paused pod through its pass and back into traffic."""
+    fleet, op, sims, ckpt = _serving_v1(harness, sim_fleet, tmp_path, 2)
+    answers: list[httpx.Response] = []
+
+    def long_request() -> None:  # 4,000 tokens: 10 s on the simulator
+        body = {"model": SIM_MODEL, "prompt": [1, 2, 3], "max_tokens": 4000}
+        answers.append(httpx.post(f"{sims[0].base_url}/v1/completions", json=body, timeout=60))
+
+    request = threading.Thread(target=long_request)
+    request.start()
+    fleet.wait_for(lambda: sims[0].state()["generating"] > 0, 10, "the request in flight")
+    rolling = {"type": "Rolling", "maxUnavailable": 1}
+    fleet.apply_refit("wr-v2", "v2", ckpt["v2"], sims[0].port, strategy=rolling,
+                      sequence={"drainMode": "wait", "drainTimeoutSeconds": 1})  # fmt: skip
+    st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
+    assert st["phase"] == "Halted", st
+    record = fleet.progress(fleet.pod("pod-0"))
+    assert record is not None and record["reason"] == "DrainTimeout", record
+    assert sims[0].state()["paused"] is True  # failed closed: paused, out of traffic
+    assert fleet.ready(fleet.pod("pod-0")) is False and fleet.ready(fleet.pod("pod-1")) is True
+    request.join(30)
+    assert answers and answers[0].status_code == 200  # it finished on v1, as wait promises
+    # The next refit: a probe timeout short enough that a score queued on pod-0 would fail it.
+    fleet.apply_refit("wr-v2b", "v2", ckpt["v2"], sims[0].port, strategy=rolling,
+                      sequence={"probeTimeoutSeconds": 5})  # fmt: skip
+    st = fleet.wait_phase("wr-v2b", END, 60, op)["status"]
+    assert st["phase"] == "Succeeded", st
+    for i, sim in enumerate(sims):
+        assert fleet.ready(fleet.pod(f"pod-{i}")) is True
+        assert sim.state()["weight_version"] == "v2" and sim.state()["paused"] is False

@@ -3,7 +3,12 @@
 from dataclasses import replace
 
 from refit_operator.core import podflow
-from refit_operator.core.admission import PreflightResult, admitted_spec, fleet_problem
+from refit_operator.core.admission import (
+    PreflightResult,
+    admitted_spec,
+    fleet_problem,
+    reference_scorers,
+)
 from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podflow import PodView
@@ -700,3 +705,25 @@ def test_status_pods_limit_is_the_crds_max_items():
     assert status["properties"]["pods"]["maxItems"] == STATUS_PODS_LIMIT
     assert f"at most {STATUS_PODS_LIMIT} entries" in status["properties"]["pods"]["description"]
     assert status["properties"]["podsOmitted"]["type"] == "integer"
+
+
+def test_the_reference_is_scored_on_a_pod_that_serves_never_on_one_left_paused():
+    """Regression (found on real vLLM under load): the preflight scored the reference on the
+    first pod by name. A DrainTimeout fails closed with that pod paused, so the score queued
+    until probeTimeoutSeconds and every later refit failed PodUnreachable."""
+    left = podflow.start("wr-1", "u", "v2", "/c/v2", NOW, serving="v1")
+    drained = replace(left, left_traffic=NOW + 1, outcome="Failed", reason="DrainTimeout")
+    paused = pod("a0", drained, ready=False)
+    assert paused.may_be_paused
+    fresh = pod("a2", ready=False)  # no pass yet: out of traffic, not paused
+    serving = pod("a1", done(left))
+    assert not fresh.may_be_paused and not serving.may_be_paused
+    assert [p.name for p in reference_scorers([paused, fresh, serving])] == ["a1", "a2"]
+    # Restored, or a restarted container (a new process): it answers again.
+    restored = pod("a0", replace(drained, restored=True), ready=False)
+    restarted = pod("a0", drained, ready=False, restarts=1)
+    assert not restored.may_be_paused and not restarted.may_be_paused
+    # A pass still in flight took it out of traffic: it may be paused too.
+    assert pod("a0", replace(left, left_traffic=NOW + 1), ready=False).may_be_paused
+    # Only paused pods: none scores it (each pod's probe does, after its resume).
+    assert reference_scorers([paused]) == []

@@ -52,6 +52,15 @@ def admission_problem(
     return None
 
 
+def reference_scorers(pods: Sequence[PodView]) -> list[PodView]:
+    """The pods that may score the probe reference in the preflight, best first: those in
+    traffic (they answer completions now), then the others by name; never one that
+    may_be_paused. Regression: the preflight scored on the first pod by name, and a pod a
+    DrainTimeout had left paused queued the score until probeTimeoutSeconds, so every later
+    refit of the fleet failed PodUnreachable before touching any pod."""
+    return sorted((p for p in pods if not p.may_be_paused), key=lambda p: (not p.ready, p.name))
+
+
 def admitted_spec(spec: WeightRefitSpec, status: WeightRefitStatus) -> WeightRefitSpec:
     """The spec every decision and pass of a started refit acts on: spec.sequence as its
     preflight admitted it (status.sequence). The CRD refuses a change of spec.sequence, but an

@@ -629,6 +629,21 @@ class PodView:
         )
 
     @property
+    def may_be_paused(self) -> bool:
+        """A pass of this process took the pod out of traffic and neither finished nor put it
+        back: vLLM may still be paused or asleep (a DrainTimeout fails closed with the pod
+        paused, a failed load leaves it asleep), so a completion sent to it queues until
+        something resumes it. A container restarted since is a new process, not paused."""
+        p = self.progress
+        return (
+            p is not None
+            and bool(p.left_traffic)
+            and p.outcome != "Succeeded"
+            and not p.restored
+            and p.restarts == self.restarts
+        )
+
+    @property
     def serving(self) -> str:
         """The version the pod serves with a passed probe ("" if none): the one its last pass
         brought it to, or the one a refused pass put it back to."""
