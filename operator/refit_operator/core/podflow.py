@@ -630,10 +630,11 @@ class PodView:
 
     @property
     def may_be_paused(self) -> bool:
-        """A pass of this process took the pod out of traffic and neither finished nor put it
-        back: vLLM may still be paused or asleep (a DrainTimeout fails closed with the pod
-        paused, a failed load leaves it asleep), so a completion sent to it queues until
-        something resumes it. A container restarted since is a new process, not paused."""
+        """A pass took the pod out of traffic in the container that runs now and neither
+        succeeded nor put it back: vLLM may still be paused or asleep (a DrainTimeout fails
+        closed with the pod paused, a failed load leaves it asleep), so a completion sent to
+        it queues until something resumes it. A container restarted since is a new process,
+        not paused."""
         p = self.progress
         return (
             p is not None
