@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import CLIENT_KEEPALIVE_SECONDS, READINESS_GATE
 
 GENERATE_PATH = "/inference/v1/generate"
 # ok: complete on the pod's weights; aborted: vLLM's clean abort (finish reason "abort");
@@ -204,7 +204,11 @@ class LoadGenerator:
 
     async def _run(self) -> None:
         deadline = time.monotonic() + self.deadline_s
-        limits = httpx.Limits(max_connections=self.streams * 4)
+        # Idle connections expire before vLLM closes them: reusing one at the moment the
+        # server closes it failed a request with ReadError('') and no answer (CI, twice).
+        limits = httpx.Limits(
+            max_connections=self.streams * 4, keepalive_expiry=CLIENT_KEEPALIVE_SECONDS
+        )
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
             await asyncio.gather(*(self._client(client, deadline) for _ in range(self.streams)))
 

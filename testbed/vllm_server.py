@@ -55,6 +55,16 @@ ENGINE_ENV = {
 }
 
 
+def cpu_runs_fp8_kv_cache() -> bool:
+    """Whether vLLM's CPU attention accepts ``--kv-cache-dtype fp8`` on this machine. It asks
+    torch the same two questions vLLM 0.32 asks (``v1/attention/backends/cpu_attn.py``,
+    ``_get_attn_isa``): without AVX-512 or AMX the engine stops at start with "FP8 KV cache
+    on CPU requires x86 with AVX-512 or AMX." (seen on an AMD EPYC without AVX-512)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def engine_args(
     model: Path, tokenizer: Path, host: str, port: int, load_format: str = "dummy"
 ) -> list[str]:

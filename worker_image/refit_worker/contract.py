@@ -21,6 +21,13 @@ READINESS_GATE = f"{API_GROUP}/weights-ready"
 # weights of this process, so a restarted container is never Ready on unprobed weights.
 READY_PATH = "/refit/ready"
 
+# How long a client of the pods keeps an idle connection for reuse. vLLM's API server closes
+# one idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default); a request sent on a pooled
+# connection at the moment the server closes it meets a reset before any answer, which no
+# client retries for a POST (a refit step failed PodUnreachable, a load-test request lost).
+# Expiring idle connections well before the server does closes that race.
+CLIENT_KEEPALIVE_SECONDS = 2.0
+
 
 # --- Which requests need which credential (refit_worker.guard enforces it in the pod; the
 # operator's client sends a credential only where it is needed) ---

@@ -165,9 +165,12 @@ def session() -> aiohttp.ClientSession:
     """The HTTP session for all pods of all fleets (create it inside the event loop). No cap on
     connections overall, since every pod runs its own pass at once; per pod, a pass makes one
     request at a time. Proxies from the environment are ignored (trust_env off): pods are
-    reached directly at their pod IPs."""
+    reached directly at their pod IPs. Idle connections expire before vLLM closes them
+    (contract.CLIENT_KEEPALIVE_SECONDS)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30.0)
+        connector=aiohttp.TCPConnector(
+            limit=0, limit_per_host=4, keepalive_timeout=contract.CLIENT_KEEPALIVE_SECONDS
+        )
     )
 
 

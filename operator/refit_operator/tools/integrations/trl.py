@@ -207,7 +207,11 @@ class RefitRollout:
         self.version_prefix, self.refit_timeout = version_prefix, refit_timeout
         self.spec = {"strategy": "AllAtOnce", **(spec or {})}
         self.route = route
-        self.http = httpx.Client(timeout=request_timeout)
+        from refit_worker.contract import CLIENT_KEEPALIVE_SECONDS  # lazily, as everywhere here
+
+        # Idle connections expire before vLLM closes them (CLIENT_KEEPALIVE_SECONDS).
+        keepalive = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SECONDS)
+        self.http = httpx.Client(timeout=request_timeout, limits=keepalive)
         self.records: deque[StepRecord] = deque(maxlen=RECORDS_KEPT)
         self.published: StepRecord | None = None
         self._next_pod = 0
