@@ -6,9 +6,8 @@ latency, pod and the weight versions that produced its tokens (vLLM's per-output
 
 One fleet for the module, one refit per drain mode, each from what the last left:
 ``wait`` (checkpoint, Rolling), ``abort`` (checkpoint, AllAtOnce; a streaming client that
-retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce), then a wait drain
-that a request outlives (DrainTimeout: one request of 16 samples, sent during the drain
-delay, since the tiny model's longest single answer takes under 2 s). Every test checks what
+retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce). (DrainTimeout is held on
+simulated pods: tests/cluster/test_out_of_traffic.py.) Every test checks what
 the issue asks of its mode on the load's own records and the pods' pass records: requests
 admitted before a pod left traffic finish on the old weights (or are aborted cleanly, or,
 with keep, finish on both versions, said so), none is served by unprobed weights, none is
@@ -18,22 +17,17 @@ lost without an error the client saw.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from testbed.controlplane import ControlPlane
-from testbed.fleet import ADMIN_SECRET, ENDED, Fleet, serving_fleet
+from testbed.fleet import Fleet, serving_fleet
 from testbed.loadgen import OUTCOMES, GateRouter, LoadGenerator, Record
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import SERVED_MODEL, VllmServer, start_vllm_pods
-from tests.fixtures.reload import admin
+from testbed.vllm_server import VllmServer, start_vllm_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -312,84 +306,3 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
             )
             assert cond["message"] == f"weights B probed; {rec['drained']}", cond
 
-
-def engine_running(server: VllmServer, http: httpx.Client) -> float:
-    """vLLM's own count of requests it is generating (its /metrics, open to all)."""
-    r = http.get(f"{server.base_url}/metrics")
-    r.raise_for_status()
-    for family in text_string_to_metric_families(r.text):
-        if family.name == "vllm:num_requests_running":
-            return sum(s.value for s in family.samples)
-    raise AssertionError("vLLM's /metrics has no vllm:num_requests_running")
-
-
-def test_a_request_that_outlives_the_drain_timeout_fails_the_pass_closed(
-    fleet, servers, tiny_model
-):
-    """DrainTimeout on real vLLM. vllm-0's pass takes it out of traffic and waits
-    drainDelaySeconds (5) before the pause, as for a gateway that lags; meanwhile a request
-    of 16 samples of 500 tokens (about 10 s here; the tiny model's longest single answer
-    takes under 2) reaches it directly. The wait drain with drainTimeoutSeconds 1 (and no
-    retries) meets it: the pass fails closed, the pod paused, out of traffic and on its old
-    weights, the refit Halted; every sample still finishes, on the old weights, as wait
-    promises. The next refit takes the paused pod through its pass and back into traffic
-    (its probe reference scored on vllm-1, never on the paused pod).
-
-    Not a request sent before the refit: vLLM runs a collective RPC (the preflight's, the
-    stage's) only after the requests in flight finish (10 s behind this one, measured), so
-    the drain would never meet it. Not more samples: of 32, the engine ran 16 and queued
-    16; vLLM's wait pause waits for what runs, not for what is queued, so a retried drain
-    passed once the first 16 finished and the sleep aborted the rest (cleanly: finish
-    reason "abort"), docs/concepts.md "Drain modes"."""
-    fl, op = fleet
-    server = servers[0]
-    rolling = {"type": "Rolling", "maxUnavailable": 1}
-    answers: list[httpx.Response] = []
-    body = {"model": SERVED_MODEL, "prompt": [5, 6, 7, 8], "n": 16, "max_tokens": 500,
-            "min_tokens": 500, "ignore_eos": True, "temperature": 1.0}  # fmt: skip
-
-    def long_request() -> None:
-        url = f"{server.base_url}/v1/completions"
-        answers.append(httpx.post(url, json=body, headers=server.api_headers(), timeout=300))
-
-    def left_traffic() -> bool:
-        record = fl.progress(fl.pod(PODS[0]))
-        return bool(record and record["refit"] == "drain-timeout" and record["left_traffic"])
-
-    with httpx.Client(timeout=30) as http:
-        before = admin(server, http, "GET", "/weight_info")["weight_version"]
-        target = "B" if before == "A" else "A"  # a version the pods do not serve
-        path = tiny_model.checkpoints[target]
-        fl.apply_refit(
-            "drain-timeout", target, path, server.port, strategy=rolling,
-            fleet={"adminTokenSecretRef": {"name": ADMIN_SECRET}},
-            sequence={"sleepLevel": 1, "drainMode": "wait", "drainTimeoutSeconds": 1,
-                      "drainDelaySeconds": 5, "retries": 0},
-        )  # fmt: skip
-        fl.wait_for(left_traffic, 120, "vllm-0 out of traffic")
-        request = threading.Thread(target=long_request, daemon=True)
-        request.start()
-        fl.wait_for(lambda: engine_running(server, http) > 0, 4, "the request running")
-        running = time.time()  # before the drain: drainDelaySeconds after left_traffic
-        st = fl.wait_phase("drain-timeout", ENDED, 240, op)["status"]
-        record = pass_record(fl, PODS[0])
-        timing = {k: record[k] for k in ("left_traffic", "drained_at", "step_seconds")}
-        assert st["phase"] == "Halted", (running, timing, op.logs()[-3000:])
-        assert record["reason"] == "DrainTimeout", record
-        assert admin(server, http, "GET", "/is_paused") == {"is_paused": True}
-        assert fl.ready(fl.pod(PODS[0])) is False and fl.ready(fl.pod(PODS[1])) is True
-        request.join(240)
-        assert answers and answers[0].status_code == 200, answers
-        choices = answers[0].json()["choices"]
-        assert [c["finish_reason"] for c in choices] == ["length"] * 16, choices
-        assert admin(server, http, "GET", "/weight_info")["weight_version"] == before
-        # The next refit, with a probe timeout a score queued on the paused pod would miss.
-        st = fl.refit_server_pods(
-            op, "after-drain-timeout", target, path, server.port, strategy=rolling,
-            sequence={"probeTimeoutSeconds": 20},
-        )  # fmt: skip
-        assert st["phase"] == "Succeeded", (st, op.logs())
-        for pod, s in zip(PODS, servers, strict=True):
-            assert fl.ready(fl.pod(pod)) is True
-            assert admin(s, http, "GET", "/is_paused") == {"is_paused": False}
-            assert admin(s, http, "GET", "/weight_info")["weight_version"] == target
