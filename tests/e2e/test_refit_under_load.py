@@ -305,4 +305,3 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
                 c for c in fl.pod(pod)["status"]["conditions"] if c["type"].startswith("refit")
             )
             assert cond["message"] == f"weights B probed; {rec['drained']}", cond
-
