@@ -24,7 +24,8 @@ READY_PATH = "/refit/ready"
 # How long a client of the pods keeps an idle connection for reuse. vLLM's API server closes
 # one idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default); a request sent on a pooled
 # connection at the moment the server closes it meets a reset before any answer, which no
-# client retries for a POST (a refit step failed PodUnreachable, a load-test request lost).
+# client retries for a POST (a load-test request was lost so; a refit step would fail
+# PodUnreachable).
 # Expiring idle connections well before the server does closes that race.
 CLIENT_KEEPALIVE_SECONDS = 2.0
 
