@@ -129,16 +129,9 @@ class _RefitState:
     reported: _Reported = field(default_factory=_Reported)
     references: dict[str, ProbeReference] = field(default_factory=dict)  # by checkpoint path
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
+    readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)  # (runner)
     waiting: bool = False  # another refit shares its pods and is not finished, or holds one
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # decide again now
-
-    def peer_checksums(self, version: str, layout: str, me: str) -> list[checksums.Peer]:
-        """The other pods' read-backs at (version, layout): their records as listed this
-        tick, overlaid with the live progress of the passes in flight (a pod that read back
-        a moment ago under AllAtOnce is a peer already)."""
-        records = {p.name: p.progress for p in self.listing.pods if p.progress is not None}
-        records.update(self.passes.live)
-        return checksums.peers(((n, p) for n, p in records.items() if n != me), version, layout)
 
     def peer_nlls(self, version: str) -> list[float]:
         peers = self.listing.peers
@@ -401,6 +394,7 @@ class Engine:
         )
         st.listing = _Listing.of(self._with_live(listed, passes))
         pods = st.listing.pods
+        st.readbacks.reset((p.name, p.progress) for p in pods)
         fleet, previous = self.index.sharing(
             namespace, view.uid, view.created, view.status.phase, pods
         )
@@ -746,7 +740,7 @@ class Engine:
             fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
             client=lambda pod, fence: self._client(t, pod, fence),
             next_fence=self.next_fence, reference=reference,
-            peer_nlls=st.peer_nlls, peer_checksums=st.peer_checksums,
+            peer_nlls=st.peer_nlls, readbacks=st.readbacks,
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),

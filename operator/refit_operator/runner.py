@@ -69,9 +69,10 @@ class PassContext:
     next_fence: Callable[[], int]  # the fallback token (podflow.claim_fence)
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
-    # (version, layout, this pod) -> the other pods' read-backs (checksums.peers), and the
+    # The pods' read-backs (as listed, and of the passes in flight, which put theirs as they
+    # go: under AllAtOnce a pod that read back a moment ago is a peer already), and the
     # checksum the refit's status recorded for (version, layout), if any.
-    peer_checksums: Callable[[str, str, str], list[checksums.Peer]] = lambda v, lay, pod: []
+    readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)
     recorded_checksum: Callable[[str, str], str | None] = lambda v, lay: None
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
     # with no restart since is not asked for its refit_info again.
@@ -149,7 +150,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
                 final=True,
             )
             handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
-            ctx.live[pod.name] = progress
+            _now(ctx, pod.name, progress)
             await _finish(ctx, handle, progress)
             return progress
         # A pod that serves a probed version keeps serving while the checkpoint stages; any
@@ -163,7 +164,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         # writes says whether the last driver may have been inside the load.
         progress = podflow.resumed(progress)
         handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
-    ctx.live[pod.name] = progress
+    _now(ctx, pod.name, progress)
     while True:
         action = podflow.next_action(progress, times.now())
         if isinstance(action, Finished):
@@ -174,7 +175,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         assert isinstance(action, RunStep)
         before = progress
         progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
-        ctx.live[pod.name] = progress
+        _now(ctx, pod.name, progress)
         if progress.finished_pass:
             await _finish(ctx, handle, progress)
         elif podflow.must_record(before, progress):
@@ -377,6 +378,12 @@ async def _reset_cache(run: StepRun) -> str:
     return ""
 
 
+def _now(ctx: PassContext, pod: str, progress: Progress) -> None:
+    """What the pass did so far, for the reconcile (``live``) and the pods' peers."""
+    ctx.live[pod] = progress
+    ctx.readbacks.put(pod, progress)
+
+
 async def _stamp_version(run: StepRun) -> str:
     version = run.progress.version
     await run.worker.update_weight_version(version, timeout=run.t_step)
@@ -396,7 +403,7 @@ async def _checksum(run: StepRun) -> str:
         got,
         progress.version,
         ctx.recorded_checksum(progress.version, got.layout),
-        ctx.peer_checksums(progress.version, got.layout, pod.name),
+        ctx.readbacks.witnesses(progress.version, got.layout, pod.name),
     )
     run.progress = replace(progress, layout=got.layout, checksum=got.digest)
     if refused is not None:

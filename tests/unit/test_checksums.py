@@ -7,7 +7,14 @@ from dataclasses import replace
 
 from refit_operator.core import checksums, podflow
 from refit_operator.core.api import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
-from refit_operator.core.checksums import CHECKSUM_MISMATCH, Peer, judge, read_back
+from refit_operator.core.checksums import (
+    CHECKSUM_MISMATCH,
+    Peer,
+    Readbacks,
+    Witnesses,
+    judge,
+    read_back,
+)
 
 PARAMS = {"dp0:pp0:pcp0:tp0:model.w": "aa", "dp0:pp0:pcp0:tp0:model.v": "bb"}
 BUFFERS = {"dp0:pp0:pcp0:tp0:model.rotary.cache": "cc"}
@@ -31,27 +38,34 @@ def test_one_digest_over_every_tensor_and_a_layout_per_dtype_and_keys():
 
 def test_the_first_records_later_pods_must_agree():
     own = read_back("float32", PARAMS, BUFFERS)
-    assert judge(own, "v1", None, []) is None  # the first of its version and layout
-    assert judge(own, "v1", None, [Peer("p0", own.digest, False)]) is None
-    refused = judge(own, "v1", None, [Peer("p0", "f" * 32, False)])
+    assert judge(own, "v1", None, Witnesses.of([])) is None  # the first of its version and layout
+    assert judge(own, "v1", None, Witnesses.of([Peer("p0", own.digest, False)])) is None
+    refused = judge(own, "v1", None, Witnesses.of([Peer("p0", "f" * 32, False)]))
     assert refused is not None and refused.reason == CHECKSUM_MISMATCH
     assert "p0" in refused.message and own.layout in refused.message and "v1" in refused.message
 
 
 def test_a_recorded_checksum_wins_over_peers_and_probed_peers_over_unprobed():
     own = read_back("float32", PARAMS, BUFFERS)
-    agreeing = [Peer("p0", own.digest, True)]
+    agreeing = Witnesses.of([Peer("p0", own.digest, True)])
     refused = judge(own, "v1", "e" * 32, agreeing)
     assert refused is not None and "recorded" in refused.message
-    assert judge(own, "v1", own.digest, [Peer("p0", "e" * 32, False)]) is None
+    assert judge(own, "v1", own.digest, Witnesses.of([Peer("p0", "e" * 32, False)])) is None
     # A probed peer outweighs any number of unprobed ones.
     peers = [Peer("p0", own.digest, True), Peer("p1", "e" * 32, False), Peer("p2", "e" * 32, False)]
-    assert judge(own, "v1", None, peers) is None
+    assert judge(own, "v1", None, Witnesses.of(peers)) is None
     # Among unprobed peers the majority decides, the earliest on a tie.
-    assert judge(own, "v1", None, [Peer("p1", "e" * 32, False), Peer("p2", own.digest, False),
-                                   Peer("p3", own.digest, False)]) is None  # fmt: skip
-    assert judge(own, "v1", None, [Peer("p1", "e" * 32, False),
-                                   Peer("p2", own.digest, False)]) is not None  # fmt: skip
+    assert judge(own, "v1", None, Witnesses.of([Peer("p1", "e" * 32, False),
+        Peer("p2", own.digest, False), Peer("p3", own.digest, False)])) is None  # fmt: skip
+    assert judge(own, "v1", None, Witnesses.of([Peer("p1", "e" * 32, False),
+        Peer("p2", own.digest, False)])) is not None  # fmt: skip
+    # The pod judged is not its own witness.
+    alone = Witnesses.of([Peer("me", "e" * 32, False), Peer("p1", own.digest, False)], me="me")
+    assert judge(own, "v1", None, alone) is None
+    # The message names a few holders and counts the rest.
+    many = Witnesses.of([Peer(f"p{i}", "e" * 32, True) for i in range(5)], me="p0")
+    refused = judge(own, "v1", None, many)
+    assert refused is not None and "p1, p2, p3 and 1 more hold " in refused.message
 
 
 def _progress(name: str, version: str, layout: str, digest: str, **kw: object) -> podflow.Progress:
@@ -59,8 +73,14 @@ def _progress(name: str, version: str, layout: str, digest: str, **kw: object) -
     return replace(p, layout=layout, checksum=digest, **kw)  # type: ignore[arg-type]
 
 
-def test_peers_are_pods_of_the_version_and_layout_that_did_not_disagree():
-    records = [
+def _groups(w: Witnesses) -> dict[tuple[str, bool], list[str]]:
+    named = {k: [p for p in pods if p != w.me] for k, pods in w.groups.items()}
+    return {k: pods for k, pods in named.items() if pods}
+
+
+def test_readbacks_are_pods_of_the_version_and_layout_that_did_not_disagree():
+    readbacks = Readbacks()
+    readbacks.reset([
         ("a", _progress("a", "v1", "L", "d1", outcome="Succeeded")),
         ("b", _progress("b", "v1", "L", "d2", outcome="Failed", reason=CHECKSUM_MISMATCH)),
         ("c", _progress("c", "v2", "L", "d3")),  # another version
@@ -68,12 +88,24 @@ def test_peers_are_pods_of_the_version_and_layout_that_did_not_disagree():
         ("e", _progress("e", "v1", "L", "")),  # not read back yet
         ("f", _progress("f", "v1", "L", "d1", probe=PodProbe(verdict="Pass"))),
         ("g", _progress("g", "v1", "L", "d5")),
-    ]
-    assert checksums.peers(records, "v1", "L") == [
-        Peer("a", "d1", True),
-        Peer("f", "d1", True),
-        Peer("g", "d5", False),
-    ]
+        ("h", None),  # no record
+    ])  # fmt: skip
+    seen = readbacks.witnesses("v1", "L", "g")
+    assert _groups(seen) == {("d1", True): ["a", "f"]}  # g, judged, is not its own witness
+    assert seen.counts(confirmed=False) == {"d1": 2}
+    assert _groups(readbacks.witnesses("v1", "L", "")) == {("d1", True): ["a", "f"],
+                                                            ("d5", False): ["g"]}  # fmt: skip
+    # A pass moves its pod between groups as it goes; a reset forgets what is not listed.
+    readbacks.put("g", _progress("g", "v1", "L", "d5", probe=PodProbe(verdict="Pass")))
+    readbacks.put("e", _progress("e", "v1", "L", "d1"))
+    readbacks.put("a", _progress("a", "v2", "L", "d3"))
+    assert _groups(readbacks.witnesses("v1", "L", "")) == {
+        ("d1", True): ["f"], ("d5", True): ["g"], ("d1", False): ["e"]}  # fmt: skip
+    assert readbacks.witnesses("v1", "L", "").counts(confirmed=False) == {"d1": 2, "d5": 1}
+    assert _groups(readbacks.witnesses("v2", "L", "")) == {("d3", False): ["c", "a"]}
+    readbacks.reset([("c", _progress("c", "v2", "L", "d3"))])
+    assert _groups(readbacks.witnesses("v1", "L", "")) == {}
+    assert _groups(readbacks.witnesses("v2", "L", "")) == {("d3", False): ["c"]}
 
 
 def test_status_keeps_one_digest_per_version_and_layout_bounded():

@@ -14,9 +14,9 @@ Pure: plain data in, decisions out (runner.py does the calls; engine.py gathers 
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from .api import STATUS_CHECKSUMS_LIMIT, VersionChecksum
 from .podflow import Progress
@@ -52,29 +52,91 @@ def read_back(dtype: str, parameters: Mapping[str, str], buffers: Mapping[str, s
 
 @dataclass(frozen=True)
 class Peer:
-    """Another pod's read-back at the same version and layout."""
+    """A pod's read-back at a version and layout."""
 
     pod: str
     digest: str
     confirmed: bool  # its probe passed on these weights
 
 
-def peers(records: Iterable[tuple[str, Progress]], version: str, layout: str) -> list[Peer]:
-    """The read-backs of ``records`` (pod name, its pass) at ``version`` in ``layout``, in
-    the order given; a pod that failed for disagreeing is no witness."""
-    out = []
-    for name, p in records:
-        if p.version != version or p.layout != layout or not p.checksum:
-            continue
-        if p.reason == CHECKSUM_MISMATCH:
-            continue
-        passed = p.outcome == "Succeeded" or (p.probe is not None and p.probe.verdict == "Pass")
-        out.append(Peer(name, p.checksum, passed))
-    return out
+def peer(pod: str, p: Progress | None) -> Peer | None:
+    """``pod``'s read-back as its pass record holds it; None where it holds none, or where
+    the pod failed for disagreeing (no witness)."""
+    if p is None or not p.checksum or p.reason == CHECKSUM_MISMATCH:
+        return None
+    passed = p.outcome == "Succeeded" or (p.probe is not None and p.probe.verdict == "Pass")
+    return Peer(pod, p.checksum, passed)
+
+
+@dataclass(frozen=True)
+class Witnesses:
+    """The read-backs a pod is judged against: pod names by (digest, probe passed), each in
+    order of arrival, at one version and layout; ``me``, the pod judged, does not count."""
+
+    groups: Mapping[tuple[str, bool], Collection[str]]
+    me: str = ""
+
+    @classmethod
+    def of(cls, peers: Iterable[Peer], me: str = "") -> Witnesses:
+        groups: dict[tuple[str, bool], dict[str, None]] = {}
+        for p in peers:
+            groups.setdefault((p.digest, p.confirmed), {})[p.pod] = None
+        return cls(groups, me)
+
+    def counts(self, confirmed: bool) -> dict[str, int]:
+        """Pods by digest, in order of arrival: those whose probe passed, or all."""
+        out: dict[str, int] = {}
+        for (digest, passed), pods in self.groups.items():
+            n = len(pods) - (self.me in pods)
+            if n and (passed or not confirmed):
+                out[digest] = out.get(digest, 0) + n
+        return out
+
+    def holders(self, digest: str, confirmed: bool, most: int) -> list[str]:
+        """Up to ``most`` of the pods holding ``digest``, for a message."""
+        out: list[str] = []
+        for (d, passed), pods in self.groups.items():
+            if d == digest and (passed or not confirmed):
+                out.extend(islice((p for p in pods if p != self.me), most - len(out)))
+        return out
+
+
+class Readbacks:
+    """Every pod's read-back as its record changes, grouped by (version, layout), then by
+    (digest, probe passed). Judging a pod against them costs the number of distinct digests,
+    not of pods: a scan of every record for each pod's judgement made a 10,000-pod AllAtOnce
+    refit quadratic."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[str, str, Peer]] = {}  # pod -> (version, layout, read-back)
+        self._groups: dict[tuple[str, str], dict[tuple[str, bool], dict[str, None]]] = {}
+
+    def put(self, pod: str, p: Progress | None) -> None:
+        """``pod``'s record now (None: it has none, or is gone)."""
+        old = self._at.pop(pod, None)
+        if old is not None:
+            version, layout, was = old
+            self._groups[version, layout][was.digest, was.confirmed].pop(pod, None)
+        now = peer(pod, p)
+        if p is None or now is None:
+            return
+        self._at[pod] = (p.version, p.layout, now)
+        at = self._groups.setdefault((p.version, p.layout), {})
+        at.setdefault((now.digest, now.confirmed), {})[pod] = None
+
+    def reset(self, records: Iterable[tuple[str, Progress | None]]) -> None:
+        """Every pod's record, as listed: what was put before and is not among them is gone."""
+        self._at.clear()
+        self._groups.clear()
+        for pod, p in records:
+            self.put(pod, p)
+
+    def witnesses(self, version: str, layout: str, me: str) -> Witnesses:
+        return Witnesses(self._groups.get((version, layout), {}), me)
 
 
 def judge(
-    own: Readback, version: str, recorded: str | None, witnesses: Sequence[Peer]
+    own: Readback, version: str, recorded: str | None, witnesses: Witnesses
 ) -> Problem | None:
     """The problem when ``own`` disagrees; None when it agrees or is the first.
 
@@ -92,14 +154,18 @@ def judge(
             f"runtime weights {own.digest[:12]} differ from {recorded[:12]}, the checksum "
             f"recorded for {where} ({own.tensors} tensors read back)",
         )
-    reference = [p for p in witnesses if p.confirmed] or list(witnesses)
-    if not reference:
+    confirmed = True
+    counts = witnesses.counts(confirmed)
+    if not counts:
+        confirmed, counts = False, witnesses.counts(False)
+    if not counts:
         return None
-    agreed, count = Counter(p.digest for p in reference).most_common(1)[0]
+    agreed = max(counts, key=counts.__getitem__)  # the first of the largest: the earliest
     if own.digest == agreed:
         return None
-    named = sorted(p.pod for p in reference if p.digest == agreed)
-    shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    count = counts[agreed]
+    named = sorted(witnesses.holders(agreed, confirmed, 3))
+    shown = ", ".join(named) + (f" and {count - len(named)} more" if count > len(named) else "")
     return Problem(
         CHECKSUM_MISMATCH,
         f"runtime weights {own.digest[:12]} differ from {agreed[:12]}, which {shown} "
