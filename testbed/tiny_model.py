@@ -187,7 +187,11 @@ def _build(root: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        # Rotary positions for a 4,096-token context: the servers run 512 unless a test asks
+        # for more (tests/e2e/test_refit_under_load.py's long samples). vLLM serving past
+        # this number (VLLM_ALLOW_LONG_MAX_MODEL_LEN) broke the engine for good: every later
+        # scoring request had infinities in its logprobs (measured).
+        max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,

@@ -6,8 +6,9 @@ latency, pod and the weight versions that produced its tokens (vLLM's per-output
 
 One fleet for the module, one refit per drain mode, each from what the last left:
 ``wait`` (checkpoint, Rolling), ``abort`` (checkpoint, AllAtOnce; a streaming client that
-retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce). (DrainTimeout is held on
-simulated pods: tests/cluster/test_out_of_traffic.py.) Every test checks what
+retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce), then a wait drain
+that a request outlives (DrainTimeout: one request of 8 long samples sent to a pod in its drain
+delay, as from a gateway that lags). Every test checks what
 the issue asks of its mode on the load's own records and the pods' pass records: requests
 admitted before a pod left traffic finish on the old weights (or are aborted cleanly, or,
 with keep, finish on both versions, said so), none is served by unprobed weights, none is
@@ -17,21 +18,30 @@ lost without an error the client saw.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from testbed.controlplane import ControlPlane
-from testbed.fleet import Fleet, serving_fleet
+from testbed.fleet import ADMIN_SECRET, ENDED, Fleet, serving_fleet
 from testbed.loadgen import OUTCOMES, GateRouter, LoadGenerator, Record
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, start_vllm_pods
+from testbed.vllm_server import SERVED_MODEL, VllmServer, start_vllm_pods
+from tests.fixtures.reload import admin
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PODS = ("vllm-0", "vllm-1")
+# Room for samples that run for seconds (the DrainTimeout test's): the tiny model decodes a
+# batch of 8 samples of 500 tokens in about a second here, too short to outlive a drain.
+LONG_CONTEXT = 2048  # the tiny model has rotary positions for 4,096
+SAMPLE_TOKENS = 1500  # a batch of 8 runs about 10 s
 HOSTS = ("127.0.0.4", "127.0.0.5")
 
 
@@ -41,7 +51,8 @@ def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     vLLM's token-in-token-out endpoint (--enable-scale-out: what the load speaks)."""
     with start_vllm_pods(
         tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
-        admin_token="load-admin-token", extra_args=["--enable-scale-out"],
+        admin_token="load-admin-token",
+        extra_args=["--enable-scale-out", "--max-model-len", str(LONG_CONTEXT)],
     ) as servers:  # fmt: skip
         yield servers
 
@@ -305,3 +316,100 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
                 c for c in fl.pod(pod)["status"]["conditions"] if c["type"].startswith("refit")
             )
             assert cond["message"] == f"weights B probed; {rec['drained']}", cond
+
+
+# The wait between vllm-0 leaving traffic and its pause, in which the DrainTimeout test's
+# request reaches it: long enough for this process to see the pod leave (it polls every
+# 0.2 s) and send, short enough that the request, which runs for seconds, is still running
+# when the pause's second runs out.
+DRAIN_DELAY_SECONDS = 2
+SAMPLES = 8  # the servers' --max-num-seqs: every sample runs, none waits queued
+
+
+def engine_running(server: VllmServer, http: httpx.Client) -> float:
+    """vLLM's own count of requests it is generating (its /metrics, open to all)."""
+    r = http.get(f"{server.base_url}/metrics")
+    r.raise_for_status()
+    for family in text_string_to_metric_families(r.text):
+        if family.name == "vllm:num_requests_running":
+            return sum(s.value for s in family.samples)
+    raise AssertionError("vLLM's /metrics has no vllm:num_requests_running")
+
+
+def test_a_request_that_outlives_the_drain_timeout_fails_the_pass_closed(
+    fleet, servers, tiny_model
+):
+    """DrainTimeout on real vLLM. vllm-0's pass takes it out of traffic and pauses it
+    drainDelaySeconds later, as for a gateway that lags; in that delay a request of 8 samples
+    of 1,500 tokens each (about 10 s on these cores, all running at once) reaches it directly.
+    The wait drain with drainTimeoutSeconds 1 (and no
+    retries) meets it: the pass fails closed, the pod paused, out of traffic and on its old
+    weights, the refit Halted; every sample still finishes, on the old weights, as wait
+    promises. The next refit takes the paused pod through its pass and back into traffic
+    (its probe reference scored on vllm-1, never on the paused pod).
+
+    Not a request sent before the refit: vLLM runs a collective RPC (the preflight's, the
+    stage's) only after the requests in flight finish, so the drain would never meet it
+    (docs/concepts.md, "Drain modes"). The request goes out as soon as the pod's record says
+    it left traffic, and the test checks that the engine runs it before the pause is due:
+    a request that only reached the pod paused would be queued, not waited for."""
+    fl, op = fleet
+    server = servers[0]
+    rolling = {"type": "Rolling", "maxUnavailable": 1}
+    answers: list[tuple[httpx.Response, float]] = []
+    body = {"model": SERVED_MODEL, "prompt": [5, 6, 7, 8], "n": SAMPLES,
+            "max_tokens": SAMPLE_TOKENS, "min_tokens": SAMPLE_TOKENS, "ignore_eos": True,
+            "temperature": 1.0}  # fmt: skip
+
+    def long_request() -> None:
+        url, sent = f"{server.base_url}/v1/completions", time.time()
+        answer = httpx.post(url, json=body, headers=server.api_headers(), timeout=300)
+        answers.append((answer, time.time() - sent))
+
+    def left_traffic() -> bool:
+        record = fl.progress(fl.pod(PODS[0]))
+        return bool(record and record["refit"] == "drain-timeout" and record["left_traffic"])
+
+    with httpx.Client(timeout=30) as http:
+        before = admin(server, http, "GET", "/weight_info")["weight_version"]
+        target = "B" if before == "A" else "A"  # a version the pods do not serve
+        path = tiny_model.checkpoints[target]
+        fl.apply_refit(
+            "drain-timeout", target, path, server.port, strategy=rolling,
+            fleet={"adminTokenSecretRef": {"name": ADMIN_SECRET}},
+            sequence={"sleepLevel": 1, "drainMode": "wait", "drainTimeoutSeconds": 1,
+                      "drainDelaySeconds": DRAIN_DELAY_SECONDS, "retries": 0},
+        )  # fmt: skip
+        fl.wait_for(left_traffic, 120, "vllm-0 out of traffic")
+        request = threading.Thread(target=long_request, daemon=True)
+        request.start()
+        fl.wait_for(lambda: engine_running(server, http) > 0, 4, "the request running")
+        running = time.time()
+        due = pass_record(fl, PODS[0])["left_traffic"] + DRAIN_DELAY_SECONDS
+        assert running < due, f"the request ran {running - due:.2f}s after the pause was due"
+        st = fl.wait_phase("drain-timeout", ENDED, 240, op)["status"]
+        record = pass_record(fl, PODS[0])
+        timing = {k: record[k] for k in ("left_traffic", "drained_at", "step_seconds")}
+        request.join(240)
+        assert answers, "the request never answered"
+        answer, seconds = answers[0]
+        assert st["phase"] == "Halted", (running, seconds, timing, op.logs()[-3000:])
+        assert record["reason"] == "DrainTimeout", record
+        assert admin(server, http, "GET", "/is_paused") == {"is_paused": True}
+        assert fl.ready(fl.pod(PODS[0])) is False and fl.ready(fl.pod(PODS[1])) is True
+        assert answer.status_code == 200, answer.text[:500]
+        choices = answer.json()["choices"]
+        assert [c["finish_reason"] for c in choices] == ["length"] * SAMPLES, choices
+        assert admin(server, http, "GET", "/weight_info")["weight_version"] == before
+        # The next refit, with a probe timeout a score queued on the paused pod would miss.
+        st = fl.refit_server_pods(
+            op, "after-drain-timeout", target, path, server.port, strategy=rolling,
+            sequence={"probeTimeoutSeconds": 20},
+        )  # fmt: skip
+        probes = {pod: (r.get("reason"), r.get("message"), r.get("probe"))
+                  for pod in PODS for r in [pass_record(fl, pod)]}  # fmt: skip
+        assert st["phase"] == "Succeeded", (st["message"], probes, op.logs()[-3000:])
+        for pod, s in zip(PODS, servers, strict=True):
+            assert fl.ready(fl.pod(pod)) is True
+            assert admin(s, http, "GET", "/is_paused") == {"is_paused": False}
+            assert admin(s, http, "GET", "/weight_info")["weight_version"] == target
