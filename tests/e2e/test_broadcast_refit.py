@@ -22,10 +22,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,11 +33,11 @@ from kubernetes.client.exceptions import ApiException
 from testbed.fleet import ENDED, Fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
+from testbed.vllm_server import VllmServer, start_vllm_pods
+from tests.fixtures.trainer import REPO, train, trainer_command
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).parents[2]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.2", "127.0.0.3")
 TRANSFER_TIMEOUT = 15  # spec.broadcast.timeoutSeconds of the fault cases
@@ -88,50 +86,6 @@ def fleet(
     yield fl, op
     reached = leases.read_namespaced_lease(LEASE, fl.ns).spec.lease_transitions or 0
     _epoch["high"] = max(_epoch["high"], reached)
-
-
-def trainer_command(
-    fl: Fleet,
-    tiny_model: TinyModel,
-    servers: list[VllmServer],
-    name: str,
-    version: str,
-    *,
-    tensors: str,
-    reference: str,
-    fault: str = "none",
-    transfer_timeout: int = 60,
-    **spec: Any,
-) -> list[str]:
-    spec = {
-        "admin_token_secret": "vllm-admin",
-        "sequence": {"sleepLevel": 1},
-        **spec,
-    }
-    cmd = [
-        sys.executable, "-m", "testbed.broadcast_trainer",
-        "--kubeconfig", str(fl.cp.kubeconfig), "--namespace", fl.ns, "--name", name,
-        "--version", version, "--tensors", str(tiny_model.checkpoints[tensors]),
-        "--reference", str(tiny_model.checkpoints[reference] / "refit-probe.json"),
-        "--port", str(free_port("127.0.0.1")), "--fleet-port", str(servers[0].port),
-        "--transfer-timeout", str(transfer_timeout), "--fault", fault, "--timeout", "300",
-        "--spec", json.dumps(spec),
-    ]  # fmt: skip
-    return cmd
-
-
-def train(
-    fl: Fleet, tiny_model: TinyModel, servers: list[VllmServer], name: str, version: str,
-    *, fault: str = "none", **kw: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """Run the trainer process to the verdict; its JSON line."""
-    cmd = trainer_command(fl, tiny_model, servers, name, version, fault=fault, **kw)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    if fault == "die-mid-send":
-        assert done.returncode == 9, (done.returncode, done.stderr[-3000:])
-        return {}
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def pod_record(fl: Fleet, name: str) -> dict[str, Any]:

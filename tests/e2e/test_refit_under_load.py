@@ -6,9 +6,10 @@ latency, pod and the weight versions that produced its tokens (vLLM's per-output
 
 One fleet for the module, one refit per drain mode, each from what the last left:
 ``wait`` (checkpoint, Rolling), ``abort`` (checkpoint, AllAtOnce; a streaming client that
-retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce), then a wait drain
+retries as a rollout worker would), ``keep`` (checkpoint, AllAtOnce), a wait drain
 that a request outlives (DrainTimeout: one request of 8 long samples sent to a pod in its drain
-delay, as from a gateway that lags). Every test checks what
+delay, as from a gateway that lags), then ``wait`` again with the weights broadcast by a
+trainer process (Rolling: one send per pod). Every test checks what
 the issue asks of its mode on the load's own records and the pods' pass records: requests
 admitted before a pod left traffic finish on the old weights (or are aborted cleanly, or,
 with keep, finish on both versions, said so), none is served by unprobed weights, none is
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -34,6 +35,7 @@ from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import SERVED_MODEL, VllmServer, start_vllm_pods
 from tests.fixtures.reload import admin
+from tests.fixtures.trainer import train
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -48,11 +50,16 @@ HOSTS = ("127.0.0.4", "127.0.0.5")
 @pytest.fixture(scope="module")
 def servers(tiny_model: TinyModel) -> Iterator[list[VllmServer]]:
     """Two pods' servers on one port at two loopback addresses, started from A's files, with
-    vLLM's token-in-token-out endpoint (--enable-scale-out: what the load speaks)."""
+    vLLM's token-in-token-out endpoint (--enable-scale-out: what the load speaks) and the
+    refit-gloo engine (broadcast refits)."""
+    from refit_worker.contract import TRANSFER_BACKEND
+
+    transfer = json.dumps({"backend": TRANSFER_BACKEND})
     with start_vllm_pods(
         tiny_model, HOSTS, load_format="safetensors", model_dir=tiny_model.checkpoints["A"],
         admin_token="load-admin-token",
-        extra_args=["--enable-scale-out", "--max-model-len", str(LONG_CONTEXT)],
+        extra_args=["--enable-scale-out", "--max-model-len", str(LONG_CONTEXT),
+                    "--weight-transfer-config", transfer],
     ) as servers:  # fmt: skip
         yield servers
 
@@ -86,22 +93,35 @@ def router(fleet: tuple[Fleet, Operators], servers: list[VllmServer]) -> Iterato
     r.stop()
 
 
-def under_load(
-    fl: Fleet, op: Operators, tiny_model: TinyModel, router: GateRouter, servers: list[VllmServer],
-    name: str, version: str, *, load: dict[str, Any], **spec: Any,
-) -> tuple[dict[str, Any], list[Record], LoadGenerator]:  # fmt: skip
-    """The refit run while the load runs: the load starts first (every pod busy), stops
-    once the refit ended and each pod served a few requests at its end state."""
+def run_under_load(
+    fl: Fleet, router: GateRouter, load: dict[str, Any], refit: Callable[[], dict[str, Any]]
+) -> tuple[dict[str, Any], list[Record], LoadGenerator]:
+    """``refit`` run while the load runs: the load starts first (every pod busy), stops once
+    the refit ended and each pod served a few requests at its end state. What ``refit``
+    returned, the load's records, the load."""
     gen = LoadGenerator(router.targets, deadline_s=200, timeout_s=60, **load).start()
     try:
         fl.wait_for(lambda: sum(r.outcome == "ok" for r in gen.records) >= 8, 60, "load")
-        path = tiny_model.checkpoints[version]
-        st = fl.refit_server_pods(op, name, version, path, servers[0].port, **spec)
+        out = refit()
         seen = len(gen.records)
         fl.wait_for(lambda: len(gen.records) >= seen + 8, 60, "load after the refit")
     finally:
         records = gen.stop()
-    return st, records, gen
+    return out, records, gen
+
+
+def under_load(
+    fl: Fleet, op: Operators, tiny_model: TinyModel, router: GateRouter, servers: list[VllmServer],
+    name: str, version: str, *, load: dict[str, Any], **spec: Any,
+) -> tuple[dict[str, Any], list[Record], LoadGenerator]:  # fmt: skip
+    """A checkpoint refit to ``version`` under load (run_under_load): its status."""
+    path = tiny_model.checkpoints[version]
+    return run_under_load(
+        fl,
+        router,
+        load,
+        lambda: fl.refit_server_pods(op, name, version, path, servers[0].port, **spec),
+    )
 
 
 def pass_record(fl: Fleet, pod: str) -> dict[str, Any]:
@@ -413,3 +433,44 @@ def test_a_request_that_outlives_the_drain_timeout_fails_the_pass_closed(
             assert fl.ready(fl.pod(pod)) is True
             assert admin(s, http, "GET", "/is_paused") == {"is_paused": False}
             assert admin(s, http, "GET", "/weight_info")["weight_version"] == target
+
+
+def test_wait_rolling_broadcast_under_load(fleet, servers, tiny_model, router):
+    """A broadcast refit under the load and the rules of the wait refit above: the trainer
+    process (testbed.broadcast_trainer) sends the tensors over gloo, one round per Rolling
+    batch, to a pod drained, asleep and woken for its weights while the other pod serves.
+    Requests admitted before a pod left traffic finish on the old version; none reaches the
+    new weights before the pod's probe passed; nothing is lost."""
+    fl, op = fleet
+    with httpx.Client(timeout=30) as http:
+        before = admin(servers[0], http, "GET", "/weight_info")["weight_version"]
+    tensors = "B" if before == "A" else "A"  # after the test above: A or B, both pods
+    target = f"{tensors}-bcast"
+
+    def refit() -> dict[str, Any]:
+        return train(
+            fl, tiny_model, servers, "bcast-under-load", target, tensors=tensors,
+            reference=tensors, strategy="Rolling", max_unavailable=1,
+            sequence={"sleepLevel": 1, "drainMode": "wait"},
+        )  # fmt: skip
+
+    out, records, _ = run_under_load(fl, router, {"streams": 4, "max_tokens": 200}, refit)
+    assert out["phase"] == "Succeeded", (out, op.logs())
+    assert [r["round"] for r in out["rounds"]] == [1, 2], out["rounds"]  # one send per batch
+    check_nothing_lost(records)
+    # As under the checkpoint's wait: only a request sent in the moment before the router saw
+    # its pod leave can reach the paused engine, queued, and is aborted before any token.
+    assert {r.outcome for r in records} <= {"ok", "aborted"}, summary(records)
+    for r in records:
+        if r.outcome == "aborted":
+            assert r.tokens == 0 and r.finish_reason == "abort", r
+    check_no_unprobed_weights(fl, records, before, target)
+    check_routed_in_traffic(router, records)
+    for pod in PODS:
+        rec = pass_record(fl, pod)
+        assert (rec["version"], rec["source"]) == (target, "broadcast"), rec
+        assert rec["probe"]["verdict"] == "Pass", rec["probe"]
+        admitted = [r for r in by_pod(records, pod) if r.start < rec["left_traffic"]]
+        assert admitted and all(r.versions == (before,) for r in admitted), (pod, rec)
+    assert all(names for _, names in router.history[1:]), router.history
+    assert fl.serving(PODS, servers) == {p: (target, True) for p in PODS}
