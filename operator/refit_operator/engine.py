@@ -129,7 +129,8 @@ class _RefitState:
     reported: _Reported = field(default_factory=_Reported)
     references: dict[str, ProbeReference] = field(default_factory=dict)  # by checkpoint path
     broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
-    readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)  # (runner)
+    # The pods' read-backs: reset from each tick's listing, put by the passes as they go.
+    readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)
     waiting: bool = False  # another refit shares its pods and is not finished, or holds one
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # decide again now
 

@@ -113,6 +113,12 @@ async def run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
             ctx.broadcast.rounds.leave(pod.name)
 
 
+def _now(ctx: PassContext, pod: str, progress: Progress) -> None:
+    """What the pass did so far, for the reconcile (``live``) and the pods' peers."""
+    ctx.live[pod] = progress
+    ctx.readbacks.put(pod, progress)
+
+
 async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     # The claim's write is conditional on the pod's resourceVersion as listed: the token.
     fence = podflow.claim_fence(pod.resource_version) or ctx.next_fence()
@@ -376,12 +382,6 @@ async def _reset_cache(run: StepRun) -> str:
     # Unpause so the probe can be served; the pod is still out of Service endpoints.
     await run.worker.resume(timeout=run.t_step)
     return ""
-
-
-def _now(ctx: PassContext, pod: str, progress: Progress) -> None:
-    """What the pass did so far, for the reconcile (``live``) and the pods' peers."""
-    ctx.live[pod] = progress
-    ctx.readbacks.put(pod, progress)
 
 
 async def _stamp_version(run: StepRun) -> str:

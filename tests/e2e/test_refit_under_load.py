@@ -40,11 +40,10 @@ from tests.fixtures.trainer import train
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PODS = ("vllm-0", "vllm-1")
+HOSTS = ("127.0.0.4", "127.0.0.5")
 # Room for samples that run for seconds (the DrainTimeout test's): the tiny model decodes a
 # batch of 8 samples of 500 tokens in about a second here, too short to outlive a drain.
 LONG_CONTEXT = 2048  # the tiny model has rotary positions for 4,096
-SAMPLE_TOKENS = 1500  # a batch of 8 runs about 10 s
-HOSTS = ("127.0.0.4", "127.0.0.5")
 
 
 @pytest.fixture(scope="module")
@@ -344,10 +343,13 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
 # when the pause's second runs out.
 DRAIN_DELAY_SECONDS = 2
 SAMPLES = 8  # the servers' --max-num-seqs: every sample runs, none waits queued
+SAMPLE_TOKENS = 1500  # a batch of 8 runs about 10 s
 
 
 def engine_running(server: VllmServer, http: httpx.Client) -> float:
-    """vLLM's own count of requests it is generating (its /metrics, open to all)."""
+    """vLLM's own count of requests it is generating (its /metrics, open to all). Running
+    only: WorkerClient.requests_in_flight adds the queued ones, which a wait pause does not
+    wait for."""
     r = http.get(f"{server.base_url}/metrics")
     r.raise_for_status()
     for family in text_string_to_metric_families(r.text):
@@ -362,11 +364,10 @@ def test_a_request_that_outlives_the_drain_timeout_fails_the_pass_closed(
     """DrainTimeout on real vLLM. vllm-0's pass takes it out of traffic and pauses it
     drainDelaySeconds later, as for a gateway that lags; in that delay a request of 8 samples
     of 1,500 tokens each (about 10 s on these cores, all running at once) reaches it directly.
-    The wait drain with drainTimeoutSeconds 1 (and no
-    retries) meets it: the pass fails closed, the pod paused, out of traffic and on its old
-    weights, the refit Halted; every sample still finishes, on the old weights, as wait
-    promises. The next refit takes the paused pod through its pass and back into traffic
-    (its probe reference scored on vllm-1, never on the paused pod).
+    The wait drain with drainTimeoutSeconds 1 (and no retries) meets it: the pass fails
+    closed, the pod paused, out of traffic and on its old weights, the refit Halted; every
+    sample still finishes, on the old weights, as wait promises. The next refit takes the
+    paused pod through its pass and back into traffic.
 
     Not a request sent before the refit: vLLM runs a collective RPC (the preflight's, the
     stage's) only after the requests in flight finish, so the drain would never meet it
