@@ -31,6 +31,9 @@ from .rounds import Rounds, TrainerTimeout, rank_problem
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_SECONDS = 0.5
+# A keep drain's count of what it froze: reads of /metrics this far apart, until two agree.
+KEEP_SETTLE_SECONDS = 0.2
+KEEP_SETTLE_READS = 5
 
 
 class StepFailed(Exception):
@@ -690,7 +693,7 @@ async def _drain(worker: WorkerClient, seq: Sequence, version: str) -> str:
         # Frozen, not drained: they stay in flight through the refit by design and finish on
         # the new weights after the resume (vLLM's weight-version spans name both versions).
         # Waiting for them would only ever end in DrainTimeout.
-        kept = await worker.requests_in_flight(timeout=t_step)
+        kept = await _kept_in_flight(worker, t_step)
         return f"{kept} requests kept in flight, to finish on {version}" if kept else ""
     # Drained: vLLM answers the pause once nothing it runs is in flight (wait: finished;
     # abort: aborted and answered). Not /metrics: requests that reach the pod after the
@@ -699,6 +702,26 @@ async def _drain(worker: WorkerClient, seq: Sequence, version: str) -> str:
     # paused engine stops refreshing. Waiting for them held a drain until its timeout
     # (bench under_load: 60.4 s with 3 such requests). The sleep step next aborts them.
     return ""
+
+
+async def _kept_in_flight(worker: WorkerClient, read_timeout: float) -> int:
+    """What a ``keep`` pause froze, by the engine's own count (running + waiting on /metrics),
+    read until two reads KEEP_SETTLE_SECONDS apart agree (at most KEEP_SETTLE_READS reads).
+    vLLM answers the pause once its engine sent its last step's outputs, but the API server
+    records the counts those outputs carry only when its output task processes them, and the
+    pause's answer can come first (AsyncLLM.pause_generation sleeps 20 ms for those tasks,
+    "not required for correctness"): a single read then gave the step before the last, which
+    on a loaded host counted none of the requests frozen there (CI: the note was empty beside
+    a request with A's tokens and B's). A keep-paused engine runs no more steps, so the
+    counts settle once the last one is recorded."""
+    kept = await worker.requests_in_flight(timeout=read_timeout)
+    for _ in range(KEEP_SETTLE_READS - 1):
+        await asyncio.sleep(KEEP_SETTLE_SECONDS)
+        again = await worker.requests_in_flight(timeout=read_timeout)
+        if again == kept:
+            break
+        kept = again
+    return kept
 
 
 async def _probe(
