@@ -389,8 +389,29 @@ def start_vllm_pods(
     start_vllm_server, for every server; the start timeout allows for all of them."""
     port = free_port(hosts[0])
     kwargs.setdefault("timeout", start_timeout(len(hosts)))
+    env = kwargs.pop("env", None) or {}
     with contextlib.ExitStack() as stack:
         yield [
-            stack.enter_context(start_vllm_server(tiny_model, host=host, port=port, **kwargs))
-            for host in hosts
+            stack.enter_context(
+                start_vllm_server(
+                    tiny_model, host=host, port=port, env={**pod_cores(i), **env}, **kwargs
+                )
+            )
+            for i, host in enumerate(hosts)
         ]
+
+
+def pod_cores(index: int) -> dict[str, str]:
+    """The i-th pod's worker on a core of its own, round robin over this machine's cores, as
+    a node's cpusets give each pod its own. vLLM's CPU build otherwise binds every server's
+    worker to the same core (its default binding takes the first cores and leaves one to the
+    engine process), and two workers runnable on one core starved each other here: a worker
+    stayed runnable with no CPU time for minutes (kernel 6.18, its vruntime far behind the
+    other's) while its pod drained, so the requests it held made no progress and a wait
+    drain stalled until DrainTimeout (tests/e2e/test_refit_under_load.py's broadcast test
+    failed 3 runs of 5, clients timing out after 60 s). Measured apart (two servers, four
+    streams of 200 tokens kept off the pod that pauses, /pause?mode=wait six times): on one
+    shared core the second pause never answered in 400 s; with a core each the six took
+    0.03 to 17 s, two above 10 s, so the wait still varies with what else the core runs."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
