@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
-    "explorer", "under_load", "grpo",
+    "explorer", "under_load", "grpo", "parallel",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -32,6 +32,7 @@ TITLES = {
     "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
     "under_load": "refits under live traffic per drain mode vs the same refits idle (real vLLM)",
     "grpo": "a TRL GRPO run through Refit: each step's wait for its weights vs direct refits",
+    "parallel": "a tensor-parallel pod vs a one-worker pod: time out of traffic, staging memory",
 }
 
 
@@ -92,6 +93,10 @@ def run_one(
         from bench import grpo
 
         return grpo.suite(quick, log)
+    if name == "parallel":
+        from bench import parallel
+
+        return parallel.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

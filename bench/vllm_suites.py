@@ -18,7 +18,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -416,7 +416,7 @@ def raw_read(files: list[Path]) -> float:
 
 
 @contextlib.contextmanager
-def _client(server: VllmServer) -> Iterator[tuple[asyncio.AbstractEventLoop, WorkerClient]]:
+def worker_loop(server: VllmServer) -> Iterator[tuple[asyncio.AbstractEventLoop, WorkerClient]]:
     loop = asyncio.new_event_loop()
 
     async def open_session() -> aiohttp.ClientSession:
@@ -539,16 +539,22 @@ class BindingRun:
 
 
 async def staged_refit(
-    w: WorkerClient, path: str, version: str, prompts: list[list[int]]
+    w: WorkerClient,
+    path: str,
+    version: str,
+    prompts: list[list[int]],
+    staged: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, float]:
     """A refit as the operator now runs it (runner.execute_step over podflow.STEPS): the stage
     while the pod serves, then the window out of traffic (drain .. stamp, then the probe's
     scoring of every prompt in one request). Seconds: stage, window, reload (the load RPC's
-    own reload time), probe."""
+    own reload time), probe. ``staged()`` runs between the stage and the drain, untimed."""
     seq = Sequence()
     progress = podflow.start("bench", "bench", version, path, time.time())
     t0 = time.perf_counter()
     await runner.execute_step(w, seq, progress, Step.stage, resumed=False)
+    if staged is not None:
+        await staged()
     t1 = time.perf_counter()
     reload = 0.0
     for step in podflow.STEPS[1:]:
@@ -564,7 +570,7 @@ async def staged_refit(
     return {"stage": t1 - t0, "window": t3 - t1, "reload": reload, "probe": t3 - t2}
 
 
-def _probe_prompts() -> list[list[int]]:
+def probe_prompts() -> list[list[int]]:
     """The default probe's prompts (the tiny model's reference, same tokenizer as the wide
     model): the probe's cost is scoring them, whatever the weights."""
     ref = ensure_tiny_model().checkpoints["A"] / contract.PROBE_FILE
@@ -578,10 +584,10 @@ def _bandwidth_reps(
     ckpt = str(wide.allowed_root / "W")
     keys = ("raw_cold", "raw_warm", "refit", "preflight", "load", "reload", "reload_cold",
             "staged_raw_cold", "stage", "window", "staged_reload", "probe")  # fmt: skip
-    prompts = _probe_prompts()
+    prompts = probe_prompts()
     s: dict[str, list[float]] = {k: [] for k in keys}
     preflight_cpu: list[dict[str, tuple[float, float]]] = []
-    with start_vllm_server(wide, env=env) as server, _client(server) as (loop, w):
+    with start_vllm_server(wide, env=env) as server, worker_loop(server) as (loop, w):
         cores = worker_cores(server)
         first_completion(server)
         loop.run_until_complete(w.load(ckpt, "warmup"))  # format switch, first-load costs
