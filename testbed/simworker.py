@@ -100,8 +100,8 @@ Steps and faults
 
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
-    ``unsafe_reasons``, ``staging_budget``; ``calls()`` lists the steps a pod served, in
-    order (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
+    ``unsafe_reasons``, ``world_size``, ``staging_budget``; ``calls()`` lists the steps a
+    pod served, in order (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
     ``Authorization`` header came (``auth``) and status codes;
     ``counts()`` per step); ``state()`` shows a pod's state (``staged``: the path and mode
     refit_stage holds, or None). The same methods on ``pods[0].fleet`` (the SimFleet) take
@@ -193,6 +193,7 @@ HTTP_STEPS = {
     "/update_weight_version": "update_weight_version",
     "/weight_info": "weight_info",
     contract.WEIGHT_CHECKER_PATH: "weight_checker",
+    contract.WORLD_SIZE_PATH: "get_world_size",
     "/collective_rpc": "collective_rpc",
 }
 RPC_STEPS = (
@@ -323,6 +324,9 @@ class PodState:
     waiting: int = 0
     capabilities: list[str] | None = None
     unsafe_reasons: list[str] = field(default_factory=list)
+    # What /get_world_size counts; more than one (refit_info answers for one worker) is a
+    # pod whose other engines the refit's calls would not reach, like vLLM's DP > 1.
+    world_size: int = 1
     staging_budget: str | None = None  # REFIT_STAGING_BUDGET_BYTES's text; None: the env's
     staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
     faults: dict[str, Fault] = field(default_factory=dict)
@@ -877,6 +881,9 @@ class SimServer:
         status = "awake" if awake else "sleeping"
         return web.json_response({"status": status, "tags": given or None})
 
+    async def on_get_world_size(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        return web.json_response({"world_size": pod.world_size})
+
     async def on_is_sleeping(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         return web.json_response({"is_sleeping": pod.paused or bool(pod.asleep)})
 
@@ -1121,6 +1128,7 @@ class SimServer:
                 "weight_version",
                 "capabilities",
                 "unsafe_reasons",
+                "world_size",
                 "staging_budget",
             }
             bad = set(doc.get("set", {})) - settable

@@ -571,12 +571,13 @@ class Engine:
         problem = None
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
             problem = await self._check_reference(t, reachable)
-        world_sizes: dict[str, int | str] = {}
-        if spec.broadcast is not None:
-            if problem is None:
-                problem = await self._load_broadcast(t)
-
-            world_sizes = await each(lambda c: c.world_size(timeout=t_step), "get_world_size")
+        if spec.broadcast is not None and problem is None:
+            problem = await self._load_broadcast(t)
+        # Every refit: a pod whose workers the calls do not all reach is refused
+        # (admission.reach_problem); a broadcast also ranks each pod by this count.
+        world_sizes: dict[str, int | str] = await each(
+            lambda c: c.world_size(timeout=t_step), "get_world_size"
+        )
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
     async def _check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:

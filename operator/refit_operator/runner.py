@@ -18,7 +18,7 @@ from refit_worker import contract
 from refit_worker.contract import ProbeReference
 
 from .core import checksums, podflow, probe, times
-from .core.admission import admission_problem
+from .core.admission import admission_problem, reach_problem
 from .core.api import Broadcast, Sequence, WeightRefitSpec
 from .core.podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUntil
 from .core.reasons import Problem, Reason, pass_event, step_timeout
@@ -198,11 +198,19 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         return Problem(Reason.MissingReadinessGate, "the pod does not declare the readiness gate")
     if ctx.admitted.get(pod.name) == (pod.uid, pod.restarts):
         return None  # checked by the fleet preflight, and the container has not restarted
+    t_step = float(ctx.spec.sequence.step_timeout_seconds)
     try:
-        info = await worker.refit_info(timeout=float(ctx.spec.sequence.step_timeout_seconds))
+        info = await worker.refit_info(timeout=t_step)
     except WorkerError:
         return None  # transient or not: the first step meets it again, with retries
-    return admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
+    problem = admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
+    if problem is not None:
+        return problem
+    try:
+        size: int | str = await worker.world_size(timeout=t_step)
+    except WorkerError as e:  # it answered refit_info: no pass without the count
+        size = f"get_world_size failed ({e.kind}): {e.message}"
+    return reach_problem(info, size)
 
 
 @dataclass

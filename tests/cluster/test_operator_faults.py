@@ -207,6 +207,20 @@ def test_unsafe_backend_refused_unless_allowed(harness, sim_fleet, tmp_path):
     assert fleet.wait_phase("wr-unsafe", END, 60, op)["status"]["phase"] == "Succeeded"
 
 
+def test_pod_with_workers_the_refit_cannot_hear_is_refused(harness, sim_fleet, tmp_path):
+    """A pod whose API server counts two workers while refit_info answers for one (vLLM with
+    --data-parallel-size 2, tests/worker/test_data_parallel.py): refused before any call."""
+    fleet, op = harness
+    sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
+    sims[1].set_state(world_size=2)
+    ckpt = make_checkpoints(tmp_path, "v1")
+    op.start()
+    fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
+    st = _expect_refused(fleet, op, "WorkersOutOfReach")
+    assert st["message"].startswith("pod pod-1: /get_world_size counts 2 workers"), st
+    assert _untouched(sims)
+
+
 def test_reference_the_model_cannot_score(harness, sim_fleet, tmp_path):
     fleet, op = harness
     sims = start_fleet(fleet, sim_fleet, tmp_path, 2)
@@ -252,21 +266,27 @@ def test_reference_of_another_version_is_refused_before_any_pod_is_touched(
 
 def test_late_pod_without_gate_or_safe_backend_is_refused(harness, sim_fleet, tmp_path):
     fleet, op = harness
-    sims = sim_fleet(3, allowed_root=tmp_path)
+    sims = sim_fleet(4, allowed_root=tmp_path)
     fleet.add_pod("pod-0", sims[0])
     ckpt = make_checkpoints(tmp_path, "v1")
     op.start()
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
     fleet.wait_phase("wr", "Succeeded", 60, op)
     sims[2].set_state(capabilities=[])
+    sims[3].set_state(world_size=2)
     fleet.add_pod("no-gate", sims[1], gate=False)
     fleet.add_pod("unsafe", sims[2])
+    fleet.add_pod("out-of-reach", sims[3])
 
     def refused() -> dict[str, str]:
         pods = fleet.refit("wr")["status"]["pods"]
         return {p["name"]: p["reason"] for p in pods if p["phase"] == "Failed"}
 
-    fleet.wait_for(lambda: len(refused()) == 2, 60, "both late pods refused")
-    assert refused() == {"no-gate": "MissingReadinessGate", "unsafe": "UnsafeBackend"}
+    fleet.wait_for(lambda: len(refused()) == 3, 60, "the late pods refused")
+    assert refused() == {
+        "no-gate": "MissingReadinessGate",
+        "unsafe": "UnsafeBackend",
+        "out-of-reach": "WorkersOutOfReach",
+    }
     assert _untouched(sims[1:])
     assert fleet.ready(fleet.pod("pod-0")) is True

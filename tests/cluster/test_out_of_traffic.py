@@ -100,7 +100,14 @@ def test_the_drain_pauses_drain_delay_seconds_after_the_pod_left_traffic(
     # The drain began right after the record that took the pod out: it held the delay.
     assert record["step_seconds"]["drain"] >= 1.9, record
     assert record["drained_at"] - record["left_traffic"] >= 2.0, record
-    probe = ("models", "completions", "health", "refit_probe_reference", "refit_info")
+    probe = (
+        "models",
+        "completions",
+        "health",
+        "refit_probe_reference",
+        "refit_info",
+        "get_world_size",
+    )
     calls = [c for c in sim.calls() if c not in probe]
     assert calls[:3] == ["refit_stage", "pause", "sleep"], calls
 

@@ -1,6 +1,7 @@
 """Parallel layouts in the fleet preflight (docs/concepts.md, "Parallel layouts and
 multi-pod replicas"): the pods of a fleet share one layout, a broadcast's ranks follow each
-pod's /get_world_size, and refit_info carries the layout (older workers: TP1 PP1 DP1)."""
+pod's /get_world_size, every worker the API server counts answers the refit's calls, and
+refit_info carries the layout (older workers: TP1 PP1 DP1)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import dataclasses
 import json
 
 import pytest
-from refit_operator.core.admission import PreflightResult, layout_problem, world_size_problem
+from refit_operator.core.admission import (
+    PreflightResult,
+    layout_problem,
+    reach_problem,
+    world_size_problem,
+)
 from refit_operator.core.api import WeightRefitStatus
 from refit_operator.core.reconcile import decide
 from refit_worker.contract import ContractError, RefitInfo
@@ -62,18 +68,40 @@ def test_pods_that_disagree_on_their_layout_are_refused_before_any_is_touched() 
     )
 
 
-def test_a_broadcast_refuses_a_pod_whose_world_size_is_not_its_layouts() -> None:
+def test_a_pod_whose_world_size_counts_workers_that_do_not_answer_is_refused() -> None:
+    """Checkpoint and broadcast refits alike: the dense --data-parallel-size 2 pod as vLLM
+    0.32 shows it (each engine reports DP 1, the API server counts 2), and a TP 2 pod whose
+    API server counts 4."""
     assert world_size_problem({"a": TP2}, {"a": 2}) is None
-    pre = PreflightResult(infos={"a": TP2, "b": TP2}, world_sizes={"a": 2, "b": 4})
+    pre = PreflightResult(infos={"a": TP2, "b": info()}, world_sizes={"a": 2, "b": 2})
     reason, message = failed_reason(pre, ["a", "b"])
-    assert reason == "BroadcastWorldSizeMismatch"
+    assert reason == "ParallelLayoutMismatch"  # layouts are judged first
+    pre = PreflightResult(infos={"a": info(), "b": info()}, world_sizes={"a": 1, "b": 2})
+    reason, message = failed_reason(pre, ["a", "b"])
+    assert reason == "WorkersOutOfReach"
     assert message == (
-        "pod b: /get_world_size reports 4 workers but its layout TP2 PP1 DP1 runs 2; a "
-        "broadcast would rank it wrongly"
+        "pod b: /get_world_size counts 2 workers but refit_info answers for 1 (TP1 PP1 DP1): "
+        "the refit would not hear from the others (--data-parallel-size above 1 runs an "
+        "engine per rank, and /collective_rpc answers with the first engine's results only); "
+        "run one engine per pod"
+    )
+    pre = PreflightResult(infos={"a": TP2}, world_sizes={"a": 4})
+    assert failed_reason(pre, ["a"])[0] == "WorkersOutOfReach"
+
+
+def test_data_parallelism_behind_one_api_server_is_refused_whatever_the_world_size() -> None:
+    dp2 = info(data_parallel_size=2)
+    assert reach_problem(dp2, 2) == reach_problem(dp2, 1)
+    pre = PreflightResult(infos={"a": dp2}, world_sizes={"a": 2})
+    assert failed_reason(pre, ["a"]) == (
+        "WorkersOutOfReach",
+        "pod a: data parallelism 2 behind one API server: its /collective_rpc answers with "
+        "the first engine's results only, so the others' loads could not be checked; run one "
+        "engine per pod",
     )
 
 
-def test_a_broadcast_refuses_a_pod_that_does_not_say_its_world_size() -> None:
+def test_a_pod_that_does_not_say_its_world_size_is_refused() -> None:
     problem = world_size_problem({"a": TP2}, {"a": "get_world_size failed (http): HTTP 404"})
     assert problem is not None and problem.reason == "PodUnreachable"
     assert problem.message == "pod a: get_world_size failed (http): HTTP 404"

@@ -30,6 +30,15 @@ class HazardExtension(RefitWorkerExtension):
     def hazard_backport_states(self) -> dict[str, str]:
         return {name: outcome.state.value for name, outcome in backports.status().items()}
 
+    def hazard_mark_process(self, dir: str) -> dict[str, int]:
+        """Leave a file named for this worker's process in dir: which workers a call reached,
+        seen from outside (/collective_rpc may answer for fewer than it reached)."""
+        import os
+
+        with open(os.path.join(dir, f"worker-{os.getpid()}"), "w") as f:
+            f.write("reached")
+        return {"pid": os.getpid()}
+
     def hazard_count_experts(self) -> dict[str, int]:
         """Count, from now on, how often the router picks each expert of every MoE layer
         (top-k of the gate's logits, as the experts are chosen); returns the layers hooked."""

@@ -166,6 +166,7 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
         calls: list[Callable[[], Awaitable[Any]]] = [
             ready,  # 503: nothing stamped in this process
             admin.refit_info,
+            admin.world_size,  # one worker: every worker the API server counts answers
             admin.weight_version,
             admin.is_paused,
             lambda: admin.pause("wait"),
@@ -212,11 +213,13 @@ async def run_scenario(target: Target, prompts: list[list[int]]) -> list[Any]:
             lambda: anonymous.score(token_ids),
             anonymous.requests_in_flight,
             anonymous.weight_checksums,  # 401: the weight checker is an admin path
+            anonymous.world_size,  # 401: vLLM's dev endpoints sit behind the guard
         ]
         for call in calls:
             await outcome(call())
         assert (await admin.refit_info()).weight_version == VERSION
         assert await admin.weight_version() == VERSION
+        seen.append(("world_size", await admin.world_size()))
     return seen
 
 
@@ -289,7 +292,8 @@ def test_simulator_answers_with_the_real_shapes(
     # (unbound) vouch, then 200
     assert readiness == [503, 503, 503, 503, 200, 200]
     unauthorized = [o for o in observed_real if o[0] == "http" and o[3] == 401]
-    assert len(unauthorized) == 5
+    assert len(unauthorized) == 6
+    assert ("world_size", 1) in observed_real  # one worker, as refit_info's layout says
     digests = [o[1:] for o in observed_real if o[0] == "digests"]
     assert digests == [(["dp0:pp0:pcp0:tp0"], True), (["dp0:pp0:pcp0:tp0"], True)]
     batches = [o[1][0] for o in observed_real if o[0] == "counts" and len(o[1][0]) > 1]
@@ -300,7 +304,7 @@ def test_simulator_answers_with_the_real_shapes(
     ]
     statuses = [o[2] for o in observed_real if o[:2] == ("error", "http")]
     # an empty vouch, an anonymous vouch; bad token, bad batch, empty prompt; anonymous calls
-    assert statuses == [400, 401, 400, 400, 400, 401, 401, 401, 401]
+    assert statuses == [400, 401, 400, 400, 400, 401, 401, 401, 401, 401]
 
 
 async def run_fencing(target: Target) -> list[Any]:

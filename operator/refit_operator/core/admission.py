@@ -107,22 +107,47 @@ def layout_problem(infos: Mapping[str, RefitInfo | str]) -> Problem | None:
     )
 
 
+def reach_problem(info: RefitInfo, world_size: int | str) -> Problem | None:
+    """Every worker of the pod must be one the refit hears from: it verifies, loads and reads
+    back through /collective_rpc and judges the pod by the workers' answers. vLLM's API server
+    counts its workers in /get_world_size (TP x PP x DP); refit_info answers for the workers
+    whose results come back. Under data parallelism vLLM runs an engine per DP rank, sends
+    each /collective_rpc to every engine and answers with the first engine's results only
+    (DPLBAsyncMPClient.call_utility_async); with a dense model each engine also reports DP 1
+    (ParallelConfig.reconfigure_for_independent_dp_rank), so the counts differ. Workers agree
+    within an engine only (refit_worker.peers): one engine could refuse a load the other
+    applied, and the other engines' versions and read-backs go unseen. Measured on vLLM 0.32
+    CPU (tests/worker/test_data_parallel.py)."""
+    if isinstance(world_size, str):
+        return Problem(Reason.PodUnreachable, world_size)
+    if info.data_parallel_size > 1:
+        return Problem(
+            Reason.WorkersOutOfReach,
+            f"data parallelism {info.data_parallel_size} behind one API server: its "
+            "/collective_rpc answers with the first engine's results only, so the others' "
+            "loads could not be checked; run one engine per pod",
+        )
+    if world_size != info.workers:
+        return Problem(
+            Reason.WorkersOutOfReach,
+            f"/get_world_size counts {world_size} workers but refit_info answers for "
+            f"{info.workers} ({info.layout}): the refit would not hear from the others "
+            "(--data-parallel-size above 1 runs an engine per rank, and /collective_rpc "
+            "answers with the first engine's results only); run one engine per pod",
+        )
+    return None
+
+
 def world_size_problem(
     infos: Mapping[str, RefitInfo | str], world_sizes: Mapping[str, int | str]
 ) -> Problem | None:
-    """A broadcast gives each pod one rank per worker its refit_info reports (TP x PP x DP);
-    the pod's /get_world_size must count the same workers, or the trainer's group would wait
-    for ranks nobody joins (or refuse ranks nobody expected)."""
+    """The fleet's pods, by name (reach_problem); pods without both answers were refused
+    before (admission_problem) or were not asked."""
     for name, size in sorted(world_sizes.items()):
-        if isinstance(size, str):
-            return Problem(Reason.PodUnreachable, f"pod {name}: {size}")
         info = infos.get(name)
-        if isinstance(info, RefitInfo) and size != info.workers:
-            return Problem(
-                Reason.BroadcastWorldSizeMismatch,
-                f"pod {name}: /get_world_size reports {size} workers but its layout "
-                f"{info.layout} runs {info.workers}; a broadcast would rank it wrongly",
-            )
+        problem = reach_problem(info, size) if isinstance(info, RefitInfo) else None
+        if problem is not None:
+            return Problem(problem.reason, f"pod {name}: {problem.message}")
     return None
 
 

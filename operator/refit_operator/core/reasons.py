@@ -27,8 +27,10 @@ class Reason(StrEnum):
     UnsafeConfiguration = "UnsafeConfiguration"  # a configuration the backports do not cover
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales
     ParallelLayoutMismatch = "ParallelLayoutMismatch"  # the pods report different TP/PP/DP
-    # a pod's /get_world_size is not its layout's workers, or a worker joined a broadcast at
-    # a rank other than its round's
+    # a pod runs workers whose answers the refit never hears: /get_world_size counts more
+    # than refit_info's layout, or data parallelism behind one API server
+    WorkersOutOfReach = "WorkersOutOfReach"
+    # a worker joined a broadcast at a rank or world size other than its round's
     BroadcastWorldSizeMismatch = "BroadcastWorldSizeMismatch"
     SecretMissing = "SecretMissing"  # the named Secret or key does not exist
     SecretForbidden = "SecretForbidden"  # RBAC forbids reading the named Secret

@@ -373,7 +373,8 @@ class WorkerClient:
 
     # --- vLLM dev / RL endpoints -----------------------------------------------------
     async def world_size(self, *, timeout: float | None = None) -> int:
-        """How many workers of this pod receive a broadcast (TP x PP x DP)."""
+        """How many workers this pod's API server counts (TP x PP x DP): a refit's calls must
+        reach every one of them, and a broadcast gives each a rank."""
         doc = await self._json("GET", contract.WORLD_SIZE_PATH, timeout=timeout)
         size = _field(doc, "world_size", int, "get_world_size")
         if isinstance(size, bool) or size < 1:
