@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from refit_worker import checkpoint, reference
+from refit_worker.dtypes import SCORING_DTYPES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("dir", type=Path, help="checkpoint directory (HF format, safetensors)")
     r.add_argument("--texts", type=Path, required=True, help="probe texts, one per line")
     r.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: DIR)")
-    r.add_argument("--dtype", default="float32", choices=reference.DTYPES)
+    r.add_argument("--dtype", default="float32", choices=SCORING_DTYPES)
     r.add_argument("--version", help="checkpoint version (default: the directory name)")
     r.add_argument("--max-tokens", type=int, default=128, help="tokens per probe (>= 2)")
     return p

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # --- Kubernetes-facing names shared by the operator, the chart and the example fleet ---
 API_GROUP = "refit.rollout.dev"
@@ -491,7 +491,14 @@ class RefitRejected(RuntimeError):
         super().__init__(f"{REJECTION_PREFIX}: {code}: {detail}")
 
 
-def parse_rejection(text: str) -> tuple[str, str] | None:
+class Rejection(NamedTuple):
+    """A worker's refusal as the operator reads it back from an error body."""
+
+    code: str  # one of REJECTION_CODES
+    detail: str
+
+
+def parse_rejection(text: str) -> Rejection | None:
     """Find '<prefix>: <Code>: <detail>' anywhere in an error body; None if absent."""
     at = text.find(REJECTION_PREFIX + ": ")
     if at < 0:
@@ -502,4 +509,4 @@ def parse_rejection(text: str) -> tuple[str, str] | None:
         return None
     # vLLM wraps a worker exception as "... error '<str(exc)>', please check the stack trace".
     detail = detail.split("', please check")[0]
-    return code, detail.strip().strip('"}').strip()
+    return Rejection(code, detail.strip().strip('"}').strip())

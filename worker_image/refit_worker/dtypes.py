@@ -53,6 +53,9 @@ _TORCH_ATTRS: dict[str, str] = {
     "BOOL": "bool",
 }
 
+# The dtypes a probe reference may be scored in (torch's names; reference.score, the CLI).
+SCORING_DTYPES: tuple[str, ...] = tuple(_TORCH_ATTRS[n] for n in ("F32", "BF16", "F16"))
+
 
 def dtype_compatible(checkpoint: str, param: str) -> bool:
     """vLLM casts floating checkpoints to the parameter dtype on load; anything else (FP8,

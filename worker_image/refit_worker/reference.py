@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from refit_worker.contract import PROBE_FILE, ProbePrompt, ProbeReference
-
-DTYPES = ("float32", "bfloat16", "float16")
+from refit_worker.dtypes import SCORING_DTYPES
 
 
 def read_texts(path: Path) -> list[str]:
@@ -47,8 +46,8 @@ def score(model_dir: Path, token_ids: Sequence[Sequence[int]], dtype: str) -> li
     import torch
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in SCORING_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(SCORING_DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
     )

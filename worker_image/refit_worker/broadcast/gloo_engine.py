@@ -161,17 +161,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         current = self.round
         if current is None:  # vLLM's worker refuses update_weights before start already
             raise RuntimeError("start_weight_update must come first")
-        problem: tuple[str, str] | None
+        problem: RefitRejected | None
         if current.state != "started":  # the update's one round was received already
             current = self.round = Round(current.number)
-            promise, problem = None, ("TransferFailed", "a second update_weights in one update")
+            promise = None
+            problem = RefitRejected("TransferFailed", "a second update_weights in one update")
         else:
             promise, problem = self._check_promise(current, update_info.manifest)
         verifier = Verifier(promise)
         held: deque[tuple[str, torch.Tensor]] = deque()
         started = time.perf_counter()
         if self.group is None:  # nothing to receive from; refused with the peers below
-            problem = ("TransferFailed", "not initialized: init_weight_transfer_engine")
+            problem = RefitRejected(
+                "TransferFailed", "not initialized: init_weight_transfer_engine"
+            )
         else:
             try:
                 for name, tensor in receive(self.group):
@@ -179,14 +182,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                         held.append((name, tensor))
             except TransportError as exc:
                 self.shutdown()  # a broken collective cannot be resumed: init again
-                problem = ("TransferFailed", f"{exc} (after {len(verifier.received)} tensors)")
+                problem = RefitRejected(
+                    "TransferFailed", f"{exc} (after {len(verifier.received)} tensors)"
+                )
         current.receive_seconds = time.perf_counter() - started
         current.received, current.bytes = verifier.manifest(), verifier.bytes
         if problem is None and (mismatch := verifier.refusal()) is not None:
-            problem = ("TransferMismatch", mismatch)
+            problem = RefitRejected("TransferMismatch", mismatch)
         # One worker's refusal refuses every worker of the pod before any loads, and only the
         # answering worker raises it (refit_worker.peers); so again after the load.
-        refusal = peers.exchange(RefitRejected(*problem) if problem is not None else None)
+        refusal = peers.exchange(problem)
         if refusal is None:
             try:
                 self._load(current, held)
@@ -204,12 +209,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def _check_promise(
         self, current: Round, doc: Any
-    ) -> tuple[TransferManifest | None, tuple[str, str] | None]:
+    ) -> tuple[TransferManifest | None, RefitRejected | None]:
         """Parse the promise and check that it fits the model: (promise, refusal)."""
         try:
             promise = parse_manifest(doc)
         except ContractError as exc:
-            return None, ("ManifestInvalid", str(exc))
+            return None, RefitRejected("ManifestInvalid", str(exc))
         current.promised = promise.digest
         tensors = {
             n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in promise.tensors.items()
@@ -217,7 +222,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         try:
             verify_model_tensors(self.model, tensors, LoadRules.of(self.vllm_config))
         except RefitRejected as exc:
-            return None, (exc.code, exc.detail)
+            return None, exc
         return promise, None
 
     def _load(self, current: Round, held: deque[tuple[str, torch.Tensor]]) -> None:
