@@ -29,12 +29,13 @@ from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.engine import Engine
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
+from refit_operator.tools.refit_document import build_refit
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
 
 from . import invariants
-from .memcluster import Event, MemoryCluster, MemoryLeases, Store, clone, pod_body, refit_body
+from .memcluster import Event, MemoryCluster, MemoryLeases, Store, clone, finalized, pod_body
 from .vtime import Stalled, VirtualClock, VirtualLoop
 from .workers import ExplorerSimServer, InProcessSession, checkpoints
 
@@ -196,13 +197,15 @@ class Explorer:
         self.store.create("Pod", NS, pod_body(name, ip, labels))
         self._note(f"pod {name} created at {ip}")
 
-    def _spec(self, version: str) -> dict[str, Any]:
+    def _refit(self, name: str, version: str) -> dict[str, Any]:
         r = self.rng
         sleep_level = r.choice([0, 1])
-        return {
-            "fleet": {"selector": {"matchLabels": dict(FLEET)}, "port": 8000},
-            "checkpoint": {"path": self.ckpt[version], "version": version},
-            "sequence": {
+        strategy, max_unavailable = r.choice([("AllAtOnce", None), ("Rolling", 1)])
+        return build_refit(
+            name, self.ckpt[version], version, fleet_selector=dict(FLEET), port=8000,
+            strategy=strategy, max_unavailable=max_unavailable,
+            on_failure=r.choice(["Halt", "Rollback"]),
+            sequence={
                 "sleepLevel": sleep_level,
                 # Half the refits wait out a drain delay, so faults land inside it too. Derived
                 # from a choice already drawn: a new draw would reshuffle every seed's schedule.
@@ -215,15 +218,13 @@ class Explorer:
                 "totalTimeoutSeconds": 600,
                 "retries": 2,
             },
-            "strategy": r.choice([{"type": "AllAtOnce"}, {"type": "Rolling", "maxUnavailable": 1}]),
-            "onFailure": r.choice(["Halt", "Rollback"]),
-        }
+        )  # fmt: skip
 
     def _create_refit(self, name: str | None = None) -> None:
         version = VERSIONS[self.refits % len(VERSIONS)]
         self.refits += 1
         name = name or f"wr-{self.refits:03d}"
-        doc = self.store.create("WeightRefit", NS, refit_body(name, self._spec(version)))
+        doc = self.store.create("WeightRefit", NS, finalized(self._refit(name, version)))
         self._note(f"refit {name} created ({version}, {doc['metadata']['uid']})")
 
     def _replica(self, installation: str) -> Replica:

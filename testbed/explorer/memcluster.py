@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_operator.core import api, times
+from refit_operator.core import times
 from refit_operator.core.podflow import PodView
 from refit_operator.edges.cluster import FINALIZER, Cluster
-from refit_worker.contract import API_GROUP, READINESS_GATE, READY_PATH
+from refit_worker.contract import READINESS_GATE, READY_PATH
 
 Key = tuple[str, str, str]  # kind, namespace, name
 Docs = list[dict[str, Any]]  # (Store.list shadows ``list`` in its class body)
@@ -302,13 +302,11 @@ def pod_body(name: str, ip: str, labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def refit_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{API_GROUP}/{api.VERSION}",
-        "kind": "WeightRefit",
-        "metadata": {"name": name, "finalizers": [FINALIZER]},
-        "spec": spec,
-    }
+def finalized(doc: dict[str, Any]) -> dict[str, Any]:
+    """A WeightRefit document (refit_document.build_refit's) with the finalizer kopf's
+    handlers add when they first see it: the in-memory cluster runs no kopf."""
+    doc.setdefault("metadata", {}).setdefault("finalizers", []).append(FINALIZER)
+    return doc
 
 
 class _Answer:

@@ -18,9 +18,10 @@ from refit_operator.core.api import WeightRefitStatus
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.engine import Engine
+from refit_operator.tools.refit_document import build_refit
 
 from testbed.explorer.explore import ROOT, VERSIONS
-from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store, pod_body, refit_body
+from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store, finalized, pod_body
 from testbed.explorer.vtime import VirtualClock, VirtualLoop
 from testbed.explorer.workers import ExplorerSimServer, InProcessSession, checkpoints
 
@@ -54,9 +55,8 @@ async def _bed(pods: int = 2, lease: Lease | None = None, store: Store | None = 
     for i, ip in enumerate(sim.pods):
         store.create("Pod", NS, pod_body(f"p{i}", ip, {"app": "a"}))
     ckpt = checkpoints(ROOT, VERSIONS[:1])
-    spec = {"fleet": {"selector": {"matchLabels": {"app": "a"}}},
-            "checkpoint": {"path": ckpt["v1"], "version": "v1"}}  # fmt: skip
-    store.create("WeightRefit", NS, refit_body("wr", spec))
+    refit = build_refit("wr", ckpt["v1"], "v1", fleet_selector={"app": "a"})
+    store.create("WeightRefit", NS, finalized(refit))
     cluster = MemoryCluster(store, "op")
     engine = Engine(
         cluster,
