@@ -8,42 +8,39 @@ grow with pod events (a 1000-pod refit writes status once per tick, not once per
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
+from refit_worker.contract import ProbeReference
 
-from .core import admission, checksums, history, plan, probe, reconcile, times
-from .core.admission import PreflightResult
-from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, WeightRefitSpec, WeightRefitStatus
+from .core import admission, checksums, history, plan, reconcile, times
+from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, Phase, WeightRefitSpec, WeightRefitStatus
 from .core.index import Known, RefitIndex
-from .core.podflow import STEPS, PodView, Progress, Step
-from .core.reasons import Problem, Reason
+from .core.podflow import STEPS, PodView, Step
 from .core.reconcile import Decision, Observed, RefitView
-from .core.status import peer_nlls, pod_phases
+from .core.status import pod_phases
 from .edges import metrics
-from .edges.cluster import AccessDenied, ClaimLost, Kube, PodBusy
+from .edges.cluster import ClaimLost, Kube, PodBusy
 from .edges.leader import LeadershipLost, Lease
 from .edges.worker_client import WorkerClient, WorkerError
-from .rounds import Rounds
-from .runner import BroadcastSource, PassContext, run_pass
+from .preflight import Preflight
+from .refit_state import Listing, Passes, RefitState, Tick
+from .runner import PassContext, run_pass
 
 log = logging.getLogger(__name__)
 
-PREFLIGHT_CONCURRENCY = 64
 COLLECT_SECONDS = 30.0  # the least time between two collections of a namespace by dormant ticks
 RESYNC_SECONDS = 60.0  # the index is checked against the API server's refits this often
 WAITING_RESYNC_SECONDS = 5.0  # ... and this often while a refit waits for another one
 SYNC_TRIES = 30  # seconds a starting API server may take before the first list succeeds
 STOP_SECONDS = 5.0  # a cancelled pass runs only its cleanup; bounded all the same
-ACTIVE_PHASES = frozenset({"Preflight", "Progressing", "RollingBack"})
-RESULTS = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
+ACTIVE_PHASES: frozenset[Phase] = frozenset({"Preflight", "Progressing", "RollingBack"})
+RESULTS: dict[Phase, str] = {"Succeeded": "succeeded", "Failed": "failed", "Halted": "halted",
            "RolledBack": "rolled_back", "Superseded": "superseded"}  # fmt: skip
 
 
@@ -61,98 +58,6 @@ class WorkerFactory(Protocol):
         fence: int | None,
         before_call: Callable[[], None] | None,
     ) -> WorkerClient: ...
-
-
-@dataclass
-class _Secrets:
-    """The pods' credentials, read from the Secrets the spec names: by the preflight, or by
-    the first tick that starts a pass after a restart (the preflight is not rerun)."""
-
-    token: str | None = None  # the pods' admin token
-    api_key: str | None = None  # vLLM's --api-key, for /v1
-    loaded: bool = False
-
-
-@dataclass
-class _Passes:
-    """The pod passes this process runs for the refit (runner.run_pass), by pod name. The
-    pods' progress records what a pass did; a restarted process resumes from those."""
-
-    tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-    # The pod object (uid, address) each pass in flight drives: a pass belongs to that pod.
-    driven: dict[str, PodView] = field(default_factory=dict)
-    staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
-    admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
-    live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
-
-    def running(self) -> list[asyncio.Task[Any]]:
-        """Every task this process runs for the refit: what its deletion cancels."""
-        return [*self.tasks.values(), *self.staged_ahead.values()]
-
-
-@dataclass
-class _Listing:
-    """This tick's pods, as listed: what the tick's decisions and the passes it starts act
-    on. Built anew by each tick."""
-
-    pods: list[PodView] = field(default_factory=list)
-    by_name: dict[str, PodView] = field(default_factory=dict)
-    # NLLs of the pods passed at a version, sorted: every probe of the tick compares against
-    # the same list, built once (per probe it was quadratic in pods).
-    peers: dict[str, list[float]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, pods: list[PodView]) -> _Listing:
-        return cls(pods, {p.name: p for p in pods})
-
-
-@dataclass
-class _Reported:
-    """What this process already wrote, published or logged for the refit, so that it does
-    so once: a restarted process does it once more, which is harmless."""
-
-    written: dict[str, Any] | None = None  # the last status written
-    thresholds_published: bool = False
-    sequence_ignored: bool = False  # a changed spec.sequence was logged
-
-
-@dataclass
-class _RefitState:
-    """In-memory state of one refit, dropped with it (Engine._forget): nothing here is needed
-    to resume after a restart. Caches (references, broadcast) are read again, secrets too,
-    passes resume from the pods' progress records, and a status is written again only if the
-    decision differs from the one stored."""
-
-    passes: _Passes = field(default_factory=_Passes)
-    secrets: _Secrets = field(default_factory=_Secrets)
-    listing: _Listing = field(default_factory=_Listing)
-    reported: _Reported = field(default_factory=_Reported)
-    references: dict[str, ProbeReference] = field(default_factory=dict)  # by checkpoint path
-    broadcast: BroadcastSource | None = None  # spec.broadcast, once its manifest was read
-    # The pods' read-backs: reset from each tick's listing, put by the passes as they go.
-    readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)
-    waiting: bool = False  # another refit shares its pods and is not finished, or holds one
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # decide again now
-
-    def peer_nlls(self, version: str) -> list[float]:
-        peers = self.listing.peers
-        if version not in peers:
-            peers[version] = sorted(peer_nlls(self.listing.pods, version))
-        return peers[version]
-
-
-@dataclass(frozen=True)
-class Tick:
-    """What one tick read, built once and handed to each of its steps (as Argo Rollouts'
-    rolloutContext): the refit as read and its view, and what is kept for it."""
-
-    doc: dict[str, Any]  # the WeightRefit as read; its status is written against this read
-    view: RefitView
-    state: _RefitState
-
-    @property
-    def namespace(self) -> str:
-        return self.view.namespace
 
 
 def _revision(doc: dict[str, Any]) -> int:
@@ -196,9 +101,10 @@ class Engine:
             assert http is not None, "an Engine needs an HTTP session or a worker factory"
             workers = partial(WorkerClient, http=http)
         self.workers = workers
+        self.preflight = Preflight(cluster, self._client)
         self.lease = lease  # None: a single replica without election (tests of the engine)
         self.policy = policy or history.Policy()
-        self.refits: dict[str, _RefitState] = {}  # by uid; only refits that exist
+        self.refits: dict[str, RefitState] = {}  # by uid; only refits that exist
         self.index = RefitIndex()  # every WeightRefit watched
         self._passes = 0
         self._last_stamp = 0  # ns: the creation stamps this process gives grow strictly
@@ -208,8 +114,8 @@ class Engine:
         if lease is not None:
             cluster.before_write = lease.check
 
-    def state(self, uid: str) -> _RefitState:
-        return self.refits.setdefault(uid, _RefitState())
+    def state(self, uid: str) -> RefitState:
+        return self.refits.setdefault(uid, RefitState())
 
     # ------------------------------------------------------------------- the index
     def observe(self, doc: dict[str, Any], deleted: bool = False) -> None:
@@ -393,7 +299,7 @@ class Engine:
         await self._stop(
             passes, [p.name for p in listed if _replaced(passes.driven.get(p.name), p)]
         )
-        st.listing = _Listing.of(self._with_live(listed, passes))
+        st.listing = Listing.of(self._with_live(listed, passes))
         pods = st.listing.pods
         st.readbacks.reset((p.name, p.progress) for p in pods)
         fleet, previous = self.index.sharing(
@@ -421,7 +327,7 @@ class Engine:
     async def _decide(self, t: Tick, obs: Observed) -> Decision:
         d = reconcile.decide(obs)
         if d.need_preflight:
-            d = reconcile.decide(replace(obs, preflight=await self._preflight(t)))
+            d = reconcile.decide(replace(obs, preflight=await self.preflight.run(t)))
         return d
 
     async def _act(self, t: Tick, d: Decision) -> None:
@@ -436,7 +342,7 @@ class Engine:
             await self._stage_ahead(t, d.stage_ahead)
 
     @staticmethod
-    def _with_live(pods: list[PodView], passes: _Passes) -> list[PodView]:
+    def _with_live(pods: list[PodView], passes: Passes) -> list[PodView]:
         """Pods as listed, with the in-memory progress of the passes in flight: a pass records
         its progress on the pod only at checkpoints, and the status shows every step."""
         live = passes.live
@@ -487,7 +393,7 @@ class Engine:
         return bool(meta.get("deletionTimestamp")) or meta.get("uid") != pod.uid
 
     @staticmethod
-    async def _stop(passes: _Passes, names: Collection[str]) -> None:
+    async def _stop(passes: Passes, names: Collection[str]) -> None:
         """Stop these pods' passes, and wait until they have stopped: none calls its pod
         again once this returns (a cancelled pass runs nothing but its cleanup)."""
         tasks = [passes.tasks.pop(n) for n in names]
@@ -528,188 +434,6 @@ class Engine:
         for k in self.index.to_collect(namespace, self.policy, times.now(), pods):
             await self.cluster.delete_refit(namespace, k.name)
 
-    # ------------------------------------------------------------------ preflight
-    async def _preflight(self, t: Tick) -> PreflightResult:
-        spec, pods = t.view.spec, t.state.listing.pods
-        if admission.fleet_problem(pods) is not None:
-            # decide() reports it. Nothing is sent to any pod: the admin token goes in clear
-            # to a pod's IP, and only to pods the Pod objects vouch for (PodView.vetted).
-            return PreflightResult()
-        problem = await self._load_secrets(t)
-        if problem is not None:
-            return PreflightResult(problem=problem)
-        reachable = sorted(pods, key=lambda p: p.name)
-        sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
-        t_step = float(spec.sequence.step_timeout_seconds)
-
-        async def each(ask: Callable[[WorkerClient], Awaitable[Any]], what: str) -> dict[str, Any]:
-            """Every reachable pod's answer, or why it gave none (a str)."""
-
-            async def one(pod: PodView) -> Any:
-                async with sem:
-                    try:
-                        return await ask(self._client(t, pod))
-                    except WorkerError as e:
-                        return f"{what} failed ({e.kind}): {e.message}"
-
-            answers = await asyncio.gather(*map(one, reachable))
-            return dict(zip([p.name for p in reachable], answers, strict=True))
-
-        infos: dict[str, RefitInfo | str] = await each(
-            lambda c: c.refit_info(timeout=t_step), "refit_info"
-        )
-        identity = {p.name: (p.uid, p.restarts) for p in reachable}
-        passes = t.state.passes
-        passes.admitted = {
-            name: identity[name]
-            for name, info in infos.items()
-            if admission.admission_problem(
-                info, spec.allow_unsafe_backends, spec.sequence.sleep_level
-            )
-            is None
-        }
-        problem = None
-        if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
-            problem = await self._check_reference(t, reachable)
-        if spec.broadcast is not None and problem is None:
-            problem = await self._load_broadcast(t)
-        # Every refit: a pod whose workers the calls do not all reach is refused
-        # (admission.reach_problem); a broadcast also ranks each pod by this count.
-        world_sizes: dict[str, int | str] = await each(
-            lambda c: c.world_size(timeout=t_step), "get_world_size"
-        )
-        return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
-
-    async def _check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:
-        """Fetch the probe reference and score it on one pod (one request for all prompts): a
-        reference the model cannot score fails the refit before any pod is touched. Scored on
-        a pod that serves (admission.reference_scorers); when every pod may be paused by an
-        earlier failed pass, each pod's probe scores it after its pass resumed the pod."""
-        view = t.view
-        scorers = admission.reference_scorers(pods)
-        pod = scorers[0] if scorers else pods[0]
-        client = self._client(t, pod)
-        try:
-            reference = await self._reference(t, view.spec.path, client)
-        except probe.ReferenceMismatch as e:
-            return Problem(e.reason, str(e))
-        except (WorkerError, ContractError, ValueError, AccessDenied) as e:
-            return Problem(Reason.ReferenceInvalid, f"probe reference unusable: {e}")
-        if not scorers:
-            log.info(
-                "%s/%s: every pod may be paused by an earlier failed pass; the reference is "
-                "scored by each pod's probe", view.namespace, view.name,
-            )  # fmt: skip
-            return None
-        try:
-            await client.score_prompts(
-                [list(p.token_ids) for p in reference.prompts],
-                timeout=float(view.spec.sequence.probe_timeout_seconds),
-            )
-        except WorkerError as e:
-            if e.kind == "http" and e.status in (401, 403):
-                return Problem(
-                    Reason.ProbeUnauthorized,
-                    f"pod {pod.name} refused the probe's /v1 request (HTTP {e.status}): set "
-                    "spec.fleet.apiKeySecretRef to the Secret holding the pods' --api-key",
-                )
-            if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
-                return Problem(
-                    Reason.ReferenceUnscorable,
-                    f"pod {pod.name} cannot score the reference: {e.message}",
-                )
-            return Problem(Reason.PodUnreachable, f"pod {pod.name}: scoring failed: {e.message}")
-        return None
-
-    async def _reference(self, t: Tick, path: str, client: WorkerClient) -> ProbeReference:
-        view, references = t.view, t.state.references
-        if path in references:
-            return references[path]
-        src = view.spec.probe.reference
-        # A rollback probes the previous checkpoint against its own reference file.
-        if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.path:
-            cm = src.config_map_ref
-            text = await self.cluster.read_key("ConfigMap", view.namespace, cm.name, cm.key)
-            if text is None:
-                raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
-            reference = ProbeReference.from_json_dict(json.loads(text))
-            # Before it is kept: every read of it is checked, the preflight's and a pass's
-            # after an operator restart (the ConfigMap may have been rewritten meanwhile).
-            probe.check_reference_version(
-                reference, view.spec.version, f"ConfigMap {cm.name} key {cm.key!r}"
-            )
-        else:
-            reference = await client.probe_reference(
-                path, timeout=float(view.spec.sequence.step_timeout_seconds)
-            )
-        references[path] = reference
-        return reference
-
-    async def _load_broadcast(self, t: Tick) -> Problem | None:
-        """Read the trainer's transfer manifest from its ConfigMap and check it against the
-        spec's digest, before any pod is touched; a problem or None."""
-        view, st = t.view, t.state
-        b = view.spec.broadcast
-        assert b is not None
-        ref = b.manifest.config_map_ref
-        text = await self._read_key(
-            "ConfigMap", view.namespace, ref.name, ref.key,
-            missing=Reason.ManifestMissing, forbidden=Reason.ManifestForbidden,
-        )  # fmt: skip
-        if isinstance(text, Problem):
-            return text
-        try:
-            manifest = TransferManifest.from_json_dict(json.loads(text))
-        except (ValueError, ContractError) as e:
-            return Problem(Reason.ManifestInvalid, f"ConfigMap {ref.name} key {ref.key!r}: {e}")
-        if manifest.digest != b.manifest.digest:
-            return Problem(
-                Reason.ManifestMismatch,
-                f"ConfigMap {ref.name} holds the manifest {manifest.digest}, not "
-                f"spec.broadcast.manifest.digest {b.manifest.digest}",
-            )
-        shown = view.status.broadcast.round if view.status.broadcast is not None else 0
-        rounds = Rounds(shown, st.wake.set)
-        st.broadcast = BroadcastSource(b, manifest.to_json_dict(), rounds)
-        return None
-
-    async def _load_secrets(self, t: Tick) -> Problem | None:
-        """Read the admin token and the /v1 API key the spec names; a problem or None."""
-        secrets, fleet = t.state.secrets, t.view.spec.fleet
-        for ref, attr in ((fleet.admin_token_secret_ref, "token"),
-                          (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
-            if ref is None:
-                continue
-            value = await self._read_key(
-                "Secret", t.namespace, ref.name, ref.key,
-                missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
-            )  # fmt: skip
-            if isinstance(value, Problem):
-                return value
-            setattr(secrets, attr, value)
-        secrets.loaded = True
-        return None
-
-    async def _read_key(
-        self,
-        kind: str,
-        namespace: str,
-        name: str,
-        key: str,
-        *,
-        missing: Reason,
-        forbidden: Reason,
-    ) -> str | Problem:
-        """A Secret's or ConfigMap's value, or the problem: ``forbidden`` when RBAC forbids
-        the read, ``missing`` when the object or key is absent."""
-        try:
-            value = await self.cluster.read_key(kind, namespace, name, key)
-        except AccessDenied as e:
-            return Problem(forbidden, str(e))
-        if value is None:
-            return Problem(missing, f"{kind} {name} has no key {key!r}")
-        return value
-
     # ---------------------------------------------------------------- pod passes
     def _client(self, t: Tick, pod: PodView, fence: int | None = None) -> WorkerClient:
         spec, secrets = t.view.spec, t.state.secrets
@@ -724,17 +448,17 @@ class Engine:
     async def _start(self, t: Tick, d: Decision) -> None:
         view, st, passes = t.view, t.state, t.state.passes
         if not st.secrets.loaded:  # after a restart the preflight that read them is not rerun
-            await self._load_secrets(t)
+            await self.preflight.load_secrets(t)
         problem = None
         if view.spec.broadcast is not None and st.broadcast is None:
-            problem = await self._load_broadcast(t)  # after a restart, as the secrets
+            problem = await self.preflight.load_broadcast(t)  # after a restart, as the secrets
             if problem is not None:  # each pass fails with it: the gate then decides
                 log.error(
                     "%s: no broadcast source: %s: %s", view.name, problem.reason, problem.message
                 )
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
-            return await self._reference(t, path, client)
+            return await self.preflight.reference(t, path, client)
 
         ctx = PassContext(
             cluster=self.cluster, namespace=t.namespace, refit_doc=t.doc, refit_name=view.name,
@@ -770,7 +494,7 @@ class Engine:
         off a pass that took the pod meanwhile. Best effort: the pass stages anyway."""
         view, st, passes = t.view, t.state, t.state.passes
         if not st.secrets.loaded:
-            await self._load_secrets(t)
+            await self.preflight.load_secrets(t)
         pods = st.listing.by_name
         path = view.spec.path
         timeout = float(view.spec.sequence.load_timeout_seconds)

@@ -30,7 +30,7 @@ Phase = Literal[
     "RolledBack",
     "Superseded",
 ]
-TERMINAL_PHASES: frozenset[str] = frozenset(
+TERMINAL_PHASES: frozenset[Phase] = frozenset(
     {"Succeeded", "Failed", "Halted", "RolledBack", "Superseded"}
 )
 PodPhase = Literal[

@@ -44,7 +44,7 @@ from ..core.views import reason_of
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
-FAILED_PHASES = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
+FAILED_PHASES: frozenset[api.Phase] = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
 # The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
 _POD_EVENT = re.compile(r"^pod (\S+): ([A-Za-z]+): (.*)$", re.S)
 
