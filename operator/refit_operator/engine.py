@@ -21,7 +21,8 @@ from refit_worker.contract import ProbeReference
 from .core import admission, checksums, history, plan, reconcile, times
 from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, Phase, WeightRefitSpec, WeightRefitStatus
 from .core.index import Known, RefitIndex
-from .core.podflow import STEPS, PodView, Step
+from .core.podflow import STEPS, Step
+from .core.podview import PodView
 from .core.reconcile import Decision, Observed, RefitView
 from .core.status import pod_phases
 from .edges import metrics

@@ -12,7 +12,8 @@ from typing import Any
 from refit_worker.contract import ProbeReference
 
 from .core import checksums
-from .core.podflow import PodView, Progress
+from .core.podflow import Progress
+from .core.podview import PodView
 from .core.reconcile import RefitView
 from .core.status import peer_nlls
 from .runner import BroadcastSource

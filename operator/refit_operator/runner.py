@@ -20,7 +20,8 @@ from refit_worker.contract import ProbeReference
 from .core import checksums, podflow, probe, times
 from .core.admission import admission_problem, reach_problem
 from .core.api import Broadcast, Sequence, WeightRefitSpec
-from .core.podflow import Claim, Finished, PodView, Progress, RunStep, Step, WaitUntil
+from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil
+from .core.podview import PodView
 from .core.reasons import Problem, Reason, pass_event, step_timeout
 from .core.reconcile import PodStart
 from .edges import metrics

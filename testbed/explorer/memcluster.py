@@ -31,7 +31,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_operator.core import times
-from refit_operator.core.podflow import PodView
+from refit_operator.core.podview import PodView
 from refit_operator.edges.cluster import FINALIZER, Cluster
 from refit_worker.contract import READINESS_GATE, READY_PATH
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from refit_operator.core.podflow import containers_up_in
+from refit_operator.core.podview import containers_up_in
 from refit_worker.contract import READY_PATH
 
 from tests.chart.chartkit import (

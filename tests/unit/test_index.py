@@ -6,7 +6,7 @@ from typing import Any
 
 from refit_operator.core import history, plan, times
 from refit_operator.core.index import RefitIndex
-from refit_operator.core.podflow import PodView
+from refit_operator.core.podview import PodView
 
 
 def doc(name: str, created: str, phase: str, selector: dict[str, Any], **meta: Any) -> dict:

@@ -45,7 +45,7 @@ def view(doc: dict) -> RefitView:
 
 
 def views(*docs: dict) -> list:
-    from refit_operator.core.podflow import PodView
+    from refit_operator.core.podview import PodView
 
     return [PodView.from_pod(d) for d in docs]
 

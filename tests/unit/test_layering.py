@@ -156,9 +156,9 @@ def test_no_test_module_imports_another() -> None:
 
 INTEGRATIONS = OPERATOR / "tools" / "integrations"
 # What an integration may import at module level: the client it drives and the pure document
-# it names refits with (refit_document), the pure reading of a pod's records (podflow), the
-# standard library and httpx. Its framework and torch only inside
-# functions (the operator's image has neither).
+# it names refits with (refit_document), the pure reading of a pod and its records (podflow,
+# podview), the standard library and httpx. Its framework and torch only inside functions
+# (the operator's image has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
                          "pathlib", "typing", "httpx", "..client", "...core",
                          "..refit_document"}  # fmt: skip

@@ -4,6 +4,7 @@ from dataclasses import replace
 import pytest
 from refit_operator.core import podflow, times
 from refit_operator.core.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
+from refit_operator.core.podview import PodView
 from refit_operator.core.probe import ProbeOutcome
 from refit_worker.fence import MAX_FENCE, format_fence
 
@@ -331,8 +332,8 @@ def test_out_of_traffic_seconds_of_a_succeeded_pass():
     assert podflow.out_of_traffic_seconds(serving_pass()) is None
 
 
-def _pod(progress: Progress | None, *, ready: bool = True, restarts: int = 0) -> podflow.PodView:
-    return podflow.PodView("p", "10.0.0.1", True, True, False, ready, restarts, progress)
+def _pod(progress: Progress | None, *, ready: bool = True, restarts: int = 0) -> PodView:
+    return PodView("p", "10.0.0.1", True, True, False, ready, restarts, progress)
 
 
 def test_what_a_pod_serves():

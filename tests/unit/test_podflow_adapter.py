@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from refit_operator.core import podflow
 from refit_operator.core.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
+from refit_operator.core.podview import PodView
 from refit_operator.core.probe import ProbeOutcome
 
 
@@ -69,7 +70,7 @@ def test_refused_before_the_swap_restores_the_old_adapter(step: str):
     ready = podflow.readiness(p)
     assert ready is not None and ready.ready and ready.reason == "PreviousAdapter"
     assert "serving adapter v1 again" in ready.message
-    assert podflow.PodView(
+    assert PodView(
         "p", "10.0.0.1", True, True, False, True, 0, p
     ).serving == "v1"  # fmt: skip
 

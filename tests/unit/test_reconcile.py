@@ -11,7 +11,7 @@ from refit_operator.core.admission import (
 )
 from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.plan import RefitRef
-from refit_operator.core.podflow import PodView
+from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Problem
 from refit_operator.core.reconcile import decide
 

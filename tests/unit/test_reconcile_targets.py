@@ -15,7 +15,7 @@ from refit_operator.core.api import (
     WeightRefitStatus,
 )
 from refit_operator.core.plan import RefitRef
-from refit_operator.core.podflow import PodView
+from refit_operator.core.podview import PodView
 from refit_operator.core.reconcile import Observed, RefitView, decide, foreign, rollback_targets
 
 NOW = 1_800_000_000.0

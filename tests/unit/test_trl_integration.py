@@ -9,7 +9,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from refit_operator.core.podflow import PROGRESS_ANNOTATION, PodView, Progress
+from refit_operator.core.podflow import PROGRESS_ANNOTATION, Progress
+from refit_operator.core.podview import PodView
 from refit_operator.tools.integrations.trl import (
     READY_GATE,
     RECORDS_KEPT,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
 from .api import WeightRefitSpec, WeightRefitStatus
-from .podflow import PodView
+from .podview import PodView
 from .reasons import Problem, Reason
 
 

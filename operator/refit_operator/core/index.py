@@ -11,7 +11,7 @@ from typing import Any
 
 from . import history, plan, times
 from .api import TERMINAL_PHASES, Phase, Previous, WeightRefitSpec
-from .podflow import PodView
+from .podview import PodView
 from .reasons import Reason
 
 

@@ -21,7 +21,7 @@ from .api import (
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from .podflow import PodView
+from .podview import PodView
 from .reasons import Problem, Reason
 from .status import conditions, from_records, receivers
 from .times import rfc3339

@@ -24,7 +24,8 @@ from .api import (
     ProbeSummary,
     WeightRefitStatus,
 )
-from .podflow import PodView, Progress, Step
+from .podflow import Progress, Step
+from .podview import PodView
 from .reasons import Reason
 from .times import rfc3339
 

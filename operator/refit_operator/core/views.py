@@ -11,7 +11,8 @@ from typing import Any
 from refit_worker.contract import READINESS_GATE
 
 from . import api, plan, reconcile, times, traffic
-from .podflow import PodView, Progress
+from .podflow import Progress
+from .podview import PodView
 from .reasons import Problem
 from .status import fleet_results
 

@@ -26,10 +26,10 @@ from ..core.podflow import (
     CLAIM_ANNOTATION,
     PROGRESS_ANNOTATION,
     Claim,
-    PodView,
     Progress,
     Readiness,
 )
+from ..core.podview import PodView
 from ..core.times import rfc3339
 from . import metrics
 

@@ -30,7 +30,8 @@ from typing import Any, Final
 from refit_worker.contract import API_GROUP
 
 from ..core import api, times, traffic
-from ..core.podflow import STEPS, PodView, Progress
+from ..core.podflow import STEPS, Progress
+from ..core.podview import PodView
 from ..core.views import seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from ..client import RefitClient
-from ...core.podflow import PodView
+from ...core.podview import PodView
 from ..refit_document import default_name, parse_selector
 
 log = logging.getLogger(__name__)

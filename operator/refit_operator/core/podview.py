@@ -1,0 +1,139 @@
+"""A pod as the operator sees it (PodView), parsed from the Pod object the API server returns:
+its address, containers, readiness condition, restarts, and the pass records it carries
+(podflow.Progress, podflow.Claim). What the decisions need of a pod, and nothing they decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from refit_worker.contract import READINESS_GATE, READY_PATH
+
+from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+
+
+@dataclass(frozen=True)
+class PodView:
+    """A pod as the operator sees it: what the decisions need, parsed from the Pod object."""
+
+    name: str
+    ip: str
+    has_gate: bool
+    running: bool
+    deleting: bool
+    ready: bool  # the weights-ready condition is True
+    restarts: int
+    progress: Progress | None
+    uid: str = ""  # a pod recreated under the same name (StatefulSet) is another pod
+    labels: dict[str, str] = field(default_factory=dict)
+    claim: Claim | None = None  # the pass that drives the pod now
+    resource_version: str = ""  # as listed: the claim is taken conditional on it
+    # vLLM answers, as the kubelet knows it (containers_up_in): False while a container
+    # starts or restarts (vLLM still loading, its port refusing connections).
+    containers_up: bool = True
+
+    @property
+    def startable(self) -> bool:
+        """A new pass may begin: the pod runs, has an address and its containers are up
+        (a pass begun while vLLM starts would spend its retries on refused connections)."""
+        return self.running and bool(self.ip) and self.containers_up and not self.deleting
+
+    @property
+    def vetted(self) -> bool:
+        """The pod may be sent the admin token (it travels in clear to the pod's IP): it is
+        listed by the fleet's selector, Running, with a pod IP, and declares the readiness
+        gate. A pod in another phase may still show an IP that is no longer its own (a
+        finished pod keeps its status.podIP while the address goes to another pod)."""
+        return self.running and bool(self.ip) and self.has_gate
+
+    def verified(self, version: str) -> bool:
+        """At ``version`` with a passed probe and no container restart since."""
+        p = self.progress
+        return (
+            p is not None
+            and p.outcome == "Succeeded"
+            and p.version == version
+            and p.restarts == self.restarts
+            and self.ready
+        )
+
+    @property
+    def may_be_paused(self) -> bool:
+        """A pass took the pod out of traffic in the container that runs now and neither
+        succeeded nor put it back: vLLM may still be paused or asleep (a DrainTimeout fails
+        closed with the pod paused, a failed load leaves it asleep), so a completion sent to
+        it queues until something resumes it. A container restarted since is a new process,
+        not paused."""
+        p = self.progress
+        return (
+            p is not None
+            and bool(p.left_traffic)
+            and p.outcome != "Succeeded"
+            and not p.restored
+            and p.restarts == self.restarts
+        )
+
+    @property
+    def serving(self) -> str:
+        """The version the pod serves with a passed probe ("" if none): the one its last pass
+        brought it to, or the one a refused pass put it back to."""
+        p = self.progress
+        if p is None or not self.ready or p.restarts != self.restarts:
+            return ""
+        if p.outcome == "Succeeded":
+            return p.version
+        return p.serving if p.restored else ""
+
+    @property
+    def serving_path(self) -> str:
+        """The checkpoint ``serving`` was loaded from ("" if none, or a broadcast's)."""
+        p = self.progress
+        if p is None or not self.serving:
+            return ""
+        return p.path if p.outcome == "Succeeded" else p.serving_path
+
+    @classmethod
+    def from_pod(cls, doc: Mapping[str, Any]) -> PodView:
+        """From a Pod object as the API server returns it (a dict)."""
+        meta, spec, status = doc["metadata"], doc.get("spec", {}), doc.get("status", {})
+        gates = {g.get("conditionType") for g in spec.get("readinessGates") or []}
+        conds = {c.get("type"): c for c in status.get("conditions") or []}
+        restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+        annotations = meta.get("annotations") or {}
+        return cls(
+            name=meta["name"],
+            ip=status.get("podIP") or "",
+            has_gate=READINESS_GATE in gates,
+            running=status.get("phase") == "Running",
+            deleting=bool(meta.get("deletionTimestamp")),
+            ready=conds.get(READINESS_GATE, {}).get("status") == "True",
+            restarts=restarts,
+            uid=meta.get("uid", ""),
+            progress=Progress.from_annotation(annotations.get(PROGRESS_ANNOTATION)),
+            labels=dict(meta.get("labels") or {}),
+            claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
+            resource_version=meta.get("resourceVersion", ""),
+            containers_up=containers_up_in(spec, status),
+        )
+
+
+def containers_up_in(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether a pod's containers answer, from the Pod object.
+
+    Normally the kubelet's ContainersReady condition. A pod whose readiness probe is the
+    worker's /refit/ready (refit_worker.readiness) is not ready until a pass vouches for its
+    weights, so waiting for ContainersReady would wait for ourselves: there every container
+    must have *started* instead (containerStatuses[].started, which a startupProbe on /health
+    holds False until vLLM answers). No condition at all (a test bed without a kubelet)
+    counts as up."""
+    probes = [
+        ((c.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "")
+        for c in spec.get("containers") or []
+    ]
+    if any(str(p).rstrip("/") == READY_PATH for p in probes):
+        statuses = status.get("containerStatuses") or []
+        return bool(statuses) and all(c.get("started") is True for c in statuses)
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    return conds.get("ContainersReady", {}).get("status") != "False"
