@@ -3,7 +3,7 @@
 1. One real vLLM CPU server with the refit-gloo engine, the tiny model, in one run: the
    operator's own step code for a checkpoint refit (vllm_suites.refit_cycle: stage, drain,
    sleep, wake, load, wake KV, reset, stamp, probe) and for a broadcast refit (the same steps
-   with ``receive`` instead of stage and load: runner.receive_broadcast while this process
+   with ``receive`` instead of stage and load: steps.receive_broadcast while this process
    sends as the trainer), alternating, timed per step. The pod's time out of traffic is the
    cycle minus the stage.
 2. The transport alone, two processes on loopback: the trainer's Sender and one receiver that
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from refit_operator import runner
+from refit_operator import steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Broadcast, Sequence, Thresholds
 from refit_operator.core.podflow import Step
@@ -69,12 +69,12 @@ async def broadcast_cycle(
         if step in (Step.probe, Step.ready):
             continue
         if step != Step.receive:
-            await runner.execute_step(w, seq, progress, step, resumed=False)
+            await steps.execute_step(w, seq, progress, step, resumed=False)
         else:
             sent: dict[str, Any] = {}
             trainer = threading.Thread(target=_send, args=(port, tensors, sent))
             trainer.start()
-            record = await runner.receive_broadcast(
+            record = await steps.receive_broadcast(
                 w, spec, manifest.to_json_dict(), 1, 2, version, float(seq.step_timeout_seconds)
             )
             await asyncio.to_thread(trainer.join)

@@ -29,9 +29,10 @@ from .edges import metrics
 from .edges.cluster import ClaimLost, Kube, PodBusy
 from .edges.leader import LeadershipLost, Lease
 from .edges.worker_client import WorkerClient, WorkerError
+from .pass_context import PassContext
 from .preflight import Preflight
 from .refit_state import Listing, Passes, RefitState, Tick
-from .runner import PassContext, run_pass
+from .runner import run_pass
 
 log = logging.getLogger(__name__)
 

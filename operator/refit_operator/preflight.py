@@ -21,9 +21,9 @@ from .core.podview import PodView
 from .core.reasons import Problem, Reason
 from .edges.cluster import AccessDenied, Kube
 from .edges.worker_client import WorkerClient, WorkerError
+from .pass_context import BroadcastSource
 from .refit_state import Tick
 from .rounds import Rounds
-from .runner import BroadcastSource
 
 log = logging.getLogger(__name__)
 

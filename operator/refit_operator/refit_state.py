@@ -16,7 +16,7 @@ from .core.podflow import Progress
 from .core.podview import PodView
 from .core.reconcile import RefitView
 from .core.status import peer_nlls
-from .runner import BroadcastSource
+from .pass_context import BroadcastSource
 
 
 @dataclass

@@ -228,7 +228,7 @@ def test_the_drain_waits_for_the_kubelet_to_take_the_pod_out_of_endpoints(
     caught_up = kubelet_says("False")
     st = fleet.wait_phase("wr-v2", END, 60, op)["status"]
     assert st["phase"] == "Succeeded", st
-    # The drain's pause, and wakeKV's abort of what queued since (runner._abort_late_arrivals).
+    # The drain's pause, and wakeKV's abort of what queued since (steps._abort_late_arrivals).
     assert [c["step"] for c in sims[0].call_log()].count("pause") == paused + 2
     record = fleet.progress(fleet.pod("pod-0"))
     assert record["finished"] - record["left_traffic"] >= 2.0, record

@@ -326,7 +326,7 @@ def test_keep_all_at_once_checkpoint_under_load(fleet, servers, tiny_model, rout
         began, ended = drain_window(rec)
         frozen[pod] = [r for r in by_pod(records, pod) if r.start < ended and "B" in r.versions]
         # Every request the engine held at the pause (running or waiting, its /metrics once
-        # the counts settled after the pause: runner._kept_in_flight) finished with B's
+        # the counts settled after the pause: steps._kept_in_flight) finished with B's
         # tokens, and none of them was lost.
         assert kept_at_drain(rec) <= len(frozen[pod]), (rec, summary(by_pod(records, pod)))
         for r in frozen[pod]:

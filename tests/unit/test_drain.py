@@ -1,4 +1,4 @@
-"""The drain step (runner.execute_step "drain") per drain mode, against the simulated worker:
+"""The drain step (steps.execute_step "drain") per drain mode, against the simulated worker:
 ``wait`` is bounded by drainTimeoutSeconds (vLLM's /pause?mode=wait answers only once the
 requests in flight finished, so its wait is the drain), ``keep`` never waits for the requests
 it froze and says how many it kept, ``abort`` and ``wait`` end with the pause (never on
@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from refit_operator import runner
+from refit_operator import steps
 from refit_operator.core import podflow
 from refit_operator.core.api import Sequence
 from refit_operator.core.podflow import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session
-from refit_operator.runner import StepFailed
+from refit_operator.pass_context import StepFailed
 
 from testbed.simfleet import SimPod
 
@@ -41,7 +41,7 @@ async def drain(
 ) -> str:
     async with session() as http:
         worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN, before_call=before_call)
-        return await runner.execute_step(
+        return await steps.execute_step(
             worker, Sequence.model_validate(seq), record or progress(), step, False
         )
 

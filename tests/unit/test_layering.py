@@ -196,7 +196,17 @@ def layer_of(module: str) -> str:
 
 def test_the_top_level_holds_only_the_controller() -> None:
     top = {p.stem for p in OPERATOR.glob("*.py")} - {"__init__"}
-    assert top == {"engine", "preflight", "refit_state", "runner", "rounds", "handlers", "main"}, (
+    assert top == {
+        "engine",
+        "preflight",
+        "refit_state",
+        "runner",
+        "steps",
+        "pass_context",
+        "rounds",
+        "handlers",
+        "main",
+    }, (  # fmt: skip
         "a new module goes in core/ (pure), edges/ (I/O) or tools/ (what users import)"
     )
     folders = {p.name for p in OPERATOR.iterdir() if (p / "__init__.py").is_file()}

@@ -2,7 +2,7 @@
 with the tiny adapters the test bed builds (testbed/tiny_adapter.py).
 
 The pass is walked by the pure core (podflow, source "adapter") and each step runs the
-operator's own step code (runner.execute_step, runner.restore_adapter) through the operator's
+operator's own step code (steps.execute_step, steps.restore_adapter) through the operator's
 client under a fencing token; the probes score through the staged and the served adapter name
 against the trainer's reference (base + adapter merged, scored by HF transformers). What this
 module holds to real vLLM: the old adapter serves until the new one passed its probe; a refused
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from refit_operator import runner
+from refit_operator import runner, steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Sequence, Thresholds
 from refit_operator.core.podflow import Progress, RunStep, Step
@@ -100,10 +100,10 @@ async def run_pass(
                     if step == Step.probeStaged and after_staged_probe is not None:
                         await after_staged_probe()  # type: ignore[operator]
             elif step == podflow.RESTORE:
-                await runner.restore_adapter(worker, SEQ, progress)
+                await steps.restore_adapter(worker, SEQ, progress)
                 progress = podflow.restored(progress, time.time())
             else:
-                await runner.execute_step(worker, SEQ, progress, step, False)
+                await steps.execute_step(worker, SEQ, progress, step, False)
                 progress = podflow.step_done(progress, step, time.monotonic() - began, time.time())
         except WorkerError as e:
             reason, final = runner.worker_error_reason(e, step)

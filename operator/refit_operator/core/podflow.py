@@ -32,7 +32,7 @@ CLAIM_ANNOTATION = f"{API_GROUP}/claim"
 class Step(StrEnum):
     """Every step a pod's pass can stand at: the word in ``status.pods[].step``, the progress
     annotation and the step metrics (snake_case there). A member's name is its value, as for
-    ``Reason``; ``runner.STEP_CODE`` holds the code that runs each."""
+    ``Reason``; ``steps.STEP_CODE`` holds the code that runs each."""
 
     # While the pod still serves: verify the checkpoint (manifest, digests, the model's
     # tensors) and stage its bytes in the worker's memory, so the time out of traffic holds
