@@ -100,9 +100,9 @@ Steps and faults
 
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
-    ``unsafe_reasons``, ``world_size``, ``staging_budget``; ``calls()`` lists the steps a
-    pod served, in order (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
-    ``Authorization`` header came (``auth``) and status codes;
+    ``unsafe_reasons``, ``world_size``, ``tensor_parallel_size``, ``staging_budget``;
+    ``calls()`` lists the steps a pod served, in order (``call_log()`` with parameters, RPC
+    bodies, fencing tokens, whether an ``Authorization`` header came (``auth``) and status codes;
     ``counts()`` per step); ``state()`` shows a pod's state (``staged``: the path and mode
     refit_stage holds, or None). The same methods on ``pods[0].fleet`` (the SimFleet) take
     ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
@@ -327,6 +327,9 @@ class PodState:
     # What /get_world_size counts; more than one (refit_info answers for one worker) is a
     # pod whose other engines the refit's calls would not reach, like vLLM's DP > 1.
     world_size: int = 1
+    # The parallel layout refit_info reports (one worker, whatever it says: a pod of another
+    # layout, as the operator's admission sees it).
+    tensor_parallel_size: int = 1
     staging_budget: str | None = None  # REFIT_STAGING_BUDGET_BYTES's text; None: the env's
     staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
     faults: dict[str, Fault] = field(default_factory=dict)
@@ -975,6 +978,7 @@ class SimServer:
                 weight_version=version,
                 model=SIM_MODEL_ROOT,
                 allowed_root=pod.allowed_root,
+                tensor_parallel_size=pod.tensor_parallel_size,
             ).to_json_dict()
 
         return await self._rpc(request, pod, body, info)
@@ -1129,6 +1133,7 @@ class SimServer:
                 "capabilities",
                 "unsafe_reasons",
                 "world_size",
+                "tensor_parallel_size",
                 "staging_budget",
             }
             bad = set(doc.get("set", {})) - settable

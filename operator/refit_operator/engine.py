@@ -472,7 +472,8 @@ class Engine:
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),
-            admitted=passes.admitted, live=passes.live, broadcast=st.broadcast,
+            admitted=passes.admitted, layout=view.status.layout, live=passes.live,
+            broadcast=st.broadcast,
             source_problem=problem, lease=self.lease.key if self.lease else "",
             lease_seconds=self.lease.duration if self.lease else 0,
         )  # fmt: skip

@@ -63,6 +63,9 @@ class PassContext:
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
     # with no restart since is not asked for its refit_info again.
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # The layout the preflight found the fleet in (status.layout): a pod that joins later
+    # must share it.
+    layout: str = ""
     live: dict[str, Progress] = field(default_factory=dict)  # pod -> its pass's progress now
     broadcast: BroadcastSource | None = None  # spec.broadcast: the passes receive from it
     # Why spec.broadcast has no source now: its manifest ConfigMap, read

@@ -14,7 +14,7 @@ from dataclasses import replace
 from refit_worker import contract
 
 from .core import podflow, times
-from .core.admission import admission_problem, reach_problem
+from .core.admission import admission_problem, joins_layout, reach_problem
 from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil
 from .core.podview import PodView
 from .core.reasons import Problem, Reason, pass_event, step_timeout
@@ -138,6 +138,8 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
     except WorkerError:
         return None  # transient or not: the first step meets it again, with retries
     problem = admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
+    if problem is None:
+        problem = joins_layout(ctx.layout, info)
     if problem is not None:
         return problem
     try:

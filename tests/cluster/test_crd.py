@@ -420,6 +420,7 @@ FULL_STATUS: Manifest = {
         "totalTimeoutSeconds": 3600,
         "retries": 2,
     },
+    "layout": "TP2 PP1 DP1",
     "pods": [
         {
             "name": "pod-0",

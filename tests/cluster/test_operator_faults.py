@@ -264,29 +264,32 @@ def test_reference_of_another_version_is_refused_before_any_pod_is_touched(
     assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
 
 
-def test_late_pod_without_gate_or_safe_backend_is_refused(harness, sim_fleet, tmp_path):
+def test_late_pods_are_refused_as_the_preflight_would_refuse_them(harness, sim_fleet, tmp_path):
     fleet, op = harness
-    sims = sim_fleet(4, allowed_root=tmp_path)
+    sims = sim_fleet(5, allowed_root=tmp_path)
     fleet.add_pod("pod-0", sims[0])
     ckpt = make_checkpoints(tmp_path, "v1")
     op.start()
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
-    fleet.wait_phase("wr", "Succeeded", 60, op)
+    assert fleet.wait_phase("wr", "Succeeded", 60, op)["status"]["layout"] == "TP1 PP1 DP1"
     sims[2].set_state(capabilities=[])
     sims[3].set_state(world_size=2)
+    sims[4].set_state(tensor_parallel_size=2, world_size=2)  # reachable, another layout
     fleet.add_pod("no-gate", sims[1], gate=False)
     fleet.add_pod("unsafe", sims[2])
     fleet.add_pod("out-of-reach", sims[3])
+    fleet.add_pod("tp2", sims[4])
 
     def refused() -> dict[str, str]:
         pods = fleet.refit("wr")["status"]["pods"]
         return {p["name"]: p["reason"] for p in pods if p["phase"] == "Failed"}
 
-    fleet.wait_for(lambda: len(refused()) == 3, 60, "the late pods refused")
+    fleet.wait_for(lambda: len(refused()) == 4, 60, "the late pods refused")
     assert refused() == {
         "no-gate": "MissingReadinessGate",
         "unsafe": "UnsafeBackend",
         "out-of-reach": "WorkersOutOfReach",
+        "tp2": "ParallelLayoutMismatch",
     }
     assert _untouched(sims[1:])
     assert fleet.ready(fleet.pod("pod-0")) is True

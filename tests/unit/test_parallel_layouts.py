@@ -11,6 +11,8 @@ import json
 import pytest
 from refit_operator.core.admission import (
     PreflightResult,
+    fleet_layout,
+    joins_layout,
     layout_problem,
     reach_problem,
     world_size_problem,
@@ -65,6 +67,28 @@ def test_pods_that_disagree_on_their_layout_are_refused_before_any_is_touched() 
     assert reason == "ParallelLayoutMismatch"
     assert message == (
         "the fleet's pods disagree on their parallel layout (TP2 PP1 DP1: a, b; TP1 PP1 DP1: c)"
+    )
+
+
+def test_the_refit_records_the_layout_its_preflight_found() -> None:
+    """status.layout, written when the preflight admits the fleet: what a pod that joins later
+    is held to, by this process or by one that took over after a restart."""
+    pre = PreflightResult(infos={"a": TP2, "b": TP2}, world_sizes={"a": 2, "b": 2})
+    d = decide(observe(refit(spec(), WeightRefitStatus(phase="Preflight")), [pod("a"), pod("b")],
+                       preflight=pre))  # fmt: skip
+    assert (d.status.phase, d.status.layout) == ("Progressing", "TP2 PP1 DP1")
+    assert fleet_layout({"a": "unreachable", "b": TP2}) == "TP2 PP1 DP1"
+    assert fleet_layout({"a": "unreachable"}) == ""
+
+
+def test_a_pod_that_joins_later_must_run_the_fleets_layout() -> None:
+    assert joins_layout("TP2 PP1 DP1", TP2) is None
+    assert joins_layout("", info()) is None  # a status from before the record: nothing to hold
+    problem = joins_layout("TP2 PP1 DP1", info())
+    assert problem is not None and problem.reason == "ParallelLayoutMismatch"
+    assert problem.message == (
+        "the pod runs TP1 PP1 DP1, the fleet TP2 PP1 DP1 as its preflight found it: one "
+        "checkpoint, one probe reference and one rank plan serve them all"
     )
 
 

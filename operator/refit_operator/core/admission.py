@@ -107,6 +107,26 @@ def layout_problem(infos: Mapping[str, RefitInfo | str]) -> Problem | None:
     )
 
 
+def fleet_layout(infos: Mapping[str, RefitInfo | str]) -> str:
+    """The layout the fleet's pods share (after layout_problem found none other); "" when no
+    pod answered."""
+    return next((i.layout for _, i in sorted(infos.items()) if isinstance(i, RefitInfo)), "")
+
+
+def joins_layout(fleet: str, info: RefitInfo) -> Problem | None:
+    """A pod that joins after the preflight must run the layout the preflight found the fleet
+    in (status.layout), as layout_problem holds the fleet to one: the checkpoint, the probe
+    reference and the broadcast's rank plan were judged for that layout. "" (a refit whose
+    status predates the record): nothing to hold the pod to."""
+    if not fleet or info.layout == fleet:
+        return None
+    return Problem(
+        Reason.ParallelLayoutMismatch,
+        f"the pod runs {info.layout}, the fleet {fleet} as its preflight found it: one "
+        "checkpoint, one probe reference and one rank plan serve them all",
+    )
+
+
 def reach_problem(info: RefitInfo, world_size: int | str) -> Problem | None:
     """Every worker of the pod must be one the refit hears from: it verifies, loads and reads
     back through /collective_rpc and judges the pod by the workers' answers. vLLM's API server

@@ -348,3 +348,6 @@ class WeightRefitStatus(_Model):
     # spec.sequence as the preflight admitted it: the refit's passes run this one
     # (admission.admitted_spec), whatever the spec says later.
     sequence: Sequence | None = None
+    # The parallel layout the preflight found the fleet's pods in ("TP2 PP1 DP1"): a pod that
+    # joins the fleet later must share it (admission.joins_layout).
+    layout: str = ""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import plan, times
-from .admission import PreflightResult, preflight_problem
+from .admission import PreflightResult, fleet_layout, preflight_problem
 from .api import (
     TERMINAL_PHASES,
     BroadcastRound,
@@ -319,6 +319,7 @@ def _decide(obs: Observed) -> Decision:
             d.idle = True
             return d
         st.sequence = spec.sequence.model_copy()  # what this preflight admitted the pods for
+        st.layout = fleet_layout(obs.preflight.infos)  # ... and the layout it found them in
         transition(
             "Progressing",
             "Progressing",
