@@ -52,6 +52,7 @@ def run_one(
     soak_pods: int = 4,
     soak_history_limit: int = 10,
     lease_seconds: int = 15,
+    group_size: int = 1,
 ) -> tuple[list[Metric], dict[str, Any], list[str]]:
     if name == "soak":
         from bench import soak
@@ -64,9 +65,14 @@ def run_one(
         sizes = sizes or ([5, 20] if quick else [10, 100, 1000])
         repeats = {n: 1 if quick else scale_repeats for n in sizes}
         metrics, raw = scale.run_suite(
-            sizes, repeats, log, large_timeout, strategies, profile, lease_seconds
+            sizes, repeats, log, large_timeout, strategies, profile, lease_seconds, group_size
         )
         notes = [f"failed run: {f}" for f in raw["failures"]]
+        if group_size > 1:
+            notes.append(
+                f"pods in groups of {group_size} (spec.fleet.groups): each size counts pods, "
+                f"the operator refits size / {group_size} groups through their leaders"
+            )
         if lease_seconds != scale.LEASE_SECONDS:
             notes.append(
                 f"the operator ran with --lease-seconds {lease_seconds}, not its default "
@@ -136,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         default=15,
         help="the operator's --lease-seconds in the scale suite (default: its default, 15)",
     )
+    p.add_argument(
+        "--scale-group-size",
+        type=int,
+        default=1,
+        help="pods per LeaderWorkerSet-style group in the scale suite (default 1: no groups)",
+    )
     p.add_argument("--soak-refits", type=int, default=1000, help="refits of the soak (--quick: 60)")
     p.add_argument("--soak-pods", type=int, default=4, help="simulated pods of the soak's fleet")
     p.add_argument(
@@ -197,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.soak_pods,
                 args.soak_history_limit,
                 args.scale_lease_seconds,
+                args.scale_group_size,
             )
         except Exception as e:  # one failed suite must not lose the others' results
             log(f"{name}: FAILED: {type(e).__name__}: {e}")

@@ -41,6 +41,7 @@ import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_operator.core import api
+from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.edges.leader import DEFAULT_LEASE_SECONDS
 from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import API_GROUP
@@ -94,6 +95,7 @@ class RunResult:
     lease_seconds: int = 0  # the operator's --lease-seconds (0: older runs)
     renewal_gap_max_s: float = 0.0  # longest gap between Lease renewals while the refit ran
     renewals: int = 0  # renewals seen in that window
+    group_size: int = 1  # pods per refit unit (spec.fleet.groups; 1: every pod alone)
 
     def per_pod(self, value: float) -> float:
         return value / self.pods
@@ -122,10 +124,17 @@ class Bench:
     def close(self) -> None:
         self.api.close()
 
-    def make_pods(self, ns: str, ips: list[str]) -> None:
+    def make_pods(self, ns: str, ips: list[str], group_size: int = 1) -> None:
+        """The fleet's Pod objects; with ``group_size`` > 1, in groups of that many labelled as
+        LeaderWorkerSet labels them (the first of each its leader)."""
+
         def one(i_ip: tuple[int, str]) -> None:
             i, ip = i_ip
-            register_pod(self.core, ns, f"pod-{i}", ip, labels=LABELS,
+            labels = dict(LABELS)
+            if group_size > 1:
+                labels[LWS_GROUP_LABEL] = f"g{i // group_size}"
+                labels[LWS_INDEX_LABEL] = str(i % group_size)
+            register_pod(self.core, ns, f"pod-{i}", ip, labels=labels,
                          image="vllm/vllm-openai:bench")  # fmt: skip
 
         with ThreadPoolExecutor(8) as pool:
@@ -204,9 +213,11 @@ class Bench:
         strategy: str,
         ckpt_root: Path,
         timeout: float,
+        group_size: int = 1,
     ) -> RunResult:
         self.runs += 1
         n = len(fleet.pods)
+        units = n // group_size  # refit units: the groups' leaders (or every pod)
         version = f"v{self.runs}"
         ckpt = make_sim_checkpoint(ckpt_root / version, version)
         lease = f"bench-{n}-{self.runs}"
@@ -216,7 +227,8 @@ class Bench:
             me = operator_process(proc)
             before = apiserver.request_totals(self.cp)
             cpu0 = sum(me.cpu_times()[:2])
-            body = refit_body(version, fleet.port, ckpt, version, STRATEGIES[strategy])
+            groups: dict[str, Any] = {"fleet": {"groups": {}}} if group_size > 1 else {}
+            body = refit_body(version, fleet.port, ckpt, version, STRATEGIES[strategy], **groups)
             t0, started = time.monotonic(), time.time()
             self.create_refit(ns, body)
             polls = size = size_max = 0
@@ -263,8 +275,12 @@ class Bench:
                 raise RuntimeError(
                     f"{n} pods {strategy}: {status['phase']}: {status.get('message')}"
                 )
+            # Only the leaders are called: the followers' simulators keep their boot version.
             versions = Counter(s["weight_version"] for s in fleet.states().values())
-            if probed != n or versions != Counter({version: n}):
+            want = Counter(
+                {version: units, "default": n - units} if group_size > 1 else {version: n}
+            )
+            if probed != units or versions != +want:
                 raise RuntimeError(f"{n} pods: {probed} probes passed, versions {dict(versions)}")
         counts = apiserver.diff(after, before)
         # This harness's own requests in the window.
@@ -275,6 +291,7 @@ class Bench:
         counts = +counts
         return RunResult(
             pods=n,
+            group_size=group_size,
             strategy=strategy,
             wall_s=wall,
             cpu_s=cpu,
@@ -395,8 +412,11 @@ def run_suite(
     strategies: list[str] | None = None,
     profile: Path | None = None,
     lease_seconds: int = LEASE_SECONDS,
+    group_size: int = 1,
 ) -> tuple[list[Metric], dict]:
-    """Measure every (size, strategy) `repeats[size]` times; returns metrics and raw runs."""
+    """Measure every (size, strategy) `repeats[size]` times; returns metrics and raw runs.
+    With ``group_size`` > 1 each size counts pods in groups of that many (spec.fleet.groups),
+    so the operator refits size / group_size units."""
     runs: list[RunResult] = []
     failures: list[str] = []
     # One simulator for the whole fleet if the limit can be raised so far; if not,
@@ -415,9 +435,10 @@ def run_suite(
                     for strategy in strategies or list(STRATEGIES):
                         # A fresh namespace per run: no earlier refit or pass in the way.
                         ns = bench.cp.create_namespace(f"bench-{n}")
-                        bench.make_pods(ns, [p.ip for p in fleet.pods])
+                        bench.make_pods(ns, [p.ip for p in fleet.pods], group_size)
                         try:
-                            r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeout)
+                            r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeout,
+                                          group_size=group_size)  # fmt: skip
                         except Exception as e:  # recorded; the other runs still count
                             failures.append(f"{n} pods {strategy} #{rep + 1}: {e}"[:400])
                             log(f"scale: FAILED RUN {failures[-1]}")
@@ -501,8 +522,9 @@ def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
             rs = [r for r in runs if r.pods == n and r.strategy == strategy]
             if not rs:
                 continue
-            tag = f"{strategy} {n} pods"
-            wall_target = WALL_TARGETS.get((strategy, n))
+            g = rs[0].group_size
+            tag = f"{strategy} {n} pods" + (f" in {n // g} groups of {g}" if g > 1 else "")
+            wall_target = WALL_TARGETS.get((strategy, n)) if g == 1 else None
             unfinished = [r for r in rs if not r.completed]
             note = "every pod probed (status + simulated pod version)"
             if unfinished:

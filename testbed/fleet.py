@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_operator.core.api import LEADER_INDEX, LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.core.podflow import PROGRESS_ANNOTATION
 from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE
@@ -207,7 +208,7 @@ class Fleet:
             try:
                 pods = self.pods()
                 for pod in pods:
-                    self._check(pod)
+                    self._check(pod, pods)
                 out = sum(self.ready(p) is False for p in pods)
                 self.max_out_of_traffic = max(self.max_out_of_traffic, out)
                 # Listing a large fleet five times a second would load the shared machine.
@@ -216,28 +217,48 @@ class Fleet:
                 interval = 0.2
             self._stop.wait(interval)
 
-    def _check(self, pod: dict[str, Any]) -> None:
-        problem = ready_violation(pod)
+    def _check(self, pod: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        problem = ready_violation(pod, group_leader(pod, pods))
         if problem is not None:
             self.violations.append(problem)
 
     def close(self) -> None:
         self._stop.set()
         self._watcher.join(timeout=5)
-        for pod in self.pods():
-            self._check(pod)
+        pods = self.pods()
+        for pod in pods:
+            self._check(pod, pods)
         self.api.close()
 
 
-def ready_violation(pod: dict[str, Any]) -> str | None:
+def group_leader(pod: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The leader of the pod group (LeaderWorkerSet's labels; spec.fleet.groups) that ``pod``
+    follows, among ``pods`` (one listing); None for a pod that follows no leader there."""
+    labels = pod["metadata"].get("labels") or {}
+    key, index = labels.get(LWS_GROUP_LABEL), labels.get(LWS_INDEX_LABEL)
+    if key is None or index in (None, LEADER_INDEX):
+        return None
+    return next(
+        (p for p in pods if (p["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL) == key
+         and p["metadata"]["labels"].get(LWS_INDEX_LABEL) == LEADER_INDEX),
+        None,
+    )  # fmt: skip
+
+
+def ready_violation(pod: dict[str, Any], leader: dict[str, Any] | None = None) -> str | None:
     """Why a Ready pod may be serving weights no probe passed on (None: it is not). Ready is
     right when the pod's record is a pass that Succeeded with a passed probe; or a pass that
     keeps it serving (staging, refused while staging) under the condition that pass left
     untouched, the one the passed probe of the version it serves wrote, or the one an
     earlier pass wrote when it restored the pod to that version; or a pass that restored it
-    to that version with the model untouched."""
+    to that version with the model untouched. A follower of a pod group (``leader``: its
+    group's leader, which carries the group's record) is right only while its leader is."""
     if not Fleet.ready(pod):
         return None
+    if leader is not None:
+        if not Fleet.ready(leader):
+            return f"{pod['metadata']['name']} Ready while its group's leader is not"
+        return ready_violation(leader)
     p = Fleet.progress(pod) or {}
     verdict = (p.get("probe") or {}).get("verdict")
     if p.get("outcome") == "Succeeded" and verdict == "Pass":

@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ProbeReference
 
-from .core import admission, checksums, history, plan, reconcile, times
+from .core import admission, checksums, groups, history, plan, reconcile, times
 from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, Phase, WeightRefitSpec, WeightRefitStatus
 from .core.index import Known, RefitIndex
 from .core.podflow import STEPS, Step
@@ -294,7 +294,9 @@ class Engine:
         passes.driven = {n: p for n, p in passes.driven.items() if n in passes.tasks}
         selector = view.spec.fleet.selector.canonical()
         before = {p.name for p in st.listing.pods} | {p.name for p in view.status.pods}
-        listed = await self.cluster.list_pods(namespace, selector)
+        # The refit units: each pod, or each pod group as its leader (spec.fleet.groups).
+        listed = groups.units(await self.cluster.list_pods(namespace, selector),
+                              view.spec.fleet.groups)  # fmt: skip
         # A pod replaced under its name (new uid) or readdressed: its pass stops calling the
         # old address now, and the pod as it is now gets a pass of its own (the uid's claim
         # and progress say whether that one resumes or starts afresh).

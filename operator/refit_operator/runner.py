@@ -71,6 +71,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
+            incarnation=pod.incarnation,
             serving=serving, serving_path=pod.serving_path,
             source="checkpoint" if start.path else "broadcast",
         )  # fmt: skip
@@ -128,6 +129,8 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
 
 
 async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Problem | None:
+    if pod.group_problem is not None:  # a pod group without its leader, or a pod of none
+        return pod.group_problem
     if not pod.has_gate:
         return Problem(Reason.MissingReadinessGate, "the pod does not declare the readiness gate")
     if ctx.admitted.get(pod.name) == (pod.uid, pod.restarts):

@@ -57,7 +57,7 @@ def test_spec_defaults_match_the_crd():
         if ".adminTokenSecretRef." in f".{k}"
         or ".apiKeySecretRef." in f".{k}"
         or "configMapRef" in k
-        or k.startswith("broadcast.")
+        or k.startswith(("broadcast.", "fleet.groups."))
     }
     assert len(defaults) - len(nested_optional) >= 15
     spec = minimal_spec()
@@ -75,6 +75,9 @@ def test_spec_defaults_match_the_crd():
     assert broadcast.engine == defaults["broadcast.engine"]
     assert broadcast.timeout_seconds == defaults["broadcast.timeoutSeconds"]
     assert broadcast.manifest.config_map_ref.key == defaults["broadcast.manifest.configMapRef.key"]
+    groups = api.Groups()
+    assert groups.group_label == defaults["fleet.groups.groupLabel"]
+    assert groups.index_label == defaults["fleet.groups.indexLabel"]
 
 
 def test_every_status_field_is_declared_in_the_crd():

@@ -7,10 +7,11 @@ import json
 from typing import Any
 
 import pytest
+from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.core.podflow import PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 
-from testbed.fleet import ready_violation
+from testbed.fleet import group_leader, ready_violation
 
 
 def pod(ready: bool, reason: str, message: str, **record: Any) -> dict[str, Any]:
@@ -103,3 +104,21 @@ def test_legitimately_ready_or_out(case: dict[str, Any]) -> None:
 )
 def test_ready_without_a_passed_probe(case: dict[str, Any]) -> None:
     assert ready_violation(case) is not None
+
+
+def test_a_group_follower_is_ready_only_while_its_leader_is() -> None:
+    """A follower of a pod group carries no record: its leader's vouches for it
+    (spec.fleet.groups), and it is Ready only while the leader is."""
+    labels = {LWS_GROUP_LABEL: "g", LWS_INDEX_LABEL: "0"}
+    leader = pod(True, *PROBED_V1, outcome="Succeeded", version="v1", probe={"verdict": "Pass"})
+    leader["metadata"]["labels"] = labels
+    follower = pod(True, *PROBED_V1)
+    follower["metadata"]["labels"] = {**labels, LWS_INDEX_LABEL: "1"}
+    pods = [leader, follower]
+    assert group_leader(follower, pods) is leader and group_leader(leader, pods) is None
+    assert ready_violation(follower, leader) is None
+    assert ready_violation(follower) is not None  # no record of its own
+    out = pod(False, "Refitting", "", outcome="", version="v2", serving="v1", left_traffic=5.0)
+    assert "its group's leader is not" in str(ready_violation(follower, out))
+    unprobed = pod(True, "ProbePassed", "weights v2 probed", outcome="", version="v2")
+    assert ready_violation(follower, unprobed) is not None

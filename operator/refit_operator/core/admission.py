@@ -78,6 +78,8 @@ def fleet_problem(pods: Sequence[PodView]) -> Problem | None:
     if not pods:
         return Problem(Reason.NoPodsSelected, "the fleet selector matches no pods")
     for pod in sorted(pods, key=lambda p: p.name):
+        if pod.group_problem is not None:
+            return pod.group_problem
         if not pod.has_gate:
             return Problem(
                 Reason.MissingReadinessGate,

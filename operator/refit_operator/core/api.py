@@ -100,11 +100,29 @@ class SecretKeyRef(_Model):
     key: str = "token"
 
 
+# The labels LeaderWorkerSet puts on every pod of a group (its group-key hash, and the pod's
+# index in the group: 0 for the leader).
+LWS_GROUP_LABEL: Final = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER_INDEX: Final = "0"
+
+
+class Groups(_Model):
+    """A replica that spans several pods (LeaderWorkerSet): the pods sharing the value of
+    ``group_label`` are one refit unit, driven through the API of the pod whose
+    ``index_label`` is "0" (the leader) and gated together (docs/concepts.md, "Parallel
+    layouts and multi-pod replicas")."""
+
+    group_label: str = LWS_GROUP_LABEL
+    index_label: str = LWS_INDEX_LABEL
+
+
 class Fleet(_Model):
     selector: LabelSelector
     port: int = 8000
     admin_token_secret_ref: SecretKeyRef | None = None
     api_key_secret_ref: SecretKeyRef | None = None
+    groups: Groups | None = None  # None: every selected pod is a replica of its own
 
 
 class Checkpoint(_Model):

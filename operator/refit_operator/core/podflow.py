@@ -134,6 +134,9 @@ class Progress:
     created: str = ""  # the WeightRefit's creation order (times.creation_order): which is newer
     restarts: int = 0  # the pod's container restarts when the pass began: a restart since
     # then means the container lost the weights this pass loaded
+    # A pod group's followers when the pass began (PodView.incarnation): one replaced since is
+    # the group's restart. "" for a pod alone.
+    incarnation: str = ""
     # The first step not yet done ("" once the pass is over): a Step's value (read back from
     # the annotation as the plain string, which compares equal to its Step).
     step: str = STEPS[0]
@@ -241,6 +244,7 @@ def start(
     created: str = "",
     rollback: bool = False,
     restarts: int = 0,
+    incarnation: str = "",
     serving: str = "",
     serving_path: str = "",
     source: Source = "checkpoint",
@@ -258,6 +262,7 @@ def start(
         source=source,
         started=now,
         restarts=restarts,
+        incarnation=incarnation,
         serving=serving,
         serving_path=serving_path if serving else "",
         left_traffic=0.0 if serving else now,

@@ -12,6 +12,7 @@ from typing import Any
 from refit_worker.contract import READINESS_GATE, READY_PATH
 
 from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from .reasons import Problem
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,17 @@ class PodView:
     # vLLM answers, as the kubelet knows it (containers_up_in): False while a container
     # starts or restarts (vLLM still loading, its port refusing connections).
     containers_up: bool = True
+    # A pod group (spec.fleet.groups; core/groups.py) as one replica: the leader's view, its
+    # followers by name (gated with it), and what keeps the group from being refitted.
+    members: tuple[str, ...] = ()
+    group_problem: Problem | None = None
+    incarnation: str = ""  # the followers' identity (groups.units): "" for a pod alone
+
+    def same_run(self, p: Progress) -> bool:
+        """``p`` was recorded in the container run that runs now: no container restarted
+        since, and, for a pod group, no follower was replaced either (its weights, and the
+        group's, went with it)."""
+        return p.restarts == self.restarts and p.incarnation == self.incarnation
 
     @property
     def startable(self) -> bool:
@@ -55,7 +67,7 @@ class PodView:
             p is not None
             and p.outcome == "Succeeded"
             and p.version == version
-            and p.restarts == self.restarts
+            and self.same_run(p)
             and self.ready
         )
 
@@ -72,7 +84,7 @@ class PodView:
             and bool(p.left_traffic)
             and p.outcome != "Succeeded"
             and not p.restored
-            and p.restarts == self.restarts
+            and self.same_run(p)
         )
 
     @property
@@ -80,7 +92,7 @@ class PodView:
         """The version the pod serves with a passed probe ("" if none): the one its last pass
         brought it to, or the one a refused pass put it back to."""
         p = self.progress
-        if p is None or not self.ready or p.restarts != self.restarts:
+        if p is None or not self.ready or not self.same_run(p):
             return ""
         if p.outcome == "Succeeded":
             return p.version

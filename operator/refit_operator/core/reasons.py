@@ -23,6 +23,8 @@ class Reason(StrEnum):
     MissingReadinessGate = "MissingReadinessGate"  # a pod lacks the weights-ready gate
     PodNotRunning = "PodNotRunning"  # a pod is not Running or has no IP
     PodUnreachable = "PodUnreachable"  # a pod did not answer (also a step's transport failure)
+    GroupLeaderMissing = "GroupLeaderMissing"  # a pod group without exactly one leader
+    GroupLabelMissing = "GroupLabelMissing"  # a pod without the group's labels (spec.fleet.groups)
     UnsafeBackend = "UnsafeBackend"  # the image lacks a reload-safety capability
     UnsafeConfiguration = "UnsafeConfiguration"  # a configuration the backports do not cover
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales

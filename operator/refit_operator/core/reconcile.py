@@ -156,7 +156,7 @@ def moved_on(
         return bool(pod.serving)
     if foreign(pod, fleet, refits):
         return False
-    lost = p.finished_pass and p.restarts != pod.restarts
+    lost = p.finished_pass and not pod.same_run(p)
     phase = next((r.phase for r in fleet if r.name == p.refit), "")
     return not lost or phase == "Succeeded" or phase not in TERMINAL_PHASES
 
@@ -183,8 +183,8 @@ def pod_state(
     if not mine or p is None:
         return "passed" if pod.verified(version) and not rollback else "todo"
     if p.outcome == "Succeeded":
-        return "passed" if p.restarts == pod.restarts else "todo"
-    if p.outcome in ("Failed", "Inconclusive") and p.restarts != pod.restarts:
+        return "passed" if pod.same_run(p) else "todo"
+    if p.outcome in ("Failed", "Inconclusive") and not pod.same_run(p):
         # The container restarted since the pass began: whatever the pass judged, the new
         # process holds none of it (its boot weights), so it is a pod to refit like any
         # restarted one, not a failure that stays.
@@ -202,7 +202,7 @@ def decide(obs: Observed) -> Decision:
     for p in obs.pods:
         if not p.ready or p.progress is None or p.name in obs.in_flight or p.claim is not None:
             continue  # a claimed pod is its pass's
-        if p.progress.restarts != p.restarts:
+        if not p.same_run(p.progress):
             d.withdraw[p.name] = Problem(Reason.ContainerRestarted, _RESTARTED)
         elif p.name not in starting and foreign(p, obs.fleet, obs.refits):
             # A pass starting now takes it out in its first write.
@@ -537,7 +537,7 @@ def rollback_targets(
             continue
         if p.rollback:
             to[pod.name] = (p.version, p.path)
-        elif p.finished_pass and p.in_traffic and p.restarts == pod.restarts and pod.ready:
+        elif p.finished_pass and p.in_traffic and pod.same_run(p) and pod.ready:
             kept.append(pod.name)  # refused before its weights were touched
         elif p.serving and p.serving_path:
             to[pod.name] = (p.serving, p.serving_path)

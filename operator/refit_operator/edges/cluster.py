@@ -13,7 +13,7 @@ import logging
 import secrets
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,19 +102,23 @@ class ClaimLost(Exception):
     this pass stops at once and touches the pod no more."""
 
 
+def _condition(readiness: Readiness) -> dict[str, Any]:
+    """The pod's readiness-gate condition, as pods/status takes it."""
+    return {
+        "type": READINESS_GATE,
+        "status": "True" if readiness.ready else "False",
+        "reason": readiness.reason,
+        "message": readiness.message[:1000],
+        "lastTransitionTime": rfc3339(times.now()),
+    }
+
+
 def _record_body(progress: Progress, readiness: Readiness | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}
     }
     if readiness is not None:
-        cond = {
-            "type": READINESS_GATE,
-            "status": "True" if readiness.ready else "False",
-            "reason": readiness.reason,
-            "message": readiness.message[:1000],
-            "lastTransitionTime": rfc3339(times.now()),
-        }
-        body["status"] = {"conditions": [cond]}
+        body["status"] = {"conditions": [_condition(readiness)]}
     return body
 
 
@@ -134,6 +138,7 @@ class ClaimedPod:
     claim: Claim
     resource_version: str
     uid: str  # the pod object claimed: a pod recreated under its name is another pod
+    members: tuple[str, ...] = ()  # a pod group's followers: each readiness goes to them too
 
     async def record(
         self, progress: Progress, readiness: Readiness | None = None, *, release: bool = False
@@ -144,12 +149,14 @@ class ClaimedPod:
         body["metadata"]["annotations"][CLAIM_ANNOTATION] = (
             None if release else self.claim.to_annotation()
         )
+        await self.cluster.mirror(self.namespace, self.members, readiness, before=True)
         while True:
             body["metadata"]["resourceVersion"] = self.resource_version
             try:
                 self.resource_version = await self.cluster._patch_pod_status(
                     self.namespace, self.name, body
                 )
+                await self.cluster.mirror(self.namespace, self.members, readiness, before=False)
                 return
             except ApiException as e:
                 if e.status != 409:
@@ -248,27 +255,49 @@ class Cluster:
         body = _record_body(progress, readiness)
         body["metadata"]["annotations"][CLAIM_ANNOTATION] = claim.to_annotation()
         body["metadata"]["resourceVersion"] = pod.resource_version
+        await self.mirror(namespace, pod.members, readiness, before=True)
         try:
             rv = await self._patch_pod_status(namespace, pod.name, body)
         except ApiException as e:
             if e.status == 409:
                 raise PodBusy(f"pod {pod.name} changed since it was listed") from e
             raise
-        return ClaimedPod(self, namespace, pod.name, claim, rv, pod.uid)
+        await self.mirror(namespace, pod.members, readiness, before=False)
+        return ClaimedPod(self, namespace, pod.name, claim, rv, pod.uid, pod.members)
 
     async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
         """Set the pod's readiness condition False, without a claim (taking a pod out of
         traffic is safe whoever does it), conditional on the pod being exactly as listed: a
         pass that claimed or recorded it since decides its readiness instead."""
-        body = {"metadata": {"resourceVersion": pod.resource_version}, "status": {"conditions": [{
-            "type": READINESS_GATE, "status": "False", "reason": reason,
-            "message": message[:1000], "lastTransitionTime": rfc3339(times.now()),
-        }]}}  # fmt: skip
+        out = Readiness(False, reason, message)
+        body = {"metadata": {"resourceVersion": pod.resource_version},
+                "status": {"conditions": [_condition(out)]}}  # fmt: skip
+        await self.mirror(namespace, pod.members, out, before=True)
         try:
             await self._patch_pod_status(namespace, pod.name, body)
         except ApiException as e:
             if e.status not in (404, 409):  # deleted, or changed since listed: not ours
                 raise
+
+    async def mirror(
+        self, namespace: str, names: Sequence[str], readiness: Readiness | None, *, before: bool
+    ) -> None:
+        """A pod group's followers (core/groups.py) get the readiness condition its leader
+        gets: the group serves, and leaves traffic, as one. Out of traffic before the
+        leader's write (``before``), back in only after it: a follower is Ready only while
+        its leader is, and never before the leader's record holds the passed probe. A write
+        of the leader that then fails leaves the followers out, which is safe: the group is
+        not Ready as a whole, and a pass takes it up. A follower deleted meanwhile has
+        nothing to gate."""
+        if readiness is None or readiness.ready == before:
+            return
+        body = {"status": {"conditions": [_condition(readiness)]}}
+        for name in names:
+            try:
+                await self._patch_pod_status(namespace, name, body)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
 
     async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
         """One strategic-merge patch of pods/status; the pod's new resourceVersion."""
