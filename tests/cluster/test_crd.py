@@ -221,6 +221,8 @@ INVALID: list[tuple[str, Callable[[Manifest], None], str, str]] = [
      "less than or equal to 2"),
     ("drain-mode-unknown", _set("spec.sequence.drainMode", "later"), "spec.sequence.drainMode",
      'Unsupported value: "later"'),
+    ("groups-one-label", _set("spec.fleet.groups", {"groupLabel": "x", "indexLabel": "x"}),
+     "spec.fleet.groups", "groupLabel and indexLabel must be two different labels"),
     ("step-timeout-0", _set("spec.sequence.stepTimeoutSeconds", 0),
      "spec.sequence.stepTimeoutSeconds", "greater than or equal to 1"),
     ("load-timeout-0", _set("spec.sequence.loadTimeoutSeconds", 0),
