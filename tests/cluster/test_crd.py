@@ -112,6 +112,7 @@ def test_examples_cover_each_strategy_and_policy() -> None:
     assert any(s.get("onFailure") == "Rollback" for s in specs)
     assert any(s.get("probe", {}).get("reference", {}).get("source") == "ConfigMap" for s in specs)
     assert any(s.get("queuePolicy") == "LatestWins" for s in specs)
+    assert any("groups" in s["fleet"] for s in specs)
 
 
 def test_defaults_are_applied(control_plane: ControlPlane, ns: str) -> None:
