@@ -231,3 +231,30 @@ def test_every_view_names_a_broadcast_refits_version_and_source():
     assert "v9" in " ".join(" ".join(r) for r in history_rows([doc]))
     text = plan_report(doc, [pod("a")], [])
     assert "v9 from a refit-gloo broadcast by the trainer at 10.0.0.5:29500" in text
+
+
+def test_status_and_plan_show_a_pod_group_as_one_unit_named_by_its_leader():
+    """With spec.fleet.groups, `kubectl refit status` and `plan` count groups as the operator
+    does: a follower (no record of its own) is no row of its own, and the group's gate is
+    "yes" only when every pod of it is in traffic."""
+    from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+    from refit_operator.core.views import pod_rows
+
+    doc = refit_doc(strategy={"type": "Rolling", "maxUnavailable": 1})
+    doc["spec"]["fleet"]["groups"] = {}
+    passed = {"refit": "wr", "uid": "u1", "version": "v2", "path": "/c/v2", "outcome": "Succeeded",
+              "step": "", "probe": {"verdict": "Pass"}}  # fmt: skip
+    pods = []
+    for key in ("g1", "g2"):
+        for index in (0, 1):
+            p = pod(f"{key}-{index}", ready=True,
+                    progress=passed if key == "g1" and index == 0 else None)  # fmt: skip
+            p["metadata"]["labels"] = {LWS_GROUP_LABEL: key, LWS_INDEX_LABEL: str(index)}
+            pods.append(p)
+    pods[1]["status"]["conditions"][0]["status"] = "False"  # g1's follower out of traffic
+    rows = {r[0]: r for r in pod_rows(doc, pods)}
+    assert sorted(rows) == ["g1-0", "g2-0"]
+    assert (rows["g1-0"][1], rows["g1-0"][4]) == ("Succeeded", "no")
+    assert rows["g2-0"][4] == "yes"
+    text = plan_report(doc, pods, [])
+    assert "g1-1" not in text and "g2-1" not in text

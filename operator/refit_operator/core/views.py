@@ -10,7 +10,7 @@ from typing import Any
 
 from refit_worker.contract import READINESS_GATE
 
-from . import api, plan, reconcile, times, traffic
+from . import api, groups, plan, reconcile, times, traffic
 from .podflow import Progress
 from .podview import PodView
 from .reasons import Problem
@@ -88,8 +88,10 @@ def pod_rows(
     folded with the refit's status.pods, which lists only the pods that need attention (and
     alone remembers pods deleted mid-refit)."""
     status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
-    views = [PodView.from_pod(p) for p in fleet_pods]
-    ready = {v.name: _gate(p) for v, p in zip(views, fleet_pods, strict=True)}
+    views = units(doc, fleet_pods)
+    gates = {str(p["metadata"]["name"]): _gate(p) for p in fleet_pods}
+    # A pod group's gate is the group's: "yes" only when every pod of it is in traffic.
+    ready = {v.name: ("yes" if v.ready else "no") if v.members else gates[v.name] for v in views}
     uid = str((doc.get("metadata") or {}).get("uid", ""))
     own = _own_records(doc, views)
     rows: list[list[object]] = []
@@ -107,6 +109,16 @@ def pod_rows(
             (r.checksum or "-")[:CHECKSUM_SHOWN], seconds(out), r.reason,
         ])  # fmt: skip
     return rows
+
+
+def units(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]) -> list[PodView]:
+    """The refit's units as the operator counts them (core/groups.py): each pod, or with
+    spec.fleet.groups each pod group as its leader, so a follower (which carries no record)
+    is never shown as a pod of its own."""
+    fleet = (doc.get("spec") or {}).get("fleet") or {}
+    grouping = fleet.get("groups")
+    by = api.Groups.model_validate(grouping) if grouping is not None else None
+    return groups.units([PodView.from_pod(p) for p in fleet_pods], by)
 
 
 def _recorded(probe: api.PodProbe | None, name: str) -> object:
@@ -259,7 +271,7 @@ def plan_report(
         name=meta.get("name", ""), uid=meta.get("uid", ""), generation=1,
         created=times.order_of(meta) or "9999", spec=spec, status=status,
     )  # fmt: skip
-    pods = sorted((PodView.from_pod(p) for p in pod_docs), key=lambda p: p.name)
+    pods = sorted(units(doc, pod_docs), key=lambda p: p.name)
     strat = spec.strategy
     width = (
         len(pods)
