@@ -294,9 +294,11 @@ class Engine:
         passes.driven = {n: p for n, p in passes.driven.items() if n in passes.tasks}
         selector = view.spec.fleet.selector.canonical()
         before = {p.name for p in st.listing.pods} | {p.name for p in view.status.pods}
-        # The refit units: each pod, or each pod group as its leader (spec.fleet.groups).
-        listed = groups.units(await self.cluster.list_pods(namespace, selector),
-                              view.spec.fleet.groups)  # fmt: skip
+        # The refit units: each pod, or each pod group as its leader (spec.fleet.groups), each
+        # with the record of the weights this refit replaces (spec.track) as its progress.
+        track = view.spec.track
+        listed = groups.units([p.on_track(track) for p in await self.cluster.list_pods(
+            namespace, selector)], view.spec.fleet.groups)  # fmt: skip
         # A pod replaced under its name (new uid) or readdressed: its pass stops calling the
         # old address now, and the pod as it is now gets a pass of its own (the uid's claim
         # and progress say whether that one resumes or starts afresh).

@@ -68,13 +68,13 @@ class Preflight:
         )
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         passes = t.state.passes
+        unsafe, level, adapter = (
+            spec.allow_unsafe_backends, spec.sequence.sleep_level, spec.adapter is not None
+        )  # fmt: skip
         passes.admitted = {
             name: identity[name]
             for name, info in infos.items()
-            if admission.admission_problem(
-                info, spec.allow_unsafe_backends, spec.sequence.sleep_level
-            )
-            is None
+            if admission.admission_problem(info, unsafe, level, adapter=adapter) is None
         }
         problem = None
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
@@ -109,11 +109,15 @@ class Preflight:
                 "scored by each pod's probe", view.namespace, view.name,
             )  # fmt: skip
             return None
+        prompts = [list(p.token_ids) for p in reference.prompts]
+        # An adapter refit's pods run LoRA: there a batch of prompt-logprob sequences kills
+        # vLLM 0.32's CPU engine (worker_client.score_prompts), so one prompt per request.
+        batches = [[p] for p in prompts] if view.spec.adapter is not None else [prompts]
         try:
-            await client.score_prompts(
-                [list(p.token_ids) for p in reference.prompts],
-                timeout=float(view.spec.sequence.probe_timeout_seconds),
-            )
+            for batch in batches:
+                await client.score_prompts(
+                    batch, timeout=float(view.spec.sequence.probe_timeout_seconds)
+                )
         except WorkerError as e:
             if e.kind == "http" and e.status in (401, 403):
                 return Problem(

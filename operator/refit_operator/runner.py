@@ -72,8 +72,8 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
             incarnation=pod.incarnation,
-            serving=serving, serving_path=pod.serving_path,
-            source="checkpoint" if start.path else "broadcast",
+            serving=serving, serving_path=pod.serving_path, source=_source(ctx, start),
+            adapter=ctx.spec.track,
         )  # fmt: skip
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
@@ -128,6 +128,14 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             await handle.record(progress, podflow.readiness(progress) if leaves else None)
 
 
+def _source(ctx: PassContext, start: PodStart) -> podflow.Source:
+    """Where this pass's weights come from. A rollback loads a directory (start.path): the
+    previous checkpoint, or the previous adapter for an adapter refit."""
+    if ctx.spec.adapter is not None:
+        return "adapter"
+    return "checkpoint" if start.path else "broadcast"
+
+
 async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Problem | None:
     if pod.group_problem is not None:  # a pod group without its leader, or a pod of none
         return pod.group_problem
@@ -140,7 +148,9 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         info = await worker.refit_info(timeout=t_step)
     except WorkerError:
         return None  # transient or not: the first step meets it again, with retries
-    problem = admission_problem(info, ctx.spec.allow_unsafe_backends, ctx.spec.sequence.sleep_level)
+    spec = ctx.spec
+    problem = admission_problem(info, spec.allow_unsafe_backends, spec.sequence.sleep_level,
+                                adapter=spec.adapter is not None)  # fmt: skip
     if problem is None:
         problem = joins_layout(ctx.layout, info)
     if problem is not None:

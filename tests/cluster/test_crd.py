@@ -88,6 +88,9 @@ def test_example_is_accepted(control_plane: ControlPlane, ns: str, path: Path) -
     for doc in docs:
         if doc["kind"] == "WeightRefit":
             stored = get(control_plane, ns, doc["metadata"]["name"])
+            if "adapter" in doc["spec"]:
+                assert stored["spec"]["adapter"] == doc["spec"]["adapter"]
+                continue
             assert stored["spec"]["checkpoint"] == {
                 "format": "safetensors",
                 **doc["spec"]["checkpoint"],
@@ -113,6 +116,7 @@ def test_examples_cover_each_strategy_and_policy() -> None:
     assert any(s.get("probe", {}).get("reference", {}).get("source") == "ConfigMap" for s in specs)
     assert any(s.get("queuePolicy") == "LatestWins" for s in specs)
     assert any("groups" in s["fleet"] for s in specs)
+    assert any("adapter" in s for s in specs)
 
 
 def test_defaults_are_applied(control_plane: ControlPlane, ns: str) -> None:
@@ -678,3 +682,78 @@ def test_the_weight_source_cannot_be_switched(control_plane: ControlPlane, ns: s
         assert get(control_plane, ns, "bcast-switch")["spec"] == stored["spec"]
     finally:
         control_plane.kubectl("delete", "-n", ns, "wr", "bcast-switch", "--wait=false")
+
+
+# ----------------------------------------------------------------------- adapter source
+ADAPTER = {"name": "policy", "path": "/checkpoints/lora/step-2", "version": "step-2"}
+
+
+def adapter_refit(name: str = "lora") -> Manifest:
+    obj = minimal(name)
+    del obj["spec"]["checkpoint"]
+    obj["spec"]["adapter"] = copy.deepcopy(ADAPTER)
+    return obj
+
+
+def test_an_adapter_refit_is_accepted_and_shown(control_plane: ControlPlane, ns: str) -> None:
+    stored = create(control_plane, ns, adapter_refit("lora-ok"))
+    try:
+        assert stored["spec"]["adapter"] == ADAPTER and "checkpoint" not in stored["spec"]
+        wide = control_plane.kubectl("get", "-n", ns, "wr", "lora-ok", "-o", "wide").stdout
+        header, row = wide.splitlines()[:2]
+        assert "ADAPTER" in header and "ADAPTER-VERSION" in header
+        at = header.index("ADAPTER ")  # empty columns: read the row by the header's offsets
+        assert row[at:].split()[:2] == ["policy", "step-2"]
+    finally:
+        control_plane.kubectl("delete", "-n", ns, "wr", "lora-ok", "--wait=false")
+
+
+ADAPTER_INVALID = [
+    ("with-checkpoint", _set("spec.checkpoint", {"path": "/c", "version": "v"}),
+     "set exactly one weight source"),
+    ("with-broadcast", _set("spec.broadcast", copy.deepcopy(BROADCAST)),
+     "set exactly one weight source"),
+    ("no-version", _drop("spec.adapter.version"), "Required value"),
+    ("no-name", _drop("spec.adapter.name"), "Required value"),
+    ("relative-path", _set("spec.adapter.path", "lora/s2"), "spec.adapter.path must be an"),
+    ("dotdot", _set("spec.adapter.path", "/lora/../etc"), "must not contain a '..' segment"),
+    ("name-with-slash", _set("spec.adapter.name", "team/policy"), "spec.adapter.name must be 1-40"),
+    ("name-41-chars", _set("spec.adapter.name", "a" * 41), "may not be more than 40"),
+    ("bad-version", _set("spec.adapter.version", "step 2"), "spec.adapter.version must be 1-63"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "fragment"), [c[1:] for c in ADAPTER_INVALID],
+                         ids=[c[0] for c in ADAPTER_INVALID])  # fmt: skip
+def test_an_inconsistent_adapter_spec_is_rejected(
+    control_plane: ControlPlane, ns: str, mutate: Callable[[Manifest], None], fragment: str
+) -> None:
+    obj = adapter_refit("lora-invalid")
+    mutate(obj)
+    proc = create(control_plane, ns, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {json.dumps(obj['spec'])}"
+    assert fragment in proc.stderr, proc.stderr
+    assert control_plane.kubectl("get", "-n", ns, "wr", "lora-invalid", check=False).returncode
+
+
+def test_an_adapter_refit_cannot_become_another_source_or_adapter(
+    control_plane: ControlPlane, ns: str
+) -> None:
+    stored = create(control_plane, ns, adapter_refit("lora-switch"))
+    try:
+        changed = copy.deepcopy(stored)
+        del changed["spec"]["adapter"]
+        changed["spec"]["checkpoint"] = {"path": "/checkpoints/step-2", "version": "step-2"}
+        proc = control_plane.kubectl(
+            "replace", "-n", ns, "-f", "-", input=json.dumps(changed), check=False
+        )
+        assert proc.returncode != 0 and "the weight source" in proc.stderr, proc.stderr
+        again = copy.deepcopy(stored)
+        again["spec"]["adapter"]["name"] = "critic"
+        proc = control_plane.kubectl(
+            "replace", "-n", ns, "-f", "-", input=json.dumps(again), check=False
+        )
+        assert "spec.adapter is immutable" in proc.stderr, proc.stderr
+        assert get(control_plane, ns, "lora-switch")["spec"] == stored["spec"]
+    finally:
+        control_plane.kubectl("delete", "-n", ns, "wr", "lora-switch", "--wait=false")

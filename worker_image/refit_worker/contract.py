@@ -405,6 +405,12 @@ class RefitInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # LoRA adapters (an adapter refit, spec.adapter): the highest rank the engine takes (vLLM's
+    # --max-lora-rank; 0: started without --enable-lora), and whether its runtime routes
+    # (/v1/load_lora_adapter, /v1/unload_lora_adapter) are served
+    # (VLLM_ALLOW_RUNTIME_LORA_UPDATING). Absent from older workers' answers: 0 and False.
+    max_lora_rank: int = 0
+    runtime_lora_updating: bool = False
 
     @property
     def layout(self) -> str:
@@ -445,6 +451,12 @@ class RefitInfo:
                 for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
                 if key in doc
             },
+            max_lora_rank=_require(doc, "max_lora_rank", int, where)
+            if "max_lora_rank" in doc
+            else 0,
+            runtime_lora_updating=_require(doc, "runtime_lora_updating", bool, where)
+            if "runtime_lora_updating" in doc
+            else False,
         )
 
 

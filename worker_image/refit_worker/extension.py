@@ -199,6 +199,7 @@ class RefitWorkerExtension:
     @peers.collective
     def refit_info(self) -> dict[str, Any]:
         import vllm
+        from vllm import envs
 
         from refit_worker import backports
         from refit_worker.backports import unsafe
@@ -228,6 +229,8 @@ class RefitWorkerExtension:
             tensor_parallel_size=int(cfg.parallel_config.tensor_parallel_size),
             pipeline_parallel_size=int(cfg.parallel_config.pipeline_parallel_size),
             data_parallel_size=int(cfg.parallel_config.data_parallel_size),
+            max_lora_rank=int(cfg.lora_config.max_lora_rank) if cfg.lora_config else 0,
+            runtime_lora_updating=bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING),
         )
         return info.to_json_dict()
 

@@ -26,12 +26,16 @@ class PreflightResult:
 
 
 def admission_problem(
-    info: RefitInfo | str, allow_unsafe: bool, sleep_level: int
+    info: RefitInfo | str, allow_unsafe: bool, sleep_level: int, *, adapter: bool = False
 ) -> Problem | None:
     """Why a pod must not be refitted, judged from its refit_info and the spec's
-    ``sequence.sleepLevel``; None when it may."""
+    ``sequence.sleepLevel``; None when it may. An ``adapter`` refit (spec.adapter) never
+    reloads the base weights, so what makes a reload unsafe does not concern it: it needs
+    vLLM's runtime LoRA routes instead (adapter_problem)."""
     if isinstance(info, str):
         return Problem(Reason.PodUnreachable, info)
+    if adapter:
+        return adapter_problem(info)
     if allow_unsafe:
         return None
     missing = [c for c in REQUIRED_CAPABILITIES if c not in info.capabilities]
@@ -48,6 +52,24 @@ def admission_problem(
             Reason.UnsafeSleepLevel,
             f"sleepLevel 2 discards the KV cache scales ({info.kv_cache_scales} checkpoint "
             "parameters) and waking does not restore them (vLLM #57163); use sleepLevel 1",
+        )
+    return None
+
+
+def adapter_problem(info: RefitInfo) -> Problem | None:
+    """What keeps a pod from taking a LoRA adapter at runtime: vLLM started without LoRA, or
+    without its runtime routes (they are not served at all then, so every load would 404)."""
+    if info.max_lora_rank <= 0:
+        return Problem(
+            Reason.AdapterUnsupported,
+            "vLLM runs without LoRA: start it with --enable-lora (and --max-lora-rank at least "
+            "the adapter's rank)",
+        )
+    if not info.runtime_lora_updating:
+        return Problem(
+            Reason.AdapterUnsupported,
+            "vLLM does not serve its runtime LoRA routes (/v1/load_lora_adapter): start it "
+            "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
         )
     return None
 
@@ -178,6 +200,8 @@ def preflight_problem(
     result: PreflightResult,
     allow_unsafe: bool,
     sleep_level: int,
+    *,
+    adapter: bool = False,
 ) -> Problem | None:
     problem = fleet_problem(pods)
     if problem is not None:
@@ -186,7 +210,7 @@ def preflight_problem(
         return result.problem
     for pod in sorted(pods, key=lambda p: p.name):
         info = result.infos.get(pod.name, "no refit_info answer")
-        problem = admission_problem(info, allow_unsafe, sleep_level)
+        problem = admission_problem(info, allow_unsafe, sleep_level, adapter=adapter)
         if problem is not None:
             return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
     return layout_problem(result.infos) or world_size_problem(result.infos, result.world_sizes)

@@ -131,6 +131,15 @@ class Checkpoint(_Model):
     format: Literal["safetensors"] = "safetensors"
 
 
+class Adapter(_Model):
+    """A LoRA adapter to refit on the fleet's pods (docs/concepts.md, "LoRA adapters"): its
+    directory (PEFT files, manifest, probe reference) and version, served under ``name``."""
+
+    name: str
+    path: str
+    version: str
+
+
 class ManifestConfigMapRef(_Model):
     name: str
     key: str = "transfer-manifest.json"
@@ -214,6 +223,7 @@ class WeightRefitSpec(_Model):
     # Exactly one weight source (the CRD's CEL rule says so; a model built in a test may not).
     checkpoint: Checkpoint | None = None
     broadcast: Broadcast | None = None
+    adapter: Adapter | None = None
     sequence: Sequence = Field(default_factory=Sequence)
     strategy: Strategy = Field(default_factory=Strategy)
     probe: ProbeSpec = Field(default_factory=ProbeSpec)
@@ -229,13 +239,25 @@ class WeightRefitSpec(_Model):
         """The version this refit brings the pods to, whatever its source."""
         if self.broadcast is not None:
             return self.broadcast.version
-        assert self.checkpoint is not None, "a WeightRefit names a checkpoint or a broadcast"
+        if self.adapter is not None:
+            return self.adapter.version
+        assert self.checkpoint is not None, "a WeightRefit names a weight source"
         return self.checkpoint.version
 
     @property
     def path(self) -> str:
-        """The checkpoint directory; "" for a broadcast (nothing to read, stage or reload)."""
+        """The checkpoint (or adapter) directory; "" for a broadcast (nothing to read again)."""
+        if self.adapter is not None:
+            return self.adapter.path
         return self.checkpoint.path if self.checkpoint is not None else ""
+
+    @property
+    def track(self) -> str:
+        """The weights this refit replaces: the base model's ("") or one LoRA adapter's (its
+        name). Each track has its own queue, history, rollback target and pod records: an
+        adapter refit neither waits for nor supersedes a refit of the base weights, and the
+        pod's claim alone keeps their passes from overlapping."""
+        return self.adapter.name if self.adapter is not None else ""
 
 
 _PERCENT = re.compile(r"^(\d{1,3})%$")

@@ -60,6 +60,9 @@ class Finished:
     checkpoint: bool = True  # loaded a checkpoint (False: a broadcast, spec.broadcast)
     moved_on: bool = False  # Superseded because its pods moved on (the fleet served it)
     pods: frozenset[str] = frozenset()  # the pods its selector selects now
+    # The weights it refits (WeightRefitSpec.track): refits of other weights on the same pods
+    # are another fleet, with a target and rollback target of their own.
+    track: str = ""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any], fleet: str) -> Finished:
@@ -76,6 +79,7 @@ class Finished:
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,
             checkpoint="broadcast" not in spec,
+            track=str((spec.get("adapter") or {}).get("name", "")),
         )
 
 
@@ -117,7 +121,7 @@ def rollback_target(fleet: Sequence[Finished]) -> Finished | None:
 
 def fleets(refits: Sequence[Finished]) -> list[list[Finished]]:
     """The refits grouped as the queue groups them: by the pods they share (chained), and by
-    equal selector text."""
+    equal selector text; refits of other weights (``track``) are other fleets."""
     parent = list(range(len(refits)))
 
     def root(i: int) -> int:
@@ -128,7 +132,7 @@ def fleets(refits: Sequence[Finished]) -> list[list[Finished]]:
 
     first: dict[str, int] = {}
     for i, r in enumerate(refits):
-        for key in (f"fleet {r.fleet}", *(f"pod {p}" for p in r.pods)):
+        for key in (f"fleet {r.track} {r.fleet}", *(f"pod {r.track} {p}" for p in r.pods)):
             j = first.setdefault(key, i)
             parent[root(i)] = root(j)
     groups: dict[int, list[Finished]] = defaultdict(list)
@@ -141,13 +145,13 @@ def kept(refits: Sequence[Finished]) -> set[str]:
     """Names of the refits kept whatever the policy says: each pod's target and rollback
     target, and those of each selector text that selects no pod now."""
     # Pods that the same refits select have the same target: decide once per such set.
-    chosen_by: dict[str, list[Finished]] = defaultdict(list)
-    by_text: dict[str, list[Finished]] = defaultdict(list)
+    chosen_by: dict[tuple[str, str], list[Finished]] = defaultdict(list)
+    by_text: dict[tuple[str, str], list[Finished]] = defaultdict(list)
     for r in refits:
         for p in r.pods:
-            chosen_by[p].append(r)
+            chosen_by[r.track, p].append(r)
         if not r.pods:
-            by_text[r.fleet].append(r)
+            by_text[r.track, r.fleet].append(r)
     unique = {tuple(r.name for r in rs): rs for rs in chosen_by.values()}
     keep = set()
     for members in (*unique.values(), *by_text.values()):

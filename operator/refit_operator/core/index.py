@@ -146,28 +146,29 @@ class RefitIndex:
         refs, succeeded = [], []
         me = self.known.get(uid)
         mine = times.order_key(created, me.name if me is not None else "")
+        track = me.spec.track if me is not None else ""
         for k in self.known.values():
-            if k.namespace != namespace:
+            # A refit of other weights (a LoRA adapter's, or the base model's) is of another
+            # fleet: its own queue, target and rollback target (WeightRefitSpec.track).
+            if k.namespace != namespace or k.spec.track != track:
                 continue
             if k.uid != uid and not any(k.spec.fleet.selector.matches(p.labels) for p in pods):
                 continue
             ref = k.ref(phase if k.uid == uid else None)
             refs.append(ref)
             # A broadcast leaves nothing to load its version from again: the rollback target
-            # is the last checkpoint the fleet served.
+            # is the last checkpoint (or adapter) the fleet served.
             if (
                 (ref.phase == "Succeeded" or (k.uid != uid and k.moved_on))
                 and k.uid != uid
                 and times.order_key(k.created, k.name) < mine
-                and k.spec.checkpoint is not None
+                and k.spec.path
             ):
                 succeeded.append(k)
         previous = None
         if succeeded:
             last = max(succeeded, key=lambda k: times.order_key(k.created, k.name))
-            c = last.spec.checkpoint
-            assert c is not None
-            previous = Previous(version=c.version, path=c.path, refit=last.name)
+            previous = Previous(version=last.spec.version, path=last.spec.path, refit=last.name)
         return refs, previous
 
     def to_wake(self, namespace: str, fleet: Sequence[plan.RefitRef], uid: str) -> list[str]:
@@ -200,9 +201,10 @@ class RefitIndex:
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
-                             k.spec.checkpoint is not None, k.moved_on,
+                             k.spec.broadcast is None, k.moved_on,
                              frozenset(p.name for p in pods
-                                       if k.spec.fleet.selector.matches(p.labels)))
+                                       if k.spec.fleet.selector.matches(p.labels)),
+                             k.spec.track)
             for k in mine.values()
         ]  # fmt: skip
         out = []

@@ -27,6 +27,16 @@ from .reasons import Reason
 # Where a pod's record lives on the pod (docs/operator.md).
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
 CLAIM_ANNOTATION = f"{API_GROUP}/claim"
+# A LoRA adapter's record (spec.adapter), one per adapter name beside the base weights' own:
+# an adapter pass never overwrites the record that the base weights' rollback and
+# convergence read. The pod's claim stays one: one pass at a time, whatever it refits.
+ADAPTER_PROGRESS_PREFIX = f"{API_GROUP}/adapter-progress."
+
+
+def progress_annotation(track: str) -> str:
+    """The annotation holding a pod's record of ``track`` (WeightRefitSpec.track: "" for the
+    base weights, else the adapter's name)."""
+    return f"{ADAPTER_PROGRESS_PREFIX}{track}" if track else PROGRESS_ANNOTATION
 
 
 class Step(StrEnum):
@@ -178,6 +188,11 @@ class Progress:
     # An adapter pass (source "adapter"): the name clients send for the adapter (spec.adapter
     # .name); the new version is staged under staged_adapter_name(adapter, version).
     adapter: str = ""
+
+    @property
+    def track(self) -> str:
+        """The weights this pass refits (WeightRefitSpec.track): where its record lives."""
+        return self.adapter if self.source == "adapter" else ""
 
     @property
     def probe_model(self) -> str | None:

@@ -6,12 +6,18 @@ its address, containers, readiness condition, restarts, and the pass records it 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from refit_worker.contract import READINESS_GATE, READY_PATH
 
-from .podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from .podflow import (
+    ADAPTER_PROGRESS_PREFIX,
+    CLAIM_ANNOTATION,
+    PROGRESS_ANNOTATION,
+    Claim,
+    Progress,
+)
 from .reasons import Problem
 
 
@@ -39,6 +45,16 @@ class PodView:
     members: tuple[str, ...] = ()
     group_problem: Problem | None = None
     incarnation: str = ""  # the followers' identity (groups.units): "" for a pod alone
+    # The records of the LoRA adapters' passes, by adapter name (podflow.progress_annotation);
+    # ``progress`` is the base weights' record, or an adapter's in a view ``on_track``.
+    adapter_records: Mapping[str, Progress] = field(default_factory=dict)
+
+    def on_track(self, track: str) -> PodView:
+        """The pod as a refit of ``track`` (WeightRefitSpec.track) sees it: that track's
+        record as ``progress``, so that every decision reads the record its passes write."""
+        if not track:
+            return self
+        return replace(self, progress=self.adapter_records.get(track))
 
     def same_run(self, p: Progress) -> bool:
         """``p`` was recorded in the container run that runs now: no container restarted
@@ -128,6 +144,12 @@ class PodView:
             claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
             resource_version=meta.get("resourceVersion", ""),
             containers_up=containers_up_in(spec, status),
+            adapter_records={
+                key.removeprefix(ADAPTER_PROGRESS_PREFIX): record
+                for key, text in annotations.items()
+                if key.startswith(ADAPTER_PROGRESS_PREFIX)
+                and (record := Progress.from_annotation(text)) is not None
+            },
         )
 
 

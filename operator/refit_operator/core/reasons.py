@@ -27,6 +27,7 @@ class Reason(StrEnum):
     GroupLabelMissing = "GroupLabelMissing"  # a pod without the group's labels (spec.fleet.groups)
     UnsafeBackend = "UnsafeBackend"  # the image lacks a reload-safety capability
     UnsafeConfiguration = "UnsafeConfiguration"  # a configuration the backports do not cover
+    AdapterUnsupported = "AdapterUnsupported"  # an adapter refit on vLLM without runtime LoRA
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales
     ParallelLayoutMismatch = "ParallelLayoutMismatch"  # the pods report different TP/PP/DP
     # a pod runs workers whose answers the refit never hears: /get_world_size counts more

@@ -311,8 +311,9 @@ def _decide(obs: Observed) -> Decision:
             d.need_preflight = True
             return d
         problem = preflight_problem(
-            obs.pods, obs.preflight, spec.allow_unsafe_backends, spec.sequence.sleep_level
-        )
+            obs.pods, obs.preflight, spec.allow_unsafe_backends, spec.sequence.sleep_level,
+            adapter=spec.adapter is not None,
+        )  # fmt: skip
         st.target_pods = len(obs.pods)
         if problem is not None:
             transition("Failed", problem.reason, problem.message, "Warning")

@@ -24,10 +24,10 @@ from refit_worker.contract import API_GROUP, READINESS_GATE
 from ..core import api, times
 from ..core.podflow import (
     CLAIM_ANNOTATION,
-    PROGRESS_ANNOTATION,
     Claim,
     Progress,
     Readiness,
+    progress_annotation,
 )
 from ..core.podview import PodView
 from ..core.times import rfc3339
@@ -115,7 +115,7 @@ def _condition(readiness: Readiness) -> dict[str, Any]:
 
 def _record_body(progress: Progress, readiness: Readiness | None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "metadata": {"annotations": {PROGRESS_ANNOTATION: progress.to_annotation()}}
+        "metadata": {"annotations": {progress_annotation(progress.track): progress.to_annotation()}}
     }
     if readiness is not None:
         body["status"] = {"conditions": [_condition(readiness)]}
