@@ -19,7 +19,7 @@ import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_operator.core.api import LEADER_INDEX, LWS_GROUP_LABEL, LWS_INDEX_LABEL
-from refit_operator.core.podflow import PROGRESS_ANNOTATION
+from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
 from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE
 
@@ -111,6 +111,16 @@ class Fleet:
     def progress(pod: dict[str, Any]) -> dict[str, Any] | None:
         text = (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
         return json.loads(text) if text else None
+
+    @staticmethod
+    def adapter_progress(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The records of the adapters' passes, by adapter name (spec.adapter)."""
+        notes = pod["metadata"].get("annotations") or {}
+        return {
+            key.removeprefix(ADAPTER_PROGRESS_PREFIX): json.loads(text)
+            for key, text in notes.items()
+            if key.startswith(ADAPTER_PROGRESS_PREFIX) and text
+        }
 
     # ------------------------------------------------------------------- refits
     def apply_refit(
@@ -259,16 +269,25 @@ def ready_violation(pod: dict[str, Any], leader: dict[str, Any] | None = None) -
         if not Fleet.ready(leader):
             return f"{pod['metadata']['name']} Ready while its group's leader is not"
         return ready_violation(leader)
+    cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
+    for name, record in Fleet.adapter_progress(pod).items():
+        if not _adapter_serves(record):
+            return f"{pod['metadata']['name']} Ready while adapter {name} is unprobed: {record}"
     p = Fleet.progress(pod) or {}
     verdict = (p.get("probe") or {}).get("verdict")
     if p.get("outcome") == "Succeeded" and verdict == "Pass":
         return None
-    cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
+    if not p and Fleet.adapter_progress(pod):
+        return None  # in traffic by an adapter's probe, which scored the base weights too
     served = p.get("serving")
     staging = bool(served) and not p.get("left_traffic") and not p.get("restored")
     message = str(cond.get("message") or "")
     probed = f"weights {served} probed"  # then, after "; ", what its drain kept in flight
     if staging and cond.get("reason") == "ProbePassed" and message.split(";")[0] == probed:
+        return None
+    # An adapter pass's probe scored the base weights too (through the adapter), and a base
+    # pass that stages has not touched them since.
+    if staging and cond.get("reason") == "ProbePassed" and message.startswith("adapter "):
         return None
     # Staging under the condition an earlier pass's restore wrote (podflow.readiness): that
     # pass put the pod back on ``served`` with its model untouched, or it would not say so.
@@ -280,6 +299,15 @@ def ready_violation(pod: dict[str, Any], leader: dict[str, Any] | None = None) -
     if p.get("restored") and not p.get("touched") and cond.get("reason") == "PreviousWeights":
         return None
     return f"{pod['metadata']['name']} Ready without a passed probe: {cond} {p}"
+
+
+def _adapter_serves(p: dict[str, Any]) -> bool:
+    """An adapter's record lets its pod be Ready: its pass Succeeded with a passed probe, or
+    it has not swapped yet (the old adapter, probed, serves on), or it restored the old one
+    with the served adapter never touched."""
+    if p.get("outcome") == "Succeeded":
+        return (p.get("probe") or {}).get("verdict") == "Pass"
+    return not p.get("left_traffic") and (not p.get("outcome") or bool(p.get("restored")))
 
 
 def fenced_calls(sim: SimPod) -> list[dict[str, Any]]:

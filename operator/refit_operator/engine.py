@@ -138,7 +138,7 @@ class Engine:
         if st is not None:
             for task in st.passes.running():
                 task.cancel()
-        metrics.forget_refit(gone.namespace, gone.spec.fleet.selector.canonical(), gone.name)
+        metrics.forget_refit(gone.namespace, gone.spec.fleet_label, gone.name)
 
     async def seen(self, doc: dict[str, Any], deleted: bool = False) -> None:
         """A watch event: fold it in, and write the creation stamp the refit was given at
@@ -321,7 +321,7 @@ class Engine:
         )  # fmt: skip
         await self._stop(passes, vanished)  # deleted mid-pass: nothing left to make safe
         for gone in before - present:
-            metrics.forget_pod(namespace, selector, gone)
+            metrics.forget_pod(namespace, view.spec.fleet_label, gone)
         refits = self.index.names(namespace)
         return Observed(
             refit=view, fleet=fleet, pods=pods, in_flight=frozenset(passes.tasks),
@@ -469,14 +469,15 @@ class Engine:
         ctx = PassContext(
             cluster=self.cluster, namespace=t.namespace, refit_doc=t.doc, refit_name=view.name,
             refit_uid=view.uid, refit_created=view.created,
-            fleet=view.spec.fleet.selector.canonical(), spec=view.spec,
+            fleet=view.spec.fleet_label, spec=view.spec,
             client=lambda pod, fence: self._client(t, pod, fence),
             next_fence=self.next_fence, reference=reference,
             peer_nlls=st.peer_nlls, readbacks=st.readbacks,
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),
-            admitted=passes.admitted, layout=view.status.layout, live=passes.live,
+            admitted=passes.admitted, lora=passes.lora, layout=view.status.layout,
+            live=passes.live,
             broadcast=st.broadcast,
             source_problem=problem, lease=self.lease.key if self.lease else "",
             lease_seconds=self.lease.duration if self.lease else 0,
@@ -552,7 +553,7 @@ class Engine:
             st.reported.written = new
         for e in d.events:
             await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
-        fleet = d.status.fleet
+        fleet = view.spec.fleet_label
         phase = d.status.phase
         if phase != view.status.phase and phase in RESULTS:
             metrics.refit_finished(namespace, fleet, RESULTS[phase], refit=view.name)

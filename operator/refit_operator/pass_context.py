@@ -63,6 +63,10 @@ class PassContext:
     # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
     # with no restart since is not asked for its refit_info again.
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # Pods whose vLLM runs LoRA (refit_info.max_lora_rank > 0), as the preflight or a late
+    # pod's admission found them: their probes score one prompt per request, as a batch of
+    # prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU engine. Added to by passes.
+    lora: set[str] = field(default_factory=set)
     # The layout the preflight found the fleet in (status.layout): a pod that joins later
     # must share it.
     layout: str = ""

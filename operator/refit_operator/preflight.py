@@ -77,6 +77,10 @@ class Preflight:
             if admission.admission_problem(info, unsafe, level, adapter=adapter) is None
         }
         problem = None
+        passes.lora = {
+            name for name, info in infos.items()
+            if isinstance(info, RefitInfo) and info.max_lora_rank > 0
+        }  # fmt: skip
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
             problem = await self.check_reference(t, reachable)
         if spec.broadcast is not None and problem is None:
@@ -109,15 +113,12 @@ class Preflight:
                 "scored by each pod's probe", view.namespace, view.name,
             )  # fmt: skip
             return None
-        prompts = [list(p.token_ids) for p in reference.prompts]
-        # An adapter refit's pods run LoRA: there a batch of prompt-logprob sequences kills
-        # vLLM 0.32's CPU engine (worker_client.score_prompts), so one prompt per request.
-        batches = [[p] for p in prompts] if view.spec.adapter is not None else [prompts]
         try:
-            for batch in batches:
-                await client.score_prompts(
-                    batch, timeout=float(view.spec.sequence.probe_timeout_seconds)
-                )
+            await client.score_prompts(
+                [list(p.token_ids) for p in reference.prompts],
+                timeout=float(view.spec.sequence.probe_timeout_seconds),
+                batch=pod.name not in t.state.passes.lora,
+            )
         except WorkerError as e:
             if e.kind == "http" and e.status in (401, 403):
                 return Problem(

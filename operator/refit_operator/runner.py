@@ -153,6 +153,8 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
                                 adapter=spec.adapter is not None)  # fmt: skip
     if problem is None:
         problem = joins_layout(ctx.layout, info)
+    if info.max_lora_rank > 0:
+        ctx.lora.add(pod.name)
     if problem is not None:
         return problem
     try:

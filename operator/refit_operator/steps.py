@@ -477,9 +477,11 @@ async def _probe(
         # that restarts in between is never vouched for on weights nobody probed.
         worker.probed_process = await worker.process_identity(timeout=timeout)
         reference = await ctx.reference(progress.path, worker)
-        # One request for every prompt: the probe's cost is then one forward pass's overhead.
+        # One request for every prompt: the probe's cost is then one forward pass's overhead
+        # (one per prompt where the pod runs LoRA: PassContext.lora).
         prompts = [list(p.token_ids) for p in reference.prompts]
-        scored = await worker.score_prompts(prompts, timeout=timeout, model=progress.probe_model)
+        scored = await worker.score_prompts(prompts, timeout=timeout, model=progress.probe_model,
+                                            batch=pod.name not in ctx.lora)  # fmt: skip
     except probe.ReferenceMismatch as e:
         # Rewritten since the preflight admitted it (read again after an operator restart):
         # the weights cannot be judged, so the pod stays out of traffic and the gate decides.

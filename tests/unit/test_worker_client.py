@@ -151,6 +151,10 @@ async def test_score_prompts_scores_every_prompt_in_one_request(
     assert pod.calls() == ["models", "completions"]
     # The same prompt twice, and a one-token prompt (nothing to score but its entry 0).
     assert await c.score_prompts([prompts[1], [7], prompts[1]]) == [scored[1], [None], scored[1]]
+    # A pod that runs LoRA (PassContext.lora): the same scores, one request per prompt.
+    pod.calls(clear=True)
+    assert await c.score_prompts(prompts, batch=False) == scored
+    assert pod.calls().count("completions") == len(prompts) > 1
 
 
 async def test_one_bad_prompt_fails_the_batch_and_no_prompts_is_refused(

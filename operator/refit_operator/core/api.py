@@ -259,6 +259,14 @@ class WeightRefitSpec(_Model):
         pod's claim alone keeps their passes from overlapping."""
         return self.adapter.name if self.adapter is not None else ""
 
+    @property
+    def fleet_label(self) -> str:
+        """The fleet as the metrics' ``fleet`` label names it: the canonical selector, with the
+        adapter for an adapter refit, whose series (target version, skew, pods out of
+        traffic) are the adapter's, beside the base weights' of the same pods."""
+        fleet = self.fleet.selector.canonical()
+        return f"{fleet} adapter={self.track}" if self.track else fleet
+
 
 _PERCENT = re.compile(r"^(\d{1,3})%$")
 

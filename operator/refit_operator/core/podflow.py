@@ -565,7 +565,8 @@ def readiness(progress: Progress) -> Readiness | None:
     that serves while the checkpoint stages, or whose staging was refused)."""
     if progress.outcome == "Succeeded":
         kept = f"; {progress.drained}" if progress.drained else ""
-        return Readiness(True, Reason.ProbePassed, f"weights {progress.version} probed{kept}")
+        what = f"adapter {progress.adapter}" if progress.source == "adapter" else "weights"
+        return Readiness(True, Reason.ProbePassed, f"{what} {progress.version} probed{kept}")
     if progress.restored:
         what = "adapter " if progress.source == "adapter" else ""
         return Readiness(

@@ -118,7 +118,14 @@ def units(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]) -> li
     fleet = (doc.get("spec") or {}).get("fleet") or {}
     grouping = fleet.get("groups")
     by = api.Groups.model_validate(grouping) if grouping is not None else None
-    return groups.units([PodView.from_pod(p) for p in fleet_pods], by)
+    return groups.units(pod_views(doc, fleet_pods), by)
+
+
+def pod_views(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]) -> list[PodView]:
+    """The pods with the records of the weights the refit replaces (PodView.on_track): an
+    adapter refit's, or the base weights'."""
+    track = str(((doc.get("spec") or {}).get("adapter") or {}).get("name", ""))
+    return [PodView.from_pod(p).on_track(track) for p in fleet_pods]
 
 
 def _recorded(probe: api.PodProbe | None, name: str) -> object:
@@ -133,7 +140,7 @@ def out_of_traffic(
     """The refit's time out of traffic: status.outOfTraffic, or, when the pods' records of
     this refit measure more pods (an operator older than the field), the summary of those."""
     status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
-    own = _own_records(doc, [PodView.from_pod(p) for p in fleet_pods])
+    own = _own_records(doc, pod_views(doc, fleet_pods))
     live = traffic.summarize_out_of_traffic(own.items())
     return live if live.pods > status.out_of_traffic.pods else status.out_of_traffic
 
@@ -151,9 +158,10 @@ CHECKSUM_SHOWN = 12  # hex digits of a read-back checksum in tables: enough to t
 
 
 def version_of(doc: Mapping[str, Any]) -> str:
-    """A WeightRefit document's version, whatever its weight source (checkpoint or broadcast)."""
+    """A WeightRefit document's version, whatever its weight source (checkpoint, broadcast or
+    adapter)."""
     spec = doc.get("spec") or {}
-    source = spec.get("checkpoint") or spec.get("broadcast") or {}
+    source = spec.get("checkpoint") or spec.get("broadcast") or spec.get("adapter") or {}
     return str(source.get("version", "?"))
 
 
@@ -210,8 +218,7 @@ def _other_records(
     uid = (doc.get("metadata") or {}).get("uid", "")
     listed = {p.get("name") for p in (doc.get("status") or {}).get("pods") or []}
     names = []
-    for p in fleet_pods:
-        view = PodView.from_pod(p)
+    for view in pod_views(doc, fleet_pods):
         if view.progress is not None and view.progress.uid != uid and view.name not in listed:
             names.append(view.progress.refit)
     return len(names), sorted(set(names))
@@ -376,6 +383,8 @@ def fleet_of(doc: Mapping[str, Any]) -> str:
 
 
 def _source(spec: api.WeightRefitSpec) -> str:
+    if spec.adapter is not None:
+        return f"LoRA adapter {spec.adapter.name!r} at {spec.path}"
     if spec.broadcast is None:
         return spec.path
     r = spec.broadcast.rendezvous

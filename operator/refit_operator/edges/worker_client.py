@@ -550,7 +550,12 @@ class WorkerClient:
         return (await self.score_prompts([token_ids], timeout=timeout))[0]
 
     async def score_prompts(
-        self, prompts: list[list[int]], *, timeout: float | None = None, model: str | None = None
+        self,
+        prompts: list[list[int]],
+        *,
+        timeout: float | None = None,
+        model: str | None = None,
+        batch: bool = True,
     ) -> list[list[float | None]]:
         """Teacher-forced logprobs of several prompts in ONE request; ``result[i]`` belongs
         to ``prompts[i]`` and its entry 0 is None (nothing before it).
@@ -558,14 +563,15 @@ class WorkerClient:
         vLLM takes a list of token-id lists as the prompt and answers one choice per
         prompt, numbered by ``index``; the choices are matched by that index, not by
         their order, and each must echo the tokens it scored. ``model`` names a LoRA adapter
-        to score through (default: the served base model).
+        to score through (default: the served base model). ``batch=False`` sends one request
+        per prompt, as a named adapter always does.
         """
         if not prompts:
             raise ValueError("score_prompts: no prompts to score")
-        if model is not None and len(prompts) > 1:
-            # Named (an adapter) one prompt per request: on a LoRA-enabled vLLM 0.32 CPU server a
-            # batch of prompt-logprob sequences kills the engine core (punica_cpu
-            # add_lora_logits: einsum sizes; tests/worker/test_lora_adapter.py).
+        if (model is not None or not batch) and len(prompts) > 1:
+            # On a LoRA-enabled vLLM 0.32 CPU server a batch of prompt-logprob sequences kills
+            # the engine core, through an adapter or not (punica_cpu add_lora_logits: einsum
+            # sizes; tests/worker/test_lora_adapter.py): one prompt per request there.
             return [
                 (await self.score_prompts([p], timeout=timeout, model=model))[0] for p in prompts
             ]

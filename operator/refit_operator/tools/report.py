@@ -31,7 +31,7 @@ from refit_worker.contract import API_GROUP
 
 from ..core import api, times, traffic
 from ..core.podflow import STEPS, Progress
-from ..core.podview import PodView
+from ..core.views import pod_views
 from ..core.views import seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
@@ -427,7 +427,7 @@ def render_refit(
         from ..core.status import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
-        views = [PodView.from_pod(p) for p in pods]
+        views = pod_views(doc, pods)
         uid = str(meta.get("uid", ""))
         results = fleet_results(listed, views, uid)
         records = {v.name: v.progress for v in views if v.progress and v.progress.uid == uid}
