@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
-    "explorer", "under_load", "grpo", "parallel",
+    "explorer", "under_load", "grpo", "parallel", "adapter",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -33,6 +33,7 @@ TITLES = {
     "under_load": "refits under live traffic per drain mode vs the same refits idle (real vLLM)",
     "grpo": "a TRL GRPO run through Refit: each step's wait for its weights vs direct refits",
     "parallel": "a tensor-parallel pod vs a one-worker pod: time out of traffic, staging memory",
+    "adapter": "a LoRA adapter refit vs a full-weights refit, same pod, same run (real vLLM)",
 }
 
 
@@ -103,6 +104,10 @@ def run_one(
         from bench import parallel
 
         return parallel.suite(quick, log)
+    if name == "adapter":
+        from bench import adapter
+
+        return adapter.suite(quick, log)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {

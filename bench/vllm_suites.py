@@ -544,11 +544,13 @@ async def staged_refit(
     version: str,
     prompts: list[list[int]],
     staged: Callable[[], Awaitable[None]] | None = None,
+    batch: bool = True,
 ) -> dict[str, float]:
     """A refit as the operator now runs it (steps.execute_step over podflow.STEPS): the stage
     while the pod serves, then the window out of traffic (drain .. stamp, then the probe's
-    scoring of every prompt in one request). Seconds: stage, window, reload (the load RPC's
-    own reload time), probe. ``staged()`` runs between the stage and the drain, untimed."""
+    scoring of every prompt in one request; one per prompt with ``batch=False``, as for a pod
+    that runs LoRA). Seconds: stage, window, reload (the load RPC's own reload time), probe.
+    ``staged()`` runs between the stage and the drain, untimed."""
     seq = Sequence()
     progress = podflow.start("bench", "bench", version, path, time.time())
     t0 = time.perf_counter()
@@ -565,7 +567,7 @@ async def staged_refit(
         else:
             await steps.execute_step(w, seq, progress, step, resumed=False)
     t2 = time.perf_counter()
-    await w.score_prompts(prompts)
+    await w.score_prompts(prompts, batch=batch)
     t3 = time.perf_counter()
     return {"stage": t1 - t0, "window": t3 - t1, "reload": reload, "probe": t3 - t2}
 

@@ -448,9 +448,19 @@ class ControlPlane:
     def install_crds(self, timeout: float = 30.0) -> None:
         """Apply crds/ and wait until the API server serves WeightRefit."""
         self.kubectl("apply", "--server-side", "-f", str(CRD_DIR))
-        self.kubectl(
-            "wait", "--for=condition=Established", f"crd/{WEIGHTREFIT_CRD}", f"--timeout={timeout}s"
-        )
+        # Polled rather than `kubectl wait`: a CRD read before the API server wrote its first
+        # status has no conditions, and kubectl wait then fails at once ("accessor error").
+        established = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.kubectl("get", f"crd/{WEIGHTREFIT_CRD}", "-o", established, check=False)
+            if got.returncode == 0 and got.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"crd/{WEIGHTREFIT_CRD} not Established after {timeout}s: {got.stderr}"
+                )
+            time.sleep(0.2)
 
 
 class _EarlyExit(ControlPlaneError):

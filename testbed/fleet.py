@@ -124,12 +124,14 @@ class Fleet:
 
     # ------------------------------------------------------------------- refits
     def apply_refit(
-        self, name: str, version: str, path: Path | str, port: int, **spec: Any
-    ) -> None:
+        self, name: str, version: str, path: Path | str, port: int, *,
+        adapter: str | None = None, **spec: Any,
+    ) -> None:  # fmt: skip
         """A WeightRefit of the LABELS pods; ``spec``: further spec fields as the API spells
-        them (refit_document.build_refit's spec_fields)."""
+        them (refit_document.build_refit's spec_fields); ``adapter``: the LoRA adapter's name
+        (``path`` its directory: spec.adapter)."""
         body = build_refit(name, str(path), version, fleet_selector=LABELS, port=port,
-                           spec_fields=spec)  # fmt: skip
+                           adapter=adapter, spec_fields=spec)  # fmt: skip
         self.custom.create_namespaced_custom_object(
             "refit.rollout.dev", "v1alpha1", self.ns, "weightrefits", body
         )

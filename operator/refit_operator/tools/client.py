@@ -188,7 +188,8 @@ class RefitClient:
         pod_path: the directory as mounted in the pods when it differs from the trainer's.
         write_manifest / write_reference_texts: write refit-manifest.json and the probe
         reference (from these texts, or a file of one text per line) into the directory
-        first. Other keywords (strategy, max_unavailable, canary, on_failure, port,
+        first. ``adapter="name"``: the directory is a LoRA adapter, served under that name
+        (spec.adapter). Other keywords (strategy, max_unavailable, canary, on_failure, port,
         admin_token_secret, queue_policy, thresholds, failure_limit, sequence, labels,
         spec_fields) set the matching spec fields (refit_document.build_refit); unset ones
         take the API defaults.
@@ -220,7 +221,8 @@ class RefitClient:
             if e.status != 409:
                 raise RefitError(f"creating WeightRefit {ns}/{name}: {_api_message(e)}") from e
             existing = self.get(name, namespace=ns)
-            ck = existing.get("spec", {}).get("checkpoint", {})
+            given = existing.get("spec", {})
+            ck = given.get("checkpoint") or given.get("adapter") or {}
             if (ck.get("path"), ck.get("version")) != (path, version):
                 raise RefitError(
                     f"WeightRefit {ns}/{name} already exists for {ck.get('version')} at "

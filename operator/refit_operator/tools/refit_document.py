@@ -67,6 +67,7 @@ def build_refit(
     sequence: Mapping[str, Any] | None = None,
     labels: Mapping[str, str] | None = None,
     broadcast: Mapping[str, Any] | None = None,
+    adapter: str | None = None,
     probe_reference_config_map: str | None = None,
     spec_fields: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -77,7 +78,9 @@ def build_refit(
 
     spec_fields: further spec fields as the API spells them, for those no keyword sets
     ({"ttlSecondsAfterFinished": 0}, {"fleet": {"apiKeySecretRef": ...}}): a mapping merges
-    into the one the keywords made, any other value sets the field."""
+    into the one the keywords made, any other value sets the field.
+    adapter: the LoRA adapter's name; ``checkpoint_path`` is then the adapter directory and
+    the refit spec.adapter (docs/concepts.md, "LoRA adapters")."""
     fleet: dict[str, Any] = {"selector": parse_selector(fleet_selector).dump()}
     if port is not None:
         fleet["port"] = port
@@ -86,6 +89,8 @@ def build_refit(
     spec: dict[str, Any] = {"fleet": fleet}
     if broadcast is not None:  # spec.broadcast instead of a checkpoint (docs/broadcast.md)
         spec["broadcast"] = {"version": version, **broadcast}
+    elif adapter is not None:
+        spec["adapter"] = {"name": adapter, "path": checkpoint_path, "version": version}
     else:
         spec["checkpoint"] = {"path": checkpoint_path, "version": version}
     strat = {
