@@ -1,9 +1,11 @@
 """A LoRA adapter refit against a refit of the full weights, on the same pod in one run.
 
-One real vLLM CPU server with runtime LoRA updating (base checkpoint A, the tiny adapters of
-testbed/tiny_adapter.py), refitted alternately as the operator runs each pass with its own
-step code (steps.execute_step):
-- the full weights (vllm_suites.staged_refit of checkpoint A): the stage while the pod
+One real vLLM CPU server with runtime LoRA updating, serving the bench's wide model (its
+checkpoint W, about 480 MB: the tiny model's 3 MB reload is below the probe's own cost) and
+the test bed's adapters built on W (testbed/tiny_adapter.py, rank 8 on q_proj and v_proj),
+refitted alternately as the operator runs each pass with its own step code
+(steps.execute_step):
+- the full weights (vllm_suites.staged_refit of checkpoint W): the stage while the pod
   serves, then drain .. stamp and the probe's scoring, out of traffic;
 - the adapter (podflow.ADAPTER_STEPS, v1 and v2 in turn): the adapter's check, its load under
   the staged name and the probe through it while the pod serves, then drain, swap, reset and
@@ -25,7 +27,17 @@ from refit_operator.core.podflow import Step
 from refit_operator.edges.worker_client import WorkerClient
 
 from bench.results import Metric
-from bench.vllm_suites import Log, SuiteOut, first_completion, median, staged_refit, worker_loop
+from bench.vllm_suites import (
+    WIDE,
+    WIDE_QUICK,
+    Log,
+    SuiteOut,
+    first_completion,
+    median,
+    staged_refit,
+    wide_model,
+    worker_loop,
+)
 from testbed.tiny_adapter import TinyAdapters, ensure_tiny_adapters
 from testbed.tiny_model import ensure_tiny_model
 from testbed.vllm_server import start_vllm_server
@@ -72,12 +84,13 @@ async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -
 
 def suite(quick: bool, log: Log) -> SuiteOut:
     reps = 2 if quick else 5
-    tiny = ensure_tiny_model()
-    adapters = ensure_tiny_adapters(tiny)
-    ckpt = str(tiny.checkpoints["A"])
+    dims = WIDE_QUICK if quick else WIDE
+    wide = wide_model(ensure_tiny_model(), dims)
+    adapters = ensure_tiny_adapters(wide, base="W")
+    ckpt = str(wide.allowed_root / "W")
+    size = sum(f.stat().st_size for f in (wide.allowed_root / "W").glob("*.safetensors"))
     full, lora = Reps(), Reps()
-    with start_vllm_server(tiny, load_format="safetensors", model_dir=tiny.checkpoints["A"],
-                           extra_args=LORA_ARGS, env=LORA_ENV) as server:  # fmt: skip
+    with start_vllm_server(wide, extra_args=LORA_ARGS, env=LORA_ENV) as server:
         first_completion(server)
         with worker_loop(server) as (loop, w):
             prompts = [list(p.token_ids) for p in adapters.reference("v1").prompts]
@@ -110,7 +123,8 @@ def suite(quick: bool, log: Log) -> SuiteOut:
                [median(lora.window) / median(full.window)], "x"),
     ]  # fmt: skip
     notes = [
-        f"one vLLM CPU server ({' '.join(LORA_ARGS)}), tiny model A, adapters of rank 8; "
-        f"{reps} reps, adapter and full refits alternating; probes one prompt per request",
+        f"one vLLM CPU server ({' '.join(LORA_ARGS)}), wide model {dims} (checkpoint "
+        f"{size / 2**20:.0f} MiB), adapters of rank 8; {reps} reps, adapter and full refits "
+        "alternating; probes one prompt per request",
     ]
     return metrics, {"adapter": lora.__dict__, "full": full.__dict__}, notes

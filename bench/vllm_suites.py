@@ -388,6 +388,7 @@ def wide_model(tiny: TinyModel, dims: dict[str, int]) -> TinyModel:
         json.dumps({"metadata": {}, "weight_map": index}, indent=1)
     )
     checkpoint.write_manifest(ckpt)
+    shutil.copy(tiny.probe_texts_file, root / tiny.probe_texts_file.name)  # for references
     (root / "COMPLETE").write_text("ok\n")
     return TinyModel(root)
 

@@ -14,6 +14,9 @@ each server's own loopback address, and a real Prometheus scraping the operator.
     v4  broadcast of A    AllAtOnce           a trainer process sends A's tensors over
         gloo (refit_operator.tools.client); each pod checks them against the trainer's promise
         before loading, then the probe gates it as for a checkpoint           -> Succeeded
+    lora-v1  LoRA adapter "policy" v1 on A, Rolling (spec.adapter): each pod loads and probes
+        it under a staged name while serving, then swaps it in; no sleep, no reload
+                                                                               -> Succeeded
     GRPO  a short GRPO run through Refit (demo/grpo.py): TRL's GRPOTrainer publishes its
         policy at every step (demo-grpo-step-0..N, broadcast), the pods generate its
         rollouts                                       -> every refit and training Succeeded
@@ -62,6 +65,7 @@ from demo import grpo
 from testbed import controlplane, prometheus, vllm_server
 from testbed.operator_process import OperatorProcess
 from testbed.pods import register_pod
+from testbed.tiny_adapter import TinyAdapters
 from testbed.tiny_model import TinyModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +85,9 @@ class Step:
     expect: str  # the phase this step must end in
     what: str
     broadcast: bool = False  # sent by a trainer process instead of read from the directory
+    # A LoRA adapter served under this name (spec.adapter); ``checkpoint`` is then a tiny
+    # adapter's name (testbed/tiny_adapter.py), built on checkpoint A.
+    adapter: str = ""
 
 
 SCENARIO = (
@@ -94,7 +101,14 @@ SCENARIO = (
     Step("demo-v4", "v4", "A", {"strategy": "AllAtOnce"}, "Succeeded",
          "A's tensors broadcast by a trainer process (gloo), checked against its promise",
          broadcast=True),
+    Step("demo-lora-v1", "lora-v1", "v1", {"strategy": "Rolling", "max_unavailable": 1},
+         "Succeeded", "LoRA adapter 'policy' v1 on A: loaded and probed under a staged name "
+         "while each pod serves, then swapped in (no sleep, no reload)", adapter="policy"),
 )  # fmt: skip
+# The servers take LoRA adapters at runtime (the adapter step): two loaded at once, the served
+# one and the one staged beside it.
+LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 @dataclass
@@ -147,6 +161,17 @@ def tiny_model_root() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+def tiny_adapters_root() -> Path:
+    """Build (or find) the tiny LoRA adapters in a child process, as the model."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "testbed.tiny_adapter"],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise DemoError(f"building the tiny adapters failed:\n{proc.stderr[-2000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 def common_free_port(ips: list[str]) -> int:
     """One port free on every address (the fleet has one spec.fleet.port)."""
     for _ in range(100):
@@ -175,12 +200,12 @@ def start_servers(
     # The refit-gloo engine receives broadcasts (v4, GRPO); --enable-scale-out serves vLLM's
     # token-in/token-out route, whose weight-version spans the GRPO run checks its rollouts by.
     extra = ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
-             "--enable-scale-out"]  # fmt: skip
+             "--enable-scale-out", *LORA_ARGS]  # fmt: skip
 
     def start(ip: str) -> None:
         cm: AbstractContextManager[Any] = vllm_server.start_vllm_server(
             model, host=ip, port=port, admin_token=token, extra_args=extra, timeout=timeout,
-            progress=say,
+            progress=say, env=LORA_ENV,
         )  # fmt: skip
         try:
             results[ip] = (cm, cm.__enter__())
@@ -300,6 +325,12 @@ def run_step(
     if step.broadcast:
         trainer = start_trainer(model, step, port, kubeconfig, state / f"{step.name}.log")
         name = step.name
+    elif step.adapter:
+        name = refits.submit(
+            TinyAdapters(tiny_adapters_root()).dir(step.checkpoint), step.version,
+            name=step.name, adapter=step.adapter, fleet_selector=LABELS, port=port,
+            admin_token_secret=SECRET, on_failure="Rollback", **step.strategy,
+        )  # fmt: skip
     else:
         name = refits.submit(
             model.checkpoints[step.checkpoint], step.version, name=step.name,
@@ -376,7 +407,8 @@ def summary(results: list[Result]) -> str:
         st = r.status
         rows.append([
             r.step.name, r.step.version,
-            r.step.checkpoint + (" (broadcast)" if r.step.broadcast else ""),
+            (f"adapter {r.step.adapter} {r.step.checkpoint}" if r.step.adapter else
+             r.step.checkpoint + (" (broadcast)" if r.step.broadcast else "")),
             r.step.strategy["strategy"] + (" canary 1" if r.step.strategy.get("canary") else ""),
             r.phase or "-", r.reason if r.reason != r.phase else "",
             ",".join(sorted(r.pod_reasons)) or "-",

@@ -52,17 +52,19 @@ class TinyAdapters:
         return contract.ProbeReference.from_json_dict(doc)
 
 
-def cache_key(tiny: TinyModel) -> str:
-    h = hashlib.sha256(tiny.root.name.encode())
+def cache_key(tiny: TinyModel, base: str = BASE_CHECKPOINT) -> str:
+    h = hashlib.sha256(f"{tiny.root.name}/{base}".encode())
     for module in (sys.modules[__name__], checkpoint, reference, contract):
         h.update(Path(module.__file__ or "").read_bytes())
     return h.hexdigest()[:16]
 
 
-def ensure_tiny_adapters(tiny: TinyModel) -> TinyAdapters:
-    """The cached adapters of this tiny model, built first if absent."""
-    final = tiny.allowed_root / f"adapters-{cache_key(tiny)}"
-    build_once(final, tiny.allowed_root / ".adapters.lock", lambda tmp: _build(tiny, tmp))
+def ensure_tiny_adapters(tiny: TinyModel, base: str = BASE_CHECKPOINT) -> TinyAdapters:
+    """The cached adapters of this tiny model, built on its checkpoint ``base`` (another
+    model of the test bed's shape, such as the bench's wide one, takes its own), built first
+    if absent."""
+    final = tiny.allowed_root / f"adapters-{cache_key(tiny, base)}"
+    build_once(final, tiny.allowed_root / ".adapters.lock", lambda tmp: _build(tiny, base, tmp))
     return TinyAdapters(final)
 
 
@@ -85,11 +87,11 @@ def _lora_tensors(tiny: TinyModel, seed: int) -> dict[str, object]:
     return tensors
 
 
-def _adapter_config(tiny: TinyModel) -> dict[str, object]:
+def _adapter_config(tiny: TinyModel, base: str) -> dict[str, object]:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(tiny.checkpoints[BASE_CHECKPOINT]),
+        "base_model_name_or_path": str(tiny.allowed_root / base),
         "r": RANK,
         "lora_alpha": ALPHA,
         "lora_dropout": 0.0,
@@ -100,12 +102,14 @@ def _adapter_config(tiny: TinyModel) -> dict[str, object]:
     }
 
 
-def _merged_reference(tiny: TinyModel, tensors: dict[str, object], version: str, work: Path):
-    """The probe reference of checkpoint A with the adapter merged (W + alpha/r * B @ A)."""
+def _merged_reference(
+    tiny: TinyModel, base: str, tensors: dict[str, object], version: str, work: Path
+) -> contract.ProbeReference:
+    """The probe reference of checkpoint ``base`` with the adapter merged (W + alpha/r * B @ A)."""
     from safetensors.torch import load_file, save_file
 
     merged_dir = work / f"merged-{version}"
-    shutil.copytree(tiny.checkpoints[BASE_CHECKPOINT], merged_dir)
+    shutil.copytree(tiny.allowed_root / base, merged_dir)
     scale = ALPHA / RANK
     for shard in checkpoint.safetensors_files(merged_dir):
         weights = load_file(str(shard))
@@ -129,7 +133,7 @@ def _merged_reference(tiny: TinyModel, tensors: dict[str, object], version: str,
     return ref
 
 
-def _build(tiny: TinyModel, root: Path) -> None:
+def _build(tiny: TinyModel, base: str, root: Path) -> None:
     from safetensors.torch import save_file
 
     work = root / ".work"
@@ -139,9 +143,9 @@ def _build(tiny: TinyModel, root: Path) -> None:
         d.mkdir()
         tensors = _lora_tensors(tiny, seed)
         save_file(tensors, str(d / WEIGHTS_FILE), metadata={"format": "pt"})  # type: ignore[arg-type]
-        (d / CONFIG_FILE).write_text(json.dumps(_adapter_config(tiny), indent=1) + "\n")
+        (d / CONFIG_FILE).write_text(json.dumps(_adapter_config(tiny, base), indent=1) + "\n")
         checkpoint.write_manifest(d)
-        reference.write_reference(d, _merged_reference(tiny, tensors, name, work))
+        reference.write_reference(d, _merged_reference(tiny, base, tensors, name, work))
     shutil.rmtree(work)
 
     d = root / "corrupt"
