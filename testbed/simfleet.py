@@ -82,8 +82,13 @@ class SimFleet:
         allowed_root: str | Path | None = None,
         vocab: int = SIM_VOCAB,
         port: int = 0,
+        max_lora_rank: int = 0,
+        runtime_lora_updating: bool = False,
         start_timeout: float = 60.0,
     ) -> None:
+        """``max_lora_rank`` and ``runtime_lora_updating``: every pod's LoRA (vLLM's
+        --max-lora-rank, 0 without --enable-lora, and VLLM_ALLOW_RUNTIME_LORA_UPDATING);
+        off by default."""
         if ips is None:
             if n is None or n < 1:
                 raise ValueError("give n >= 1 or ips")
@@ -96,6 +101,8 @@ class SimFleet:
             "allowed_root": str(allowed_root) if allowed_root else None,
             "vocab": vocab,
             "port": port,
+            "max_lora_rank": max_lora_rank,
+            "runtime_lora_updating": runtime_lora_updating,
         }
         root = Path(__file__).resolve().parents[1]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "worker_image")])}

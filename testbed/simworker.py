@@ -7,9 +7,10 @@ response shapes of a real vLLM 0.32 pod running the refit_worker plugin
 ``/metrics``, ``/v1/models``,
 ``/v1/completions`` (a token-id prompt or a list of them, ``prompt_logprobs``), ``/pause``,
 ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``,
-``/update_weight_version``, ``/weight_info`` and ``/collective_rpc`` with the extension's
-``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load`` and
-``refit_probe_reference``.
+``/update_weight_version``, ``/weight_info``, vLLM's runtime LoRA routes
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, and ``/collective_rpc`` with the
+extension's ``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load``,
+``refit_probe_reference`` and ``refit_adapter_check``.
 
 The simulated model
     A pod starts at weight version ``"default"`` with dummy weights: every token scores
@@ -33,6 +34,29 @@ The simulated model
     answers 401 without the api key when it has one; an unknown path answers 404
     ``{"detail": "Not Found"}`` (FastAPI's own answer).
 
+LoRA adapters (vLLM 0.32 with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)
+    Off by default, as a pod started without them: ``SimFleet(max_lora_rank=8,
+    runtime_lora_updating=True)`` (or per pod ``set_state``) turns them on, and refit_info
+    reports both. Without runtime updating the two routes do not exist (404 ``{"detail":
+    "Not Found"}``). They are admin paths (the guard's admin token, fenced) although under
+    /v1. ``make_sim_adapter(dir, version, drift=d, rank=r)`` writes an adapter (PEFT's
+    ``adapter_config.json`` of rank r, one small safetensors file, manifest and probe
+    reference); a completion with ``model=<name>`` of a loaded adapter scores
+    :func:`sim_logprobs` of its version plus ``d`` (the probe reference is drift-free). A load
+    answers as vLLM's does: 200 with the bare text ``Success: LoRA adapter '<name>' added
+    successfully.``; 400 for a name already loaded without ``load_inplace`` (which replaces
+    its weights under that name), the base model's name, an empty name or path; 404 ``No
+    adapter found`` for a directory that is not a loadable adapter (any path: vLLM's engine
+    checks no root; the message's path sanitized to ``<path>`` as vLLM does); 500 for a rank
+    above max_lora_rank, and for any load past the name checks while max_lora_rank is 0 (the
+    routes served without --enable-lora: measured on vLLM 0.32 CPU, "LoRA is not enabled",
+    not compared by the contract test). An unload answers 200 with ``... removed
+    successfully.`` or 404 for a name not loaded; /v1/models lists each adapter (root: its
+    path, parent: the base model); a restart forgets them. ``refit_adapter_check`` verifies
+    the directory with refit_worker's own checks and refuses like the real extension
+    (PathNotAllowed, CheckpointMissing, ManifestMismatch, ..., AdapterInvalid for a config
+    that is not a PEFT LoRA one).
+
 Pause, sleep and wake (vLLM 0.32's engine core, held to a real server by the contract test)
     A pod has vLLM's two switches: the scheduler's pause state and the executor's sleeping
     tags. ``/pause?mode=`` pauses the scheduler: new requests queue (they are answered after
@@ -53,8 +77,11 @@ Pause, sleep and wake (vLLM 0.32's engine core, held to a real server by the con
 What a CPU server cannot show (SIM_UNSHOWN; the contract test cannot hold the simulator to it)
     vLLM on CPU ignores sleep in its worker: the weights stay where they are. The simulator
     models the GPU behaviour instead: sleep level 2 discards the weights, so until the next
-    successful load every score is garbage. This, and nothing else it serves, is a claim
-    about vLLM that no test compares with a real server.
+    successful load every score is garbage. And a LoRA-enabled CPU server's engine dies on a
+    completion of several prompt-logprob sequences through an adapter, which the simulator
+    scores (as a GPU server does; the client sends such prompts one per request). These,
+    and nothing else it serves, are claims about vLLM that no test compares with a real
+    server.
 
 Fencing
     Each pod fences like refit_worker's admin guard, with the same
@@ -71,9 +98,10 @@ Steps and faults
     Faults are set per pod and per step. A step is the endpoint name (``health``, ``refit_ready``,
     ``metrics``, ``models``, ``completions``, ``pause``, ``resume``, ``is_paused``,
     ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``,
-    ``update_weight_version``, ``weight_info``) or the RPC method behind ``/collective_rpc``
-    (``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load``,
-    ``refit_probe_reference``).
+    ``update_weight_version``, ``weight_info``, ``weight_checker``, ``get_world_size``,
+    ``load_lora_adapter``, ``unload_lora_adapter``) or the RPC method behind
+    ``/collective_rpc`` (``refit_info``, ``refit_preflight``, ``refit_stage``, ``refit_load``,
+    ``refit_probe_reference``, ``refit_buffer_digests``, ``refit_adapter_check``).
     One fault per (pod, step); ``times=N`` makes it fire N times and then vanish.
 
     ========================  ====================================================
@@ -100,12 +128,13 @@ Steps and faults
 
     Besides faults: ``crash()``/``restart()`` a pod by hand; ``set_state(...)`` sets
     ``running``/``waiting`` (what /metrics reports), ``weight_version``, ``capabilities``,
-    ``unsafe_reasons``, ``world_size``, ``tensor_parallel_size``, ``staging_budget``;
-    ``calls()`` lists the steps a pod served, in order (``call_log()`` with parameters, RPC
-    bodies, fencing tokens, whether an ``Authorization`` header came (``auth``) and status codes;
-    ``counts()`` per step); ``state()`` shows a pod's state (``staged``: the path and mode
-    refit_stage holds, or None). The same methods on ``pods[0].fleet`` (the SimFleet) take
-    ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
+    ``unsafe_reasons``, ``world_size``, ``tensor_parallel_size``, ``staging_budget``,
+    ``max_lora_rank``, ``runtime_lora_updating``; ``calls()`` lists the steps a pod served,
+    in order (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
+    ``Authorization`` header came (``auth``) and status codes; ``counts()`` per step);
+    ``state()`` shows a pod's state (``staged``: the path and mode refit_stage holds, or
+    None; ``adapters``: name -> path). The same methods on ``pods[0].fleet`` (the SimFleet)
+    take ``pods=[...]`` and act on every pod when it is None. Like vLLM behind uvicorn, a failed
     RPC's connection is closed shortly after its 500 (a request sent on it meanwhile is lost).
 
 Use (the tests' ``sim_fleet`` fixture starts a :class:`testbed.simfleet.SimFleet` like this and
@@ -135,6 +164,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import sys
 import time
@@ -157,7 +187,8 @@ from refit_worker.checkpoint import (
     verify_params,
     write_manifest,
 )
-from refit_worker.contract import API_KEY_PREFIXES, needs_admin
+from refit_worker.contract import ADAPTER_CONFIG_FILE, API_KEY_PREFIXES, needs_admin
+from refit_worker.extension import adapter_config_summary
 from refit_worker.reference import write_reference
 
 SIM_VOCAB = 512
@@ -165,6 +196,8 @@ SIM_MODEL = "sim-model"
 SIM_MODEL_ROOT = "/models/sim-model"
 SIM_WEIGHTS_FILE = "model.safetensors"
 SIM_TENSOR = "sim.weight"
+SIM_ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for an adapter's weights
+SIM_ADAPTER_TARGETS = ("q_proj", "v_proj")  # what testbed/tiny_adapter.py targets
 # What the simulated model loads: preflight compares a checkpoint with this.
 SIM_PARAMS = {SIM_TENSOR: ExpectedParam(dtype="F32", shape=(2,))}
 SIM_VLLM_VERSION = "0.32.0+sim"
@@ -174,6 +207,10 @@ SIM_TOKEN_SECONDS = 0.0025  # per generated token after the first
 SIM_UNSHOWN = {
     "sleep level 2 discards the weights (scores are garbage until the next load)": (
         "vLLM's CPU worker ignores sleep: its weights survive every level"
+    ),
+    "several prompts in one completions request through a LoRA adapter are scored": (
+        "on a LoRA-enabled vLLM 0.32 CPU server such a batch of prompt-logprob sequences "
+        "kills the engine (punica_cpu add_lora_logits); the client sends one per request"
     ),
 }
 
@@ -192,6 +229,8 @@ HTTP_STEPS = {
     "/reset_prefix_cache": "reset_prefix_cache",
     "/update_weight_version": "update_weight_version",
     "/weight_info": "weight_info",
+    "/v1/load_lora_adapter": "load_lora_adapter",
+    "/v1/unload_lora_adapter": "unload_lora_adapter",
     contract.WEIGHT_CHECKER_PATH: "weight_checker",
     contract.WORLD_SIZE_PATH: "get_world_size",
     "/collective_rpc": "collective_rpc",
@@ -203,7 +242,10 @@ RPC_STEPS = (
     contract.RPC_LOAD,
     contract.RPC_PROBE_REFERENCE,
     contract.RPC_BUFFER_DIGESTS,
+    contract.RPC_ADAPTER_CHECK,
 )
+# vLLM serves its runtime LoRA routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
+LORA_STEPS = frozenset({"load_lora_adapter", "unload_lora_adapter"})
 STEPS = tuple(s for s in HTTP_STEPS.values() if s != "collective_rpc") + RPC_STEPS
 ANY_STEP_FAULTS = frozenset({"error", "hang", "delay", "crash", "malformed"})
 STEP_FAULTS: dict[str, frozenset[str]] = {
@@ -251,6 +293,56 @@ def make_sim_checkpoint(
         metadata={"seed": version, "drift": repr(float(drift))},
     )
     write_manifest(dir)
+    _write_sim_probe(dir, version, prompts, length)
+    return dir
+
+
+def make_sim_adapter(
+    dir: Path, version: str, *, drift: float = 0.0, rank: int = 8, prompts: int = 3,
+    length: int = 24,
+) -> Path:  # fmt: skip
+    """Write a LoRA adapter directory the simulator loads: its weights (one small safetensors
+    file in PEFT's naming), a PEFT ``adapter_config.json`` of rank ``rank``, the manifest and
+    the probe reference.
+
+    A completion through the loaded adapter scores any token ids with :func:`sim_logprobs`
+    of its version, plus ``drift`` per token; refit-probe.json stays drift-free (as in
+    :func:`make_sim_checkpoint`).
+    """
+    import numpy as np
+    from safetensors.numpy import save_file  # only the test process writes adapters
+
+    dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for target in SIM_ADAPTER_TARGETS:
+        prefix = f"base_model.model.model.layers.0.self_attn.{target}"
+        tensors[f"{prefix}.lora_A.weight"] = np.zeros((rank, 2), dtype=np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.zeros((2, rank), dtype=np.float32)
+    save_file(
+        tensors,
+        str(dir / SIM_ADAPTER_FILE),
+        metadata={"seed": version, "drift": repr(float(drift))},
+    )
+    config = {  # the keys testbed/tiny_adapter.py writes
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": SIM_MODEL_ROOT,
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(SIM_ADAPTER_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    write_manifest(dir)
+    _write_sim_probe(dir, version, prompts, length)
+    return dir
+
+
+def _write_sim_probe(dir: Path, version: str, prompts: int, length: int) -> None:
+    """refit-probe.json: seeded prompts scored drift-free with the version's sim_logprobs."""
     rng = random.Random(version)
     probe_prompts = []
     for _ in range(prompts):
@@ -260,21 +352,20 @@ def make_sim_checkpoint(
         version=version, dtype="float32", prompts=tuple(probe_prompts), extra={"tool": "simworker"}
     )
     write_reference(dir, reference)
-    return dir
 
 
-def _read_sim_weights(directory: Path) -> tuple[str, float]:
-    """(seed, drift) from the metadata of the checkpoint's safetensors header."""
-    with (directory / SIM_WEIGHTS_FILE).open("rb") as f:
+def _read_sim_weights(directory: Path, name: str = SIM_WEIGHTS_FILE) -> tuple[str, float]:
+    """(seed, drift) from the metadata of a checkpoint's (or adapter's) safetensors header."""
+    with (directory / name).open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        return _sim_weights(f.read(header_len))
+        return _sim_weights(f.read(header_len), name)
 
 
-def _sim_weights(header: bytes) -> tuple[str, float]:
+def _sim_weights(header: bytes, name: str = SIM_WEIGHTS_FILE) -> tuple[str, float]:
     """(seed, drift) from a safetensors header (the JSON after the length)."""
     meta = json.loads(header).get("__metadata__") or {}
     if "seed" not in meta:
-        raise contract.RefitRejected("LoadFailed", f"{SIM_WEIGHTS_FILE} is not a sim checkpoint")
+        raise contract.RefitRejected("LoadFailed", f"{name} is not a sim checkpoint")
     return str(meta["seed"]), float(meta.get("drift", 0.0))
 
 
@@ -331,6 +422,13 @@ class PodState:
     # layout, as the operator's admission sees it).
     tensor_parallel_size: int = 1
     staging_budget: str | None = None  # REFIT_STAGING_BUDGET_BYTES's text; None: the env's
+    # LoRA: vLLM's --max-lora-rank (0: started without --enable-lora) and whether the runtime
+    # routes are served (VLLM_ALLOW_RUNTIME_LORA_UPDATING); refit_info reports both.
+    max_lora_rank: int = 0
+    runtime_lora_updating: bool = False
+    # The adapters loaded: name -> (seed, drift, path), what /v1/models lists and a
+    # completion with model=<name> scores through (engine memory: a restart forgets them).
+    adapters: dict[str, tuple[str, float, str]] = field(default_factory=dict)
     staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
     faults: dict[str, Fault] = field(default_factory=dict)
     fences: fence.FenceTracker = field(default_factory=fence.FenceTracker)
@@ -351,6 +449,7 @@ class PodState:
         self.generating = 0
         self.asleep = set()
         self.staged = None  # so is what was staged
+        self.adapters = {}  # and the adapters loaded
         self.fences.reset()  # the mark is process memory
         self.ready_mark.reset()  # and so is the readiness probe's mark
         self.update_serving()
@@ -388,6 +487,7 @@ class PodState:
                 if self.staged is None
                 else {"path": self.staged.path, "mode": self.staged.mode}
             ),
+            "adapters": {name: path for name, (_, _, path) in self.adapters.items()},
             "faults": {s: f.__dict__ for s, f in self.faults.items()},
         }
 
@@ -398,10 +498,41 @@ def vllm_error(status: int, message: str, kind: str, param: str | None = None) -
     return web.json_response(body, status=status)
 
 
+def sanitized(message: str) -> str:
+    """A message as vLLM's error answers carry it: file paths replaced by ``<path>``
+    (vllm/entrypoints/serve/exception_handling/utils.py, sanitize_message)."""
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    return re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message).strip()
+
+
 def query_error(param: str, message: str) -> web.Response:
     """vLLM's 400 for a query parameter that fails validation (its RequestValidationError
     handler): the message is pydantic's, the param ``query.<name>``."""
     return vllm_error(400, f"1 validation error: {message}", "Bad Request", f"query.{param}")
+
+
+def body_field_missing(key: str, body: Any) -> web.Response:
+    """vLLM's 400 for a JSON body without a required field (its RequestValidationError
+    handler, as for query parameters)."""
+    given = f"<dict of {len(body)} items>" if isinstance(body, dict) else repr(body)
+    detail = {"type": "missing", "loc": f"body.{key}", "msg": "Field required", "input": given}
+    return vllm_error(400, f"1 validation error:\n  {detail}", "Bad Request", f"body.{key}")
+
+
+def add_lora_failed(error: str) -> web.Response:
+    """vLLM's 500 for an adapter its worker refused (the engine's add_lora raised)."""
+    return vllm_error(
+        500,
+        f"Call to add_lora method failed: Worker failed with error '{error}', please check "
+        "the stack trace above for the root cause",
+        "InternalServerError",
+    )
+
+
+def lora_success(text: str) -> web.Response:
+    """vLLM answers a successful adapter load or unload with its message as the bare body,
+    without a content type; aiohttp names one for any body (application/octet-stream)."""
+    return web.Response(body=text.encode())
 
 
 # uvicorn logs the traceback of a failed RPC and then closes the connection; a request the
@@ -437,7 +568,14 @@ class SimServer:
         allowed_root = str(config.get("allowed_root") or "/")
         self.vocab = int(config.get("vocab") or SIM_VOCAB)
         self.pods = {
-            ip: PodState(ip, allowed_root, self.admin_token is not None) for ip in config["ips"]
+            ip: PodState(
+                ip,
+                allowed_root,
+                self.admin_token is not None,
+                max_lora_rank=int(config.get("max_lora_rank") or 0),
+                runtime_lora_updating=bool(config.get("runtime_lora_updating")),
+            )
+            for ip in config["ips"]
         }
         for pod in self.pods.values():
             pod.update_serving()
@@ -566,7 +704,8 @@ class SimServer:
         response: web.StreamResponse
         if denied is not None:
             response = denied
-        elif step is None:  # no route: FastAPI's own answer
+        elif step is None or (step in LORA_STEPS and not pod.runtime_lora_updating):
+            # no route (vLLM adds the LoRA routes only with runtime updating): FastAPI's answer
             response = web.json_response({"detail": "Not Found"}, status=404)
         else:
             response = await self._serve(request, pod, step, body)
@@ -574,12 +713,14 @@ class SimServer:
         return response
 
     def _deny(self, request: web.Request) -> web.Response | None:
-        """401 like refit_worker's admin guard and vLLM's --api-key middleware."""
+        """401 like refit_worker's admin guard and vLLM's --api-key middleware. The guard
+        takes the admin token on vLLM's adapter routes (under /v1) and hands them on with the
+        API key; without a guard vLLM's own rule holds there."""
         given = request.headers.get("Authorization", "")
-        if request.path.startswith(API_KEY_PREFIXES):
+        if needs_admin(request.method, request.path) and self.admin_token is not None:
+            want: str | None = self.admin_token
+        elif request.path.startswith(API_KEY_PREFIXES):
             want = self.api_key
-        elif needs_admin(request.method, request.path):
-            want = self.admin_token
         else:
             return None
         if want is None or given == f"Bearer {want}":
@@ -696,14 +837,24 @@ class SimServer:
             "max_model_len": 512,
             "permission": [permission],
         }
-        return web.json_response({"object": "list", "data": [model]})
+        # vLLM's cards of the adapters loaded (ModelCard defaults: no max_model_len).
+        cards = [
+            {**model, "id": name, "root": path, "parent": SIM_MODEL, "max_model_len": None}
+            for name, (_, _, path) in pod.adapters.items()
+        ]
+        return web.json_response({"object": "list", "data": [model, *cards]})
 
     async def on_completions(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         if not isinstance(body, dict):
             return vllm_error(400, "request body is not a JSON object", "BadRequestError")
-        if body.get("model") != SIM_MODEL:
+        served = body.get("model")
+        adapter = pod.adapters.get(served) if isinstance(served, str) else None
+        if served != SIM_MODEL and adapter is None:
             return vllm_error(
-                404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
+                404,
+                f"The model `{served}` does not exist. Valid aliases: {SIM_MODEL}.",
+                "NotFoundError",
+                "model",
             )
         prompts = body.get("prompt")
         if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
@@ -739,14 +890,15 @@ class SimServer:
         else:
             generated, finish = await self._generate(pod, max_tokens)
         choices = [
-            self._choice(pod, i, ids, fault, generated, finish) for i, ids in enumerate(prompts)
+            self._choice(pod, i, ids, fault, generated, finish, adapter)
+            for i, ids in enumerate(prompts)
         ]
         prompt_tokens = sum(len(ids) for ids in prompts)
         answer = {
             "id": f"cmpl-sim-{random.getrandbits(64):016x}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": SIM_MODEL,
+            "model": served,
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": f"vllm-{SIM_VLLM_VERSION}",
@@ -805,18 +957,19 @@ class SimServer:
         fault: Any,
         generated: int = 1,
         finish: str = "length",
+        adapter: tuple[str, float, str] | None = None,
     ) -> dict[str, Any]:
-        """The completion choice of one prompt: its teacher-forced prompt_logprobs."""
+        """The completion choice of one prompt: its teacher-forced prompt_logprobs (through
+        ``adapter``, a loaded LoRA adapter's (seed, drift, path), when one is named)."""
         scores: list[float | None]
         kind = fault.kind if fault is not None else None
+        seed, drift = (pod.seed, pod.drift) if adapter is None else adapter[:2]
         if pod.weights_discarded or kind == "garbage":
             scores = [None] + [random.uniform(-50.0, 10.0) for _ in ids[1:]]
-        elif pod.seed is None:
+        elif seed is None:
             scores = [None] + [-math.log(self.vocab)] * (len(ids) - 1)
         else:
-            scores = [None] + [
-                lp + pod.drift for lp in sim_logprobs(pod.seed, ids)[1:] if lp is not None
-            ]
+            scores = [None] + [lp + drift for lp in sim_logprobs(seed, ids)[1:] if lp is not None]
         if kind == "drift":
             scores = [None] + [lp + float(fault.value) for lp in scores[1:] if lp is not None]
         if kind == "nan":
@@ -945,6 +1098,67 @@ class SimServer:
 
         return await self._rpc(request, pod, body, digests)
 
+    # --- LoRA adapters (vLLM's runtime routes, served only with runtime updating) ----
+    async def on_load_lora_adapter(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        """vLLM's load: the name's checks, then the engine reads the adapter (no path rule:
+        that is refit_adapter_check's); ``load_inplace`` replaces a loaded name's weights."""
+        name, path = (body.get(k) if isinstance(body, dict) else None
+                      for k in ("lora_name", "lora_path"))  # fmt: skip
+        for key, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str):
+                return body_field_missing(key, body)
+        if not name or not path:
+            return vllm_error(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        if name == SIM_MODEL:
+            return vllm_error(
+                400,
+                f"The lora adapter '{name}' conflicts with a served base model.",
+                "InvalidUserInput",
+            )
+        if not body.get("load_inplace") and name in pod.adapters:
+            return vllm_error(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        if pod.max_lora_rank == 0:  # runtime updating on, LoRA off: the engine refuses
+            return add_lora_failed("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        directory = Path(path)
+        try:
+            config = json.loads((directory / ADAPTER_CONFIG_FILE).read_text())
+            seed, drift = _read_sim_weights(directory, SIM_ADAPTER_FILE)
+        except (OSError, ValueError, contract.RefitRejected):
+            message = f"Loading lora {name} failed: No adapter found for {path}"
+            return vllm_error(404, sanitized(message), "NotFoundError")
+        rank = config.get("r") if isinstance(config, dict) else None
+        if not isinstance(rank, int) or rank > pod.max_lora_rank:
+            return add_lora_failed(
+                f"LoRA rank {rank} is greater than max_lora_rank {pod.max_lora_rank}."
+            )
+        pod.adapters[name] = (seed, drift, path)
+        return lora_success(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def on_unload_lora_adapter(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            return body_field_missing("lora_name", body)
+        if not name:
+            return vllm_error(
+                400,
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+                "InvalidUserInput",
+            )
+        if pod.adapters.pop(name, None) is None:
+            return vllm_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        return lora_success(f"Success: LoRA adapter '{name}' removed successfully.")
+
     # --- refit_worker extension RPCs ----------------------------------------------
     async def _rpc(
         self, request: web.Request, pod: PodState, body: Any, fn: Callable[..., Any]
@@ -979,6 +1193,8 @@ class SimServer:
                 model=SIM_MODEL_ROOT,
                 allowed_root=pod.allowed_root,
                 tensor_parallel_size=pod.tensor_parallel_size,
+                max_lora_rank=pod.max_lora_rank,
+                runtime_lora_updating=pod.runtime_lora_updating,
             ).to_json_dict()
 
         return await self._rpc(request, pod, body, info)
@@ -1003,6 +1219,22 @@ class SimServer:
             "tensorParallelSize": 1,
             "seconds": 0.0,
         }
+
+    async def on_refit_adapter_check(
+        self, request: web.Request, pod: PodState, body: Any, fault: Any
+    ):
+        def check(pod: PodState, path: str) -> dict[str, Any]:
+            directory, manifest = verify_checkpoint(path, pod.allowed_root)
+            return {  # the keys refit_worker.extension answers with
+                **adapter_config_summary(directory),
+                "path": str(directory),
+                "files": len(manifest.files),
+                "bytes": sum(f.size for f in manifest.files),
+                "tensors": len(manifest.tensors),
+                "seconds": 0.0,
+            }
+
+        return await self._rpc(request, pod, body, check)
 
     async def on_refit_stage(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         def stage(pod: PodState, path: str) -> dict[str, Any]:
@@ -1135,6 +1367,8 @@ class SimServer:
                 "world_size",
                 "tensor_parallel_size",
                 "staging_budget",
+                "max_lora_rank",
+                "runtime_lora_updating",
             }
             bad = set(doc.get("set", {})) - settable
             if bad:

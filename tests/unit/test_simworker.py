@@ -14,7 +14,13 @@ from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract, fence
 
 from testbed.simfleet import SimFleet, SimPod
-from testbed.simworker import SIM_VOCAB, loopback_ips, make_sim_checkpoint, sim_logprobs
+from testbed.simworker import (
+    SIM_VOCAB,
+    loopback_ips,
+    make_sim_adapter,
+    make_sim_checkpoint,
+    sim_logprobs,
+)
 
 Fleet = Callable[..., list[SimPod]]
 
@@ -353,3 +359,56 @@ async def test_crash_and_restart_forget_the_mark(
     async with worker_client.session() as fresh:
         await WorkerClient(pod.base_url, http=fresh, fence=2).pause("wait")
     assert pod.state()["fence"] == 2
+
+
+async def test_lora_adapters_serve_their_own_scores_until_a_restart(
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    (pod,) = sim_fleet(1, allowed_root=tmp_path, admin_token="t", max_lora_rank=8,
+                       runtime_lora_updating=True)  # fmt: skip
+    v1 = make_sim_adapter(tmp_path / "v1", "v1")
+    v2 = make_sim_adapter(tmp_path / "v2", "v2", drift=0.5)
+    big = make_sim_adapter(tmp_path / "big", "big", rank=16)
+    c = WorkerClient(pod.base_url, http=http, admin_token="t", fence=5)
+    info = await c.refit_info()
+    assert (info.max_lora_rank, info.runtime_lora_updating) == (8, True)
+    check = await c.adapter_check(str(v1))
+    assert (check["rank"], check["targetModules"]) == (8, ["q_proj", "v_proj"])
+    await c.load_adapter("policy", str(v1))
+    reference = await c.probe_reference(str(v1))
+    ids = [list(p.token_ids) for p in reference.prompts]
+    assert await c.score_prompts(ids, model="policy") == [
+        list(p.logprobs) for p in reference.prompts
+    ]
+    assert await c.score(ids[0]) == [None] + [-math.log(SIM_VOCAB)] * (len(ids[0]) - 1)  # base
+    with pytest.raises(WorkerError) as err:
+        await c.load_adapter("policy", str(v2))  # loaded already: vLLM's 400
+    assert err.value.status == 400
+    await c.load_adapter("policy", str(v2), inplace=True)
+    drifted = await c.score_prompts([ids[0]], model="policy")
+    assert drifted[0][1:] == [lp + 0.5 for lp in sim_logprobs("v2", ids[0])[1:] if lp is not None]
+    with pytest.raises(WorkerError) as err:
+        await c.load_adapter("wide", str(big))  # rank 16 > --max-lora-rank 8
+    assert err.value.status == 500
+    assert await c.adapters() == ["policy"]
+    assert pod.state()["adapters"] == {"policy": str(v2)}
+    with pytest.raises(WorkerError) as err:  # an older pass is fenced on the adapter routes
+        await WorkerClient(pod.base_url, http=http, admin_token="t", fence=4).unload_adapter(
+            "policy"
+        )
+    assert err.value.code == contract.STALE_FENCE
+    pod.crash()
+    pod.restart()
+    assert await c.adapters() == []  # a restart forgets the adapters
+    assert await c.unload_adapter("policy") is False  # vLLM's 404
+    pod.set_state(runtime_lora_updating=False)
+    async with http.post(
+        pod.base_url + "/v1/load_lora_adapter",
+        json={"lora_name": "x", "lora_path": str(v1)},
+        headers={"Authorization": "Bearer t"},
+    ) as r:
+        assert (r.status, await r.json()) == (404, {"detail": "Not Found"})  # no such route
+    async with http.post(
+        pod.base_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(v1)}
+    ) as r:
+        assert r.status == 401  # an admin path, though under /v1
