@@ -99,6 +99,7 @@ _FINAL_CODES: frozenset[str] = frozenset(
         Reason.ProbeReferenceInvalid,
         Reason.CheckpointChanged,
         Reason.AdapterInvalid,
+        Reason.DrafterMissing,
         Reason.WeightChecksumMismatch,  # checksums.judge
     }
 )
