@@ -77,3 +77,21 @@ def test_every_level_reloads_in_full_after_the_wake_and_resets_the_cache(level: 
     if level:
         order = ["sleep", "wakeWeights", "load", "wakeKV", "resetCache", "probe", "ready"]
     assert [s for s in steps if s in order] == order
+
+
+def test_a_pod_whose_drafter_the_worker_refits_is_admitted():
+    # refit_worker.drafter: a draft_model drafter is loaded from the checkpoint's drafter/ with
+    # its target, so the worker names it in refit_info.drafter and not as an unsafe reason.
+    assert admission_problem(info(drafter="draft_model"), False, 2) is None
+
+
+def test_an_older_workers_refit_info_has_no_drafter():
+    doc = dataclasses.asdict(info())
+    del doc["drafter"]
+    assert RefitInfo.from_json_dict(json.loads(json.dumps(doc))).drafter == ""
+
+
+def test_a_missing_drafter_leaves_the_pod_on_its_weights():
+    # The worker refuses DrafterMissing before touching either model: final, and the pod
+    # goes back to serving what it held.
+    assert "DrafterMissing" in podflow.UNTOUCHED_LOAD_CODES

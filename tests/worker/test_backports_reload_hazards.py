@@ -92,6 +92,12 @@ def test_draft_methods_with_weights_are_named() -> None:
         cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
         assert facts_from_model(cfg, dense).draft_method == drafter
     assert facts_from_model(SimpleNamespace(speculative_config=None), dense).draft_method == ""
+    # A draft_model drafter is a hazard until the worker refits it (refit_worker.drafter).
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model"))
+    assert facts_from_model(cfg, dense).draft_method == "draft_model"
+    assert facts_from_model(cfg, dense, refitted_drafter="draft_model").draft_method == ""
+    eagle = SimpleNamespace(speculative_config=SimpleNamespace(method="eagle3"))
+    assert facts_from_model(eagle, dense, refitted_drafter="draft_model").draft_method == "eagle3"
 
 
 def test_vllm_032_reloads_only_the_target_model() -> None:

@@ -150,3 +150,18 @@ def test_buckets_and_headers() -> None:
     for bad in (b"{", b'{"tensors": [["a", "X9", [1]]], "bucketBytes": 1}', b'{"tensors": []}'):
         with pytest.raises(broadcast.TransportError):
             broadcast.decode_header(bad)
+
+
+def test_a_broadcast_into_an_engine_with_a_drafter_is_refused_before_it_loads() -> None:
+    """A broadcast carries the target's tensors only: an engine whose draft_model drafter the
+    worker refits from checkpoints (refit_worker.drafter) refuses it, before the promise is
+    even read, and still drains the wire (receive_weights reads on after a refusal)."""
+    from types import SimpleNamespace
+
+    from refit_worker.broadcast.gloo_engine import GlooWeightTransferEngine, Round
+
+    engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
+    spec = SimpleNamespace(method="draft_model")
+    engine.vllm_config = SimpleNamespace(speculative_config=spec)
+    promise, refusal = engine._check_promise(Round(1), {})
+    assert promise is None and refusal is not None and refusal.code == "DrafterMissing"

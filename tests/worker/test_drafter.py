@@ -1,47 +1,80 @@
-"""A speculative drafter with weights of its own, on real vLLM CPU: what the build runs, why
-the operator refuses to refit it (UnsafeConfiguration, vLLM #52487), and the signal that
-tells a stale drafter from a fresh one.
+"""A speculative drafter with weights of its own, refitted with its target, on real vLLM CPU.
 
 vLLM 0.32's CPU build runs `--speculative-config {"method": "draft_model", ...}` with the tiny
 model as its own drafter (the CPU model runner loads it beside the target; EAGLE and MTP need
-heads the test bed does not build). Its drafts are greedy, so with greedy decoding a drafter
-holding the target's weights has every drafted token accepted, and one holding other weights
-far fewer (measured 126/126 = 1.0 for A drafting for A, 74/230 = 0.32 for B drafting for A);
-under sampling even a fresh drafter's drafts are accepted at the target's probability of them
-(0.23 for A and A), which says nothing about staleness. The counts are vLLM's own
-(vllm:spec_decode_num_{draft,accepted}_tokens_total on /metrics).
+heads the test bed does not build). vLLM's reload loads the target only (#52487); the worker
+loads the drafter from the checkpoint's drafter/ (contract.DRAFTER_DIR) right after it, or
+refuses the checkpoint before touching either model (refit_worker.drafter).
 
-A refit of the target alone (the worker's refit_load, as the operator's load step sends it)
-leaves the drafter on the old weights: the target serves the new version, and the greedy
-acceptance falls. That is what UnsafeConfiguration guards against until drafters are refitted
-with their target (docs/concepts.md, "Reload hazards beyond attention scales").
+The signal: the drafter's drafts are greedy, so under greedy decoding a drafter holding the
+target's weights has every drafted token accepted, and one on other weights far fewer
+(measured 1.000 for A drafting for A; 0.461 after a refit of the target alone A -> B, before
+the worker refitted drafters; 0.32 for B drafting for A). Under sampling even a fresh
+drafter's drafts are accepted at only the target's probability of them (0.23), which says
+nothing about staleness. The counts are vLLM's own
+(vllm:spec_decode_num_{draft,accepted}_tokens_total on /metrics); the probe's prompt logprobs
+come from the target alone.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from refit_operator.core import admission
-from refit_operator.core.reasons import Reason
-from refit_worker.contract import RefitInfo
+from refit_worker.contract import DRAFTER_DIR, RefitInfo
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
-from tests.fixtures.reload import admin, assert_matches, refit_cycle, scores
+from tests.fixtures.reload import (
+    admin,
+    assert_matches,
+    refit_cycle,
+    rejection,
+    scores,
+    staged_refit,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SPECULATIVE_TOKENS = 2
 FRESH = 0.99  # greedy acceptance of a drafter holding the target's weights: all of them
-STALE = 0.6  # ... and at most this for one left on other weights (measured 0.32)
+STALE = 0.6  # ... and at most this for one holding other weights (measured 0.32 to 0.46)
+
+
+def checkpoint_with(root: Path, name: str, target: Path, drafter: Path | None) -> Path:
+    """`root/name`: a copy of the checkpoint `target`, with a copy of `drafter` as its
+    drafter/ (none when None). Copies, not links: the worker refuses a shard that links out
+    of its directory."""
+    directory = root / name
+    shutil.copytree(target, directory)
+    if drafter is not None:
+        shutil.copytree(drafter, directory / DRAFTER_DIR)
+    return directory
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
+def root(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's allowed root: A and B each with their own weights as drafter/, B without
+    drafter/, B whose drafter/ has a byte the manifest does not have, and B with A's
+    weights as drafter/."""
+    root = tmp_path_factory.mktemp("drafter-root")
+    a, b = tiny_model.checkpoints["A"], tiny_model.checkpoints["B"]
+    checkpoint_with(root, "A", a, a)
+    checkpoint_with(root, "B", b, b)
+    checkpoint_with(root, "B-no-drafter", b, None)
+    checkpoint_with(root, "B-bad-drafter", b, tiny_model.checkpoints["manifest_mismatch"])
+    checkpoint_with(root, "B-drafter-A", b, a)
+    return root
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model: TinyModel, root: Path) -> Iterator[VllmServer]:
     a = str(tiny_model.checkpoints["A"])
     drafter = {"method": "draft_model", "model": a, "num_speculative_tokens": SPECULATIVE_TOKENS}
     with start_vllm_server(
@@ -49,6 +82,7 @@ def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
         load_format="safetensors",
         model_dir=tiny_model.checkpoints["A"],
         extra_args=["--speculative-config", json.dumps(drafter)],
+        env={"REFIT_ALLOWED_ROOT": str(root)},
     ) as server:
         yield server
 
@@ -79,26 +113,80 @@ def greedy_acceptance(server: VllmServer, http: httpx.Client, tiny_model: TinyMo
     return (accepted_now - accepted) / (drafted_now - drafted)
 
 
-def test_the_drafter_runs_and_the_operator_refuses_to_refit_it(
+def assert_serves(
+    server: VllmServer, http: httpx.Client, tiny_model: TinyModel, name: str
+) -> float:
+    """The target scores `name`'s reference and the drafter drafts as the target would;
+    returns the greedy acceptance."""
+    reference = tiny_model.reference(name)
+    assert_matches(scores(server, http, reference), reference)
+    acceptance = greedy_acceptance(server, http, tiny_model)
+    assert acceptance >= FRESH, f"target {name}: greedy acceptance {acceptance:.3f}"
+    return acceptance
+
+
+def test_the_worker_reports_the_drafter_it_refits(
     vllm_server: VllmServer, http: httpx.Client
 ) -> None:
     body = {"method": "refit_info"}
     answer = admin(vllm_server, http, "POST", "/collective_rpc", json=body)["results"][0]
     info = RefitInfo.from_json_dict(answer)
-    assert any("draft_model" in r and "#52487" in r for r in info.unsafe_reasons), info
-    problem = admission.admission_problem(info, allow_unsafe=False, sleep_level=1)
-    assert problem is not None and problem.reason == Reason.UnsafeConfiguration
-    assert "drafter" in problem.message
+    assert info.drafter == "draft_model", info
+    assert not info.unsafe_reasons, info.unsafe_reasons
+    assert admission.admission_problem(info, allow_unsafe=False, sleep_level=1) is None
 
 
-def test_a_refit_of_the_target_alone_leaves_the_drafter_stale(
-    vllm_server: VllmServer, http: httpx.Client, tiny_model: TinyModel
+@pytest.mark.parametrize(
+    ("name", "code", "fragment"),
+    [
+        ("B-no-drafter", "DrafterMissing", DRAFTER_DIR),
+        ("B-bad-drafter", "ManifestMismatch", "differs from the manifest"),
+    ],
+)
+@pytest.mark.parametrize("method", ["refit_preflight", "refit_stage", "refit_load"])
+def test_a_checkpoint_without_a_good_drafter_is_refused_and_a_serves_on(
+    vllm_server: VllmServer,
+    http: httpx.Client,
+    tiny_model: TinyModel,
+    root: Path,
+    name: str,
+    code: str,
+    fragment: str,
+    method: str,
 ) -> None:
-    fresh = greedy_acceptance(vllm_server, http, tiny_model)
-    assert fresh >= FRESH, f"drafter A for target A: greedy acceptance {fresh:.3f}"
-    refit_cycle(vllm_server, http, str(tiny_model.checkpoints["B"]), "B")
+    args = [str(root / name)] + (["B"] if method == "refit_load" else [])
+    got, detail = rejection(vllm_server, http, method, *args)
+    assert (got, fragment in detail) == (code, True), detail
+    # Neither model was touched: the target scores A and the drafter still drafts A.
+    assert_serves(vllm_server, http, tiny_model, "A")
+
+
+def test_a_refit_loads_the_drafter_with_its_target(
+    vllm_server: VllmServer, http: httpx.Client, tiny_model: TinyModel, root: Path
+) -> None:
+    before = assert_serves(vllm_server, http, tiny_model, "A")
+    # Staged (both held in memory), then unstaged (both read from disk) back to A.
+    staged, loaded = staged_refit(vllm_server, http, root / "B", "B")
+    assert staged["drafter"]["staged"] == "memory", staged
+    assert staged["drafter"]["path"] == str((root / "B" / DRAFTER_DIR).resolve())
+    assert loaded["drafter"]["source"] == "memory", loaded
+    to_b = assert_serves(vllm_server, http, tiny_model, "B")
+    loaded = refit_cycle(vllm_server, http, str(root / "A"), "A")
+    assert loaded["drafter"]["source"] == "unstaged", loaded
+    back = assert_serves(vllm_server, http, tiny_model, "A")
+    print(f"\ngreedy acceptance: A {before:.3f}, refitted to B {to_b:.3f}, back to A {back:.3f}")
+
+
+def test_the_drafter_is_loaded_from_drafter_not_from_the_target(
+    vllm_server: VllmServer, http: httpx.Client, tiny_model: TinyModel, root: Path
+) -> None:
+    """The control: B with A's weights in drafter/ serves B and drafts A's tokens, so the
+    acceptance above comes from drafter/ (and the signal tells a drafter on other weights)."""
+    refit_cycle(vllm_server, http, str(root / "B-drafter-A"), "B")
     reference = tiny_model.reference("B")
-    assert_matches(scores(vllm_server, http, reference), reference)  # the target serves B
-    stale = greedy_acceptance(vllm_server, http, tiny_model)
-    print(f"\ngreedy acceptance: drafter on the target's weights {fresh:.3f}, stale {stale:.3f}")
-    assert stale <= STALE, f"drafter A for target B: greedy acceptance {stale:.3f}"
+    assert_matches(scores(vllm_server, http, reference), reference)
+    other = greedy_acceptance(vllm_server, http, tiny_model)
+    print(f"\ngreedy acceptance: target B, drafter A {other:.3f}")
+    assert other <= STALE, f"target B, drafter A: greedy acceptance {other:.3f}"
+    refit_cycle(vllm_server, http, str(root / "A"), "A")
+    assert_serves(vllm_server, http, tiny_model, "A")

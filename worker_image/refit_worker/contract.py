@@ -109,6 +109,11 @@ PROCESS_CHANGED = "ProcessChanged"
 # --- Files a trainer writes into a checkpoint directory ---
 MANIFEST_FILE = "refit-manifest.json"
 PROBE_FILE = "refit-probe.json"
+# A fleet whose engines run a speculative drafter with weights of its own (vLLM's
+# `draft_model` method) needs the drafter's checkpoint beside the target's: a subdirectory of
+# this name, a checkpoint of its own (safetensors and a refit-manifest.json). The worker
+# verifies and loads both, or neither (DrafterMissing).
+DRAFTER_DIR = "drafter"
 MANIFEST_FORMAT_VERSION = 2  # what writers write
 # The file digest each manifest format version carries; readers accept every version here.
 # 2: BLAKE3, about 5x faster to verify than SHA-256 per core (bench/results: verification
@@ -411,6 +416,10 @@ class RefitInfo:
     # (VLLM_ALLOW_RUNTIME_LORA_UPDATING). Absent from older workers' answers: 0 and False.
     max_lora_rank: int = 0
     runtime_lora_updating: bool = False
+    # The speculative method of a drafter the worker refits with its target from the
+    # checkpoint's DRAFTER_DIR (vLLM's speculative_config.method, "draft_model"); "" when
+    # the engine runs none. Absent from older workers' answers: read as "".
+    drafter: str = ""
 
     @property
     def layout(self) -> str:
@@ -446,6 +455,7 @@ class RefitInfo:
             kv_cache_scales=_require(doc, "kv_cache_scales", str, where)
             if "kv_cache_scales" in doc
             else "",
+            drafter=_require(doc, "drafter", str, where) if "drafter" in doc else "",
             **{
                 key: _parallel_size(doc, key, where)
                 for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -483,6 +493,10 @@ REJECTION_CODES = (
     "CheckpointChanged",  # a file changed (identity, size, mtime) between refit_stage and load
     "LoadFailed",  # vLLM's reload raised after preflight passed
     "AdapterInvalid",  # adapter_config.json absent, unreadable, or not a PEFT LoRA config
+    # the engine runs a drafter the worker refits, and the refit carries no drafter weights
+    # (a checkpoint without a DRAFTER_DIR holding a manifest, or any broadcast): refused
+    # before either model is touched (never a new target beside a stale drafter).
+    "DrafterMissing",
     # Broadcast refits (docs/broadcast.md); both are refused before the model is touched:
     # what arrived differs from the promised transfer manifest (a tensor's dtype, shape or
     # digest; a promised tensor not sent, one sent but not promised, or sent twice), or

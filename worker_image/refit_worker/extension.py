@@ -23,6 +23,13 @@ reload_weights is called, so the model still holds its old weights and the opera
 the pod back into traffic on them. LoadFailed is the only code that may come after the
 model was touched (a reload that raised, or files that changed during a load from disk).
 
+Drafters: an engine that runs a speculative drafter with weights of its own that the worker
+refits (refit_worker.drafter: vLLM's ``draft_model``) needs the drafter's checkpoint in the
+checkpoint's ``drafter/`` (contract.DRAFTER_DIR). Preflight, staging and load verify it like
+the target (path rules, manifest, digests, the drafter model's tensors) and the load reloads
+it right after the target; a checkpoint without it is refused DrafterMissing before anything
+is hashed or loaded, so a pod never serves a new target beside a stale drafter.
+
 Weight version: vLLM 0.32/0.33 keeps the served weight version in the engine core
 (EngineCore._weight_version, set by POST /update_weight_version, read by GET /weight_info),
 which a worker cannot reach (with several workers they are separate processes). So
@@ -51,6 +58,7 @@ from refit_worker.contract import (
     RefitInfo,
     RefitRejected,
 )
+from refit_worker.drafter import Drafter, drafter_directory, drafter_of, reload_drafter
 from refit_worker.model_tensors import LoadRules, verify_model_tensors
 
 if TYPE_CHECKING:
@@ -103,6 +111,9 @@ class RefitWorkerExtension:
     model_runner: Any
     _refit_version: str
     _refit_staged: checkpoint.StagedCheckpoint | None
+    # The drafter's checkpoint, staged with _refit_staged (None: the engine runs no drafter
+    # the worker refits).
+    _refit_staged_drafter: checkpoint.StagedCheckpoint | None
 
     # --- helpers (underscored so they never collide with vLLM's worker attributes) ---
     def _refit_allowed_root(self) -> str:
@@ -110,6 +121,16 @@ class RefitWorkerExtension:
 
     def _refit_model(self) -> Any:
         return self.model_runner.get_model()
+
+    def _refit_drafter(self) -> Drafter | None:
+        return drafter_of(self.vllm_config, self.model_runner)
+
+    def _refit_drafter_directory(self, path: str) -> Path | None:
+        """The drafter's checkpoint directory under `path` when the engine runs a drafter
+        the worker refits (DrafterMissing when absent), else None. Cheap: a stat."""
+        if self._refit_drafter() is None:
+            return None
+        return drafter_directory(checkpoint.resolve_under_root(path, self._refit_allowed_root()))
 
     def _refit_pod_workers(self) -> int:
         """How many workers this pod runs: tensor x pipeline parallel (split over
@@ -121,16 +142,29 @@ class RefitWorkerExtension:
 
     def _refit_check(self, path: str) -> dict[str, Any]:
         started = time.perf_counter()
+        drafter_dir = self._refit_drafter_directory(path)  # DrafterMissing before any hashing
         directory, manifest = checkpoint.verify_checkpoint(path, self._refit_allowed_root())
-        return self._refit_check_model(directory, manifest, started)
+        result = self._refit_check_model(directory, manifest, started)
+        if drafter_dir is not None:
+            root = self._refit_allowed_root()
+            drafter_dir, drafter_manifest = checkpoint.verify_checkpoint(str(drafter_dir), root)
+            result["drafter"] = self._refit_check_model(
+                drafter_dir, drafter_manifest, started, drafter=self._refit_drafter()
+            )
+        return result
 
     def _refit_check_model(
-        self, directory: Path, manifest: Manifest, started: float
+        self,
+        directory: Path,
+        manifest: Manifest,
+        started: float,
+        drafter: Drafter | None = None,
     ) -> dict[str, Any]:
         """The model's side of preflight (every tensor it loads, shapes and dtypes) and the
-        preflight result."""
-        rules = LoadRules.of(self.vllm_config)
-        expected = verify_model_tensors(self._refit_model(), manifest.tensors, rules)
+        preflight result; of the drafter's model and checkpoint when `drafter` is given."""
+        rules = LoadRules.of(self.vllm_config if drafter is None else drafter.config)
+        model = self._refit_model() if drafter is None else drafter.model
+        expected = verify_model_tensors(model, manifest.tensors, rules)
         return {
             "path": str(directory),
             "files": len(manifest.files),
@@ -142,15 +176,22 @@ class RefitWorkerExtension:
             "seconds": round(time.perf_counter() - started, 4),
         }
 
-    def _refit_take_staged(self, path: str) -> checkpoint.StagedCheckpoint | None:
-        """The checkpoint staged for `path`, handed over (the worker holds none after this
-        call); None when `path` is not the one staged."""
-        staged = getattr(self, "_refit_staged", None)
-        self._refit_staged = None
-        if staged is None or staged.path != path:
-            if staged is not None:
-                staged.release()  # a load of another checkpoint: memory back
-            return None
+    def _refit_take_staged(self, path: str) -> list[checkpoint.StagedCheckpoint]:
+        """The checkpoint staged for `path` and, for an engine with a drafter the worker
+        refits, its drafter's, handed over (the worker holds none after this call); [] when
+        `path` is not the one staged."""
+        staged = [
+            s
+            for s in (getattr(self, "_refit_staged", None),
+                      getattr(self, "_refit_staged_drafter", None))
+            if s is not None
+        ]  # fmt: skip
+        self._refit_staged = self._refit_staged_drafter = None
+        wanted = 1 if self._refit_drafter() is None else 2
+        if len(staged) != wanted or staged[0].path != path:
+            for one in staged:
+                one.release()  # a load of another checkpoint: memory back
+            return []
         return staged
 
     def _refit_switch_load_format(self) -> str | None:
@@ -163,35 +204,41 @@ class RefitWorkerExtension:
         self.update_config({"load_config": {"load_format": "safetensors"}})  # type: ignore[attr-defined]
         return load_format
 
-    def _refit_load_staged(self, staged: checkpoint.StagedCheckpoint) -> tuple[str, float]:
-        """Load a staged checkpoint (its identities already re-checked); returns (source,
-        seconds of the reload)."""
+    def _refit_load_staged(
+        self, staged: checkpoint.StagedCheckpoint, drafter: Drafter | None = None
+    ) -> tuple[str, float]:
+        """Load a staged checkpoint (its identities already re-checked) into the target, or
+        into `drafter`'s model; returns (source, seconds of the reload)."""
         directory = str(staged.directory)
+        model = self._refit_model() if drafter is None else drafter.model
         # A model that reloads weights from other sources too (secondary_weights) needs
         # vLLM's own loader: such a load reads from disk like one over the budget.
-        from_memory = staged.in_memory and not getattr(
-            self._refit_model(), "secondary_weights", None
-        )
+        from_memory = staged.in_memory and not getattr(model, "secondary_weights", None)
         started = time.perf_counter()
         if from_memory:
             # vLLM points model_config at weights_path itself; from an iterator it does
             # not, so refit_info's model would name the previous checkpoint.
-            model_config = self.vllm_config.model_config
+            model_config = (drafter.config if drafter else self.vllm_config).model_config
             model_config.model = directory
             if hasattr(model_config, "model_weights"):
                 model_config.model_weights = ""
             model_config.revision = None
-            self._refit_reload(weights_iterator=_held_tensors(staged))
+            self._refit_reload(drafter, weights_iterator=_held_tensors(staged))
             return "memory", time.perf_counter() - started
         staged.release()
-        self._refit_reload(weights_path=directory)
+        self._refit_reload(drafter, weights_path=directory)
         seconds = time.perf_counter() - started
         staged.check_after_load()  # LoadFailed: the model was touched
         return "disk", seconds
 
-    def _refit_reload(self, **source: Any) -> None:
+    def _refit_reload(self, drafter: Drafter | None = None, **source: Any) -> None:
+        """vLLM's reload into the target, or into `drafter`'s model (refit_worker.drafter:
+        vLLM's reload_weights never loads a drafter)."""
         try:
-            self.reload_weights(is_checkpoint_format=True, **source)  # type: ignore[attr-defined]
+            if drafter is None:
+                self.reload_weights(is_checkpoint_format=True, **source)  # type: ignore[attr-defined]
+            else:
+                reload_drafter(self.vllm_config, drafter, **source)
         except Exception as exc:
             raise RefitRejected("LoadFailed", f"{type(exc).__name__}: {exc}") from exc
 
@@ -215,13 +262,17 @@ class RefitWorkerExtension:
                 if getattr(m, "attn_backend", None) is not None
             }
         )
+        drafter = self._refit_drafter()
+        refitted = drafter.method if drafter is not None else ""
         info = RefitInfo(
             vllm_version=str(vllm.__version__),
             attention_backend=",".join(backends) or "unknown",
             kv_cache_dtype=str(cfg.cache_config.cache_dtype),
             cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
             capabilities=tuple(dict.fromkeys(caps)),
-            unsafe_reasons=tuple(backports.unsafe_reasons(cfg, model=self._refit_model())),
+            unsafe_reasons=tuple(
+                backports.unsafe_reasons(cfg, model=self._refit_model(), refitted_drafter=refitted)
+            ),
             weight_version=getattr(self, "_refit_version", DEFAULT_VERSION),
             model=str(cfg.model_config.model),
             allowed_root=self._refit_allowed_root(),
@@ -231,6 +282,7 @@ class RefitWorkerExtension:
             data_parallel_size=int(cfg.parallel_config.data_parallel_size),
             max_lora_rank=int(cfg.lora_config.max_lora_rank) if cfg.lora_config else 0,
             runtime_lora_updating=bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+            drafter=refitted,
         )
         return info.to_json_dict()
 
@@ -240,25 +292,32 @@ class RefitWorkerExtension:
 
     @peers.collective
     def refit_stage(self, path: str) -> dict[str, Any]:
-        """Preflight, then stage the checkpoint for refit_load (see the module docstring).
-        Staging the staged path again, unchanged, returns at the cost of a few stats."""
+        """Preflight, then stage the checkpoint (and its drafter's) for refit_load (see the
+        module docstring). Staging the staged path again, unchanged, returns at the cost of
+        a few stats."""
         started = time.perf_counter()
         # The budget is the pod's (REFIT_STAGING_BUDGET_BYTES): each of its workers stages
         # the whole checkpoint, so each gets its share and the pod never holds more.
         budget = checkpoint.staging_budget() // self._refit_pod_workers()
         previous = getattr(self, "_refit_staged", None)
-        self._refit_staged = None
+        previous_drafter = getattr(self, "_refit_staged_drafter", None)
+        self._refit_staged = self._refit_staged_drafter = None
+        drafter_dir = self._refit_drafter_directory(path)  # DrafterMissing before any hashing
         staged = checkpoint.stage_checkpoint(
             path, self._refit_allowed_root(), budget, previous=previous
         )
-        if not staged.reused:
-            try:
+        try:
+            if not staged.reused:
                 staged.summary = self._refit_check_model(staged.directory, staged.manifest, started)
-            except BaseException:
-                staged.release()
-                raise
+            if drafter_dir is not None:
+                self._refit_staged_drafter = self._refit_stage_drafter(
+                    drafter_dir, staged, previous_drafter, started
+                )
+        except BaseException:
+            staged.release()
+            raise
         self._refit_staged = staged
-        return {
+        result = {
             **staged.summary,
             "seconds": round(time.perf_counter() - started, 4),
             "staged": staged.mode,
@@ -266,6 +325,33 @@ class RefitWorkerExtension:
             "podWorkers": self._refit_pod_workers(),
             "note": staged.note(),
         }
+        if self._refit_staged_drafter is not None:
+            one = self._refit_staged_drafter
+            result["drafter"] = {**one.summary, "staged": one.mode, "note": one.note()}
+        return result
+
+    def _refit_stage_drafter(
+        self,
+        directory: Path,
+        target: checkpoint.StagedCheckpoint,
+        previous: checkpoint.StagedCheckpoint | None,
+        started: float,
+    ) -> checkpoint.StagedCheckpoint:
+        """Stage the drafter's checkpoint as the target's, within what the target left of
+        this worker's budget (the drafter is part of the checkpoint the budget is for)."""
+        budget = target.budget - (target.total_bytes if target.in_memory else 0)
+        staged = checkpoint.stage_checkpoint(
+            str(directory), self._refit_allowed_root(), budget, previous=previous
+        )
+        if not staged.reused:
+            try:
+                staged.summary = self._refit_check_model(
+                    staged.directory, staged.manifest, started, drafter=self._refit_drafter()
+                )
+            except BaseException:
+                staged.release()
+                raise
+        return staged
 
     @peers.collective
     def refit_load(self, path: str, version: str) -> dict[str, Any]:
@@ -279,9 +365,13 @@ class RefitWorkerExtension:
             try:
                 if not isinstance(version, str) or not version:
                     raise RefitRejected("LoadFailed", "version must be a non-empty string")
-                if staged is not None:
-                    staged.check_before_load(self._refit_allowed_root())  # CheckpointChanged
-                    result = {**staged.summary, "seconds": round(time.perf_counter() - started, 4)}
+                if staged:
+                    for one in staged:  # CheckpointChanged
+                        one.check_before_load(self._refit_allowed_root())
+                    seconds = round(time.perf_counter() - started, 4)
+                    result = {**staged[0].summary, "seconds": seconds}
+                    if len(staged) > 1:
+                        result["drafter"] = dict(staged[1].summary)
                 else:
                     result = self._refit_check(path)
             except Exception as exc:  # whatever it is, the other workers must hear of it
@@ -291,15 +381,10 @@ class RefitWorkerExtension:
             if refusal is not None:
                 raise refusal
             switched = self._refit_switch_load_format()
-            if staged is not None:
-                source, load_seconds = self._refit_load_staged(staged)
-            else:
-                source, started = "unstaged", time.perf_counter()
-                self._refit_reload(weights_path=result["path"])
-                load_seconds = time.perf_counter() - started
+            source, load_seconds = self._refit_load_checked(result, staged)
         finally:
-            if staged is not None:
-                staged.release()
+            for one in staged:
+                one.release()
         self._refit_version = version
         return {
             **result,
@@ -308,6 +393,31 @@ class RefitWorkerExtension:
             "switchedLoadFormatFrom": switched,
             "source": source,
         }
+
+    def _refit_load_checked(
+        self, result: dict[str, Any], staged: list[checkpoint.StagedCheckpoint]
+    ) -> tuple[str, float]:
+        """Load what refit_load checked: the target, then its drafter (after the load format
+        switch: the drafter's load config is read now). Returns the target's (source, seconds
+        of the reload); the drafter's go into result["drafter"]."""
+        drafter = self._refit_drafter()
+        if staged:
+            source, seconds = self._refit_load_staged(staged[0])
+            if drafter is not None:
+                drafter_source, drafter_seconds = self._refit_load_staged(staged[1], drafter)
+                result["drafter"].update(
+                    source=drafter_source, loadSeconds=round(drafter_seconds, 4)
+                )
+            return source, seconds
+        started = time.perf_counter()
+        self._refit_reload(weights_path=result["path"])
+        seconds = time.perf_counter() - started
+        if drafter is not None:
+            self._refit_reload(drafter, weights_path=result["drafter"]["path"])
+            result["drafter"].update(
+                source="unstaged", loadSeconds=round(time.perf_counter() - started - seconds, 4)
+            )
+        return "unstaged", seconds
 
     @peers.collective
     def refit_probe_reference(self, path: str) -> dict[str, Any]:

@@ -109,6 +109,7 @@ _FINAL_CODES: frozenset[str] = frozenset(
         Reason.ProbeReferenceInvalid,
         Reason.CheckpointChanged,
         Reason.AdapterInvalid,
+        Reason.DrafterMissing,
         Reason.WeightChecksumMismatch,  # checksums.judge
     }
 )

@@ -145,10 +145,13 @@ def unsafe_reasons(
     attention_backends: tuple[str, ...] | None = None,
     device_capability: int | None = None,
     model: Any = None,
+    refitted_drafter: str = "",
 ) -> list[str]:
     """Why this configuration is not reload-safe: under full CUDA graphs, and (given the
     loaded ``model``) in the model itself; empty if safe. Reads the backends in use from
-    the model's attention layers when not given."""
+    the model's attention layers when not given. ``refitted_drafter``: the speculative
+    method of the drafter the worker refits with its target (refit_worker.drafter), which
+    is then no hazard."""
     reasons = unsafe.reasons_for(
         unsafe.config_from_vllm(
             vllm_config,
@@ -160,6 +163,8 @@ def unsafe_reasons(
         relayout = _guarded(moe_reload.apply, (CAP_MOE_RELAYOUT_ON_RELOAD,))
         in_effect = relayout[CAP_MOE_RELAYOUT_ON_RELOAD].state.in_effect
         reasons += unsafe.model_reasons(
-            unsafe.facts_from_model(vllm_config, model, moe_relayout=in_effect)
+            unsafe.facts_from_model(
+                vllm_config, model, moe_relayout=in_effect, refitted_drafter=refitted_drafter
+            )
         )
     return reasons

@@ -8,7 +8,9 @@ non-trtllm FlashInfer decode, DCP decode, XQA (SM90/SM12x), the MLA trtllm decod
 and NVFP4 fused output. Eager and piecewise execution are correct on all of them.
 
 In the model itself (``model_reasons``), from vLLM's reload trackers (RFCs #48312, #48310):
-a speculative drafter with weights of its own, which the sequence never reloads (#52487);
+a speculative drafter with weights of its own that the worker does not refit with its target
+(vLLM's reload never does, #52487; the worker refits ``draft_model`` drafters itself,
+refit_worker.drafter);
 MoE layers whose reload does not lay the weights out for the kernel again (#42821) or whose
 padding the reload leaves uninitialized (#50523); attention sinks a model's loader writes
 with a bare copy, which a layerwise reload never sees (#57795).
@@ -172,7 +174,8 @@ WEIGHTLESS_DRAFTS = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 @dataclass(frozen=True)
 class ModelFacts:
-    draft_method: str = ""  # speculative method of a drafter with weights; "" for none
+    # speculative method of a drafter with weights the worker does not refit; "" for none
+    draft_method: str = ""
     moe_layers: int = 0  # MoE layers (vLLM RoutedExperts)
     moe_relayout: bool = True  # their reload lays the weights out again (#42821 fixed)
     padded_moe_layers: tuple[str, ...] = ()  # weights padded beyond the checkpoint shape
@@ -185,9 +188,11 @@ def model_reasons(facts: ModelFacts) -> list[str]:
     reasons = []
     if facts.draft_method:
         reasons.append(
-            f"speculative decoding ({facts.draft_method}) has a drafter with its own weights: "
-            "the refit reloads only the target model, so the drafter keeps stale weights, "
-            "or discarded ones after sleepLevel 2 (vLLM #52487); serve without it to refit"
+            f"speculative decoding ({facts.draft_method}) has a drafter with its own weights "
+            "that the refit cannot load: vLLM's reload loads only the target model "
+            "(vLLM #52487) and the worker refits only draft_model drafters (from the "
+            "checkpoint's drafter/), so this drafter keeps stale weights, or discarded ones "
+            "after sleepLevel 2; serve without it, or with a draft_model drafter, to refit"
         )
     if facts.moe_layers and not facts.moe_relayout:
         reasons.append(
@@ -208,16 +213,19 @@ def model_reasons(facts: ModelFacts) -> list[str]:
     return reasons
 
 
-def facts_from_model(vllm_config: Any, model: Any, *, moe_relayout: bool = True) -> ModelFacts:
+def facts_from_model(
+    vllm_config: Any, model: Any, *, moe_relayout: bool = True, refitted_drafter: str = ""
+) -> ModelFacts:
     """Plain values from a live model (the worker process). ``moe_relayout``: whether the
-    MoE re-layout capability is in effect (refit_worker.backports decides)."""
+    MoE re-layout capability is in effect (refit_worker.backports decides);
+    ``refitted_drafter``: the method of the drafter the worker refits (refit_worker.drafter)."""
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "") if spec is not None else ""
     moe = [(n, m) for n, m in model.named_modules() if _is_moe_layer(m)]
     padded = tuple(n for n, m in moe if _padded(m.moe_config))
     sinks = [n for n, _ in model.named_parameters() if "sink" in n.rpartition(".")[2]]
     return ModelFacts(
-        draft_method="" if method in WEIGHTLESS_DRAFTS else method,
+        draft_method="" if method in WEIGHTLESS_DRAFTS or method == refitted_drafter else method,
         moe_layers=len(moe),
         moe_relayout=moe_relayout,
         padded_moe_layers=padded,

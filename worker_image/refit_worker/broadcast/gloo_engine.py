@@ -55,6 +55,7 @@ from refit_worker.contract import (
     RefitRejected,
     TransferManifest,
 )
+from refit_worker.drafter import REFITTED_METHODS, method_of
 from refit_worker.model_tensors import LoadRules, verify_model_tensors
 from refit_worker.transfer_manifest import parse_manifest
 
@@ -211,6 +212,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self, current: Round, doc: Any
     ) -> tuple[TransferManifest | None, RefitRejected | None]:
         """Parse the promise and check that it fits the model: (promise, refusal)."""
+        if method_of(self.vllm_config) in REFITTED_METHODS:
+            # A broadcast carries the target's tensors only (this engine refuses
+            # start_draft_weight_update): loading them would serve a new target beside a
+            # stale drafter. Such a fleet refits from checkpoints with drafter/.
+            return None, RefitRejected(
+                "DrafterMissing",
+                "this engine runs a draft_model drafter and a broadcast carries no drafter "
+                "weights: refit it from a checkpoint with drafter/",
+            )
         try:
             promise = parse_manifest(doc)
         except ContractError as exc:
