@@ -476,7 +476,8 @@ class Engine:
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),
-            admitted=passes.admitted, lora=passes.lora, layout=view.status.layout,
+            admitted=passes.admitted, lora=passes.lora, drafters=passes.drafters,
+            layout=view.status.layout,
             live=passes.live,
             broadcast=st.broadcast,
             source_problem=problem, lease=self.lease.key if self.lease else "",

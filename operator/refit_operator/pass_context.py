@@ -67,6 +67,10 @@ class PassContext:
     # pod's admission found them: their probes score one prompt per request, as a batch of
     # prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU engine. Added to by passes.
     lora: set[str] = field(default_factory=set)
+    # Pods whose vLLM runs a drafter with weights of its own: name -> its method
+    # (refit_info.drafter), as the preflight or a late pod's admission found them; a pass
+    # records it (Progress.drafter) and its probe judges the drafter.
+    drafters: dict[str, str] = field(default_factory=dict)
     # The layout the preflight found the fleet in (status.layout): a pod that joins later
     # must share it.
     layout: str = ""

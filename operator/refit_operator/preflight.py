@@ -77,10 +77,9 @@ class Preflight:
             if admission.admission_problem(info, unsafe, level, adapter=adapter) is None
         }
         problem = None
-        passes.lora = {
-            name for name, info in infos.items()
-            if isinstance(info, RefitInfo) and info.max_lora_rank > 0
-        }  # fmt: skip
+        known = {name: info for name, info in infos.items() if isinstance(info, RefitInfo)}
+        passes.lora = {name for name, info in known.items() if info.max_lora_rank > 0}
+        passes.drafters = {name: info.drafter for name, info in known.items() if info.drafter}
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
             problem = await self.check_reference(t, reachable)
         if spec.broadcast is not None and problem is None:

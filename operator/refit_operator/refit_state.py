@@ -40,6 +40,7 @@ class Passes:
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
     admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
     lora: set[str] = field(default_factory=set)  # see PassContext
+    drafters: dict[str, str] = field(default_factory=dict)  # see PassContext
     live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
 
     def running(self) -> list[asyncio.Task[Any]]:

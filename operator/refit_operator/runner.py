@@ -81,6 +81,8 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         # the previous checkpoint (start.path) and needs none.
         unsourced = ctx.source_problem if not start.path else None
         refused = unsourced or await _admission(ctx, pod, ctx.client(pod, None))
+        if progress.source != "adapter":  # an adapter's probe scores no drafter
+            progress = replace(progress, drafter=ctx.drafters.get(pod.name, ""))
         if refused is not None:
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
@@ -155,6 +157,8 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         problem = joins_layout(ctx.layout, info)
     if info.max_lora_rank > 0:
         ctx.lora.add(pod.name)
+    if info.drafter:
+        ctx.drafters[pod.name] = info.drafter
     if problem is not None:
         return problem
     try:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from refit_worker import contract
 
 from .core import checksums, podflow, probe, times
-from .core.api import Broadcast, Sequence
+from .core.api import Broadcast, Sequence, Thresholds
 from .core.podflow import Progress, Step
 from .core.podview import PodView
 from .core.reasons import Reason
@@ -465,6 +465,26 @@ async def _kept_in_flight(worker: WorkerClient, read_timeout: float) -> int:
     return kept
 
 
+async def _judge_drafter(
+    worker: WorkerClient,
+    outcome: probe.ProbeOutcome,
+    prompts: list[list[int]],
+    thresholds: Thresholds,
+    seconds: float,
+    *,
+    batch: bool,
+) -> probe.ProbeOutcome:
+    """The drafter's share of accepted drafts while the target decodes the probe prompts
+    greedily (probe.judge_drafter): the pod is out of traffic, so the counters are ours."""
+    if thresholds.min_draft_acceptance <= 0:
+        return outcome
+    try:
+        drafted, accepted = await worker.draft_acceptance(prompts, timeout=seconds, batch=batch)
+    except WorkerError as e:  # /metrics and completions: reads, never fenced
+        return probe.inconclusive(Reason.DraftNoData, f"draft acceptance: {e.message}")
+    return probe.judge_drafter(outcome, drafted, accepted, thresholds.min_draft_acceptance)
+
+
 async def _probe(
     ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress
 ) -> Progress:
@@ -506,6 +526,9 @@ async def _probe(
             outcome = probe.inconclusive(reason, e.message)
     if outcome is None:
         outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
+        if progress.drafter and outcome.verdict == "Pass":
+            outcome = await _judge_drafter(worker, outcome, prompts, thresholds, timeout,
+                                           batch=pod.name not in ctx.lora)  # fmt: skip
     seconds = times.monotonic() - began
     metrics.step_finished(
         ctx.namespace,

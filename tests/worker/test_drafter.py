@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from testbed.vllm_server import VllmServer, start_vllm_server
 from tests.fixtures.reload import (
     admin,
     assert_matches,
+    checkpoint_with,
     refit_cycle,
     rejection,
     scores,
@@ -45,17 +45,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SPECULATIVE_TOKENS = 2
 FRESH = 0.99  # greedy acceptance of a drafter holding the target's weights: all of them
 STALE = 0.6  # ... and at most this for one holding other weights (measured 0.32 to 0.46)
-
-
-def checkpoint_with(root: Path, name: str, target: Path, drafter: Path | None) -> Path:
-    """`root/name`: a copy of the checkpoint `target`, with a copy of `drafter` as its
-    drafter/ (none when None). Copies, not links: the worker refuses a shard that links out
-    of its directory."""
-    directory = root / name
-    shutil.copytree(target, directory)
-    if drafter is not None:
-        shutil.copytree(drafter, directory / DRAFTER_DIR)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -209,6 +209,10 @@ class Thresholds(_Model):
     max_abs_logprob_diff: float = 0.5
     nll_diff: float = 0.05
     pod_agreement: float = 0.02
+    # A pod whose vLLM runs a drafter with weights of its own: the smallest greedy acceptance
+    # of its drafts on the probe prompts (probe.judge_drafter). 1.00 measured for a drafter on
+    # the target's weights, 0.32-0.46 for a stale one (tiny model, vLLM 0.32 CPU).
+    min_draft_acceptance: float = Field(default=0.5, ge=0.0, le=1.0)
 
 
 class ProbeSpec(_Model):
@@ -302,6 +306,7 @@ class PodProbe(_Model):
     mean_abs_logprob_diff: float = 0.0
     max_abs_logprob_diff: float = 0.0
     tokens: int = 0
+    draft_acceptance: float | None = None  # a pod with a drafter: its greedy acceptance
 
 
 class PodResult(_Model):

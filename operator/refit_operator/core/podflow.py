@@ -189,6 +189,10 @@ class Progress:
     # An adapter pass (source "adapter"): the name clients send for the adapter (spec.adapter
     # .name); the new version is staged under staged_adapter_name(adapter, version).
     adapter: str = ""
+    # The pod's speculative drafter with weights of its own (refit_info.drafter, e.g.
+    # "draft_model"), refitted with its target: the probe also judges its greedy acceptance
+    # (probe.judge_drafter). Recorded, so a pass resumed after a restart judges it too.
+    drafter: str = ""
 
     @property
     def track(self) -> str:

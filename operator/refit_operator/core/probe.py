@@ -38,6 +38,7 @@ class ProbeOutcome:
     mean_abs_diff: float = 0.0
     max_abs_diff: float = 0.0
     tokens: int = 0
+    draft_acceptance: float | None = None  # judge_drafter's measure, for a pod with a drafter
 
     def to_status(self) -> PodProbe:
         def finite(x: float) -> float:
@@ -50,7 +51,35 @@ class ProbeOutcome:
             mean_abs_logprob_diff=finite(self.mean_abs_diff),
             max_abs_logprob_diff=finite(self.max_abs_diff),
             tokens=self.tokens,
+            draft_acceptance=self.draft_acceptance,
         )
+
+
+def judge_drafter(
+    outcome: ProbeOutcome, drafted: float, accepted: float, minimum: float
+) -> ProbeOutcome:
+    """The target passed its probe; now its drafter (a speculative method with weights of its
+    own, refitted from the checkpoint's drafter/). vLLM's drafts are greedy, so while the
+    target decodes the probe prompts greedily a drafter on the weights it was trained with
+    has its drafts accepted, and a stale or corrupted one far fewer: the share accepted
+    (``accepted`` of ``drafted`` tokens, vLLM's spec-decode counters) must reach ``minimum``
+    (thresholds.minDraftAcceptance; 0: not judged). Under sampling the share says little
+    (measured 0.23 for a fresh drafter), so the probe decodes greedily."""
+    if outcome.verdict != "Pass" or minimum <= 0:
+        return outcome
+    if drafted <= 0:
+        message = "the drafter drafted no token while the probe decoded: no speculative decoding"
+        return replace(outcome, verdict="Inconclusive", reason=Reason.DraftNoData, message=message)
+    rate = accepted / drafted
+    outcome = replace(outcome, draft_acceptance=rate)
+    if rate >= minimum:
+        return outcome
+    message = (
+        f"the target accepted {rate:.3f} of {drafted:.0f} drafted tokens while it decoded the "
+        f"probe prompts greedily, below minDraftAcceptance {minimum}: the drafter's weights "
+        "are not the ones trained for this target (stale or corrupted drafter/)"
+    )
+    return replace(outcome, verdict="Fail", reason=Reason.DraftAcceptanceLow, message=message)
 
 
 def inconclusive(reason: str, message: str) -> ProbeOutcome:

@@ -110,6 +110,8 @@ class Reason(StrEnum):
     PodDisagreement = "PodDisagreement"  # the NLL differs from the passed peers' median
     ProbeGarbage = "ProbeGarbage"  # logprobs above 0, the wrong count, an unparseable answer
     ProbeNoData = "ProbeNoData"  # no logprobs came back
+    DraftAcceptanceLow = "DraftAcceptanceLow"  # the drafter's drafts are not the target's
+    DraftNoData = "DraftNoData"  # the drafter drafted nothing while the probe decoded
     ProbeNaN = "ProbeNaN"  # NaN or inf logprobs
     # --- a pod's readiness condition
     PreviousWeights = "PreviousWeights"  # back in traffic on the weights it served before

@@ -56,6 +56,13 @@ TRANSFER_PATHS = frozenset(
 )  # fmt: skip
 # Gauges whose sum is the number of requests a drain still waits for.
 IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# vLLM's speculative decoding counters: tokens the drafter drafted, and those the target took.
+DRAFT_METRICS = (
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+# Tokens each probe prompt decodes greedily to measure a drafter: about 16 drafts of 2 tokens.
+DRAFT_PROBE_TOKENS = 32
 
 
 class WorkerError(Exception):
@@ -607,24 +614,50 @@ class WorkerClient:
 
     async def requests_in_flight(self, *, timeout: float | None = None) -> int:
         """Running + waiting requests from /metrics: what a drain still waits for."""
+        sums = await self._metric_sums(IN_FLIGHT_METRICS, timeout=timeout)
+        total = sum(sums)
+        if not math.isfinite(total) or total < 0:
+            raise WorkerError("protocol", f"metrics: in-flight count is {total}")
+        return int(total)
+
+    async def draft_acceptance(
+        self, prompts: list[list[int]], *, timeout: float | None = None, batch: bool = True
+    ) -> tuple[float, float]:
+        """(drafted, accepted): the tokens a speculative drafter drafted, and those the target
+        accepted, while the target decodes ``prompts`` greedily (DRAFT_PROBE_TOKENS each), by
+        vLLM's own counters before and after. Meant for a pod out of traffic: other requests
+        would move the counters too. ``batch=False``: one request per prompt (LoRA)."""
+        before = await self._metric_sums(DRAFT_METRICS, timeout=timeout)
+        model = await self.model_name(timeout=timeout)
+        for chunk in [prompts] if batch else [[p] for p in prompts]:
+            body = {"model": model, "prompt": chunk, "max_tokens": DRAFT_PROBE_TOKENS,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            await self._json("POST", "/v1/completions", timeout=timeout, json=body)
+        after = await self._metric_sums(DRAFT_METRICS, timeout=timeout)
+        drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+        if not (0 <= accepted <= drafted) or not math.isfinite(drafted):
+            raise WorkerError("protocol", f"metrics: {accepted} accepted of {drafted} drafted")
+        return drafted, accepted
+
+    async def _metric_sums(
+        self, names: tuple[str, ...], *, timeout: float | None = None
+    ) -> list[float]:
+        """Each sample name's sum over its labels (every engine) on /metrics, in ``names``'
+        order; a name the pod does not export is a protocol error."""
         response = await self._request("GET", "/metrics", timeout=timeout)
         try:
             families = list(text_string_to_metric_families(response.text))
         except ValueError as exc:
             raise WorkerError("protocol", f"metrics: cannot parse: {exc}") from exc
-        total = 0.0
-        seen = set()
+        sums: dict[str, float] = {}
         for family in families:
             for sample in family.samples:
-                if sample.name in IN_FLIGHT_METRICS:
-                    seen.add(sample.name)
-                    total += sample.value
-        if seen != set(IN_FLIGHT_METRICS):
-            missing = sorted(set(IN_FLIGHT_METRICS) - seen)
+                if sample.name in names:
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        missing = [n for n in names if n not in sums]
+        if missing:
             raise WorkerError("protocol", f"metrics: missing {', '.join(missing)}")
-        if not math.isfinite(total) or total < 0:
-            raise WorkerError("protocol", f"metrics: in-flight count is {total}")
-        return int(total)
+        return [sums[n] for n in names]
 
     @staticmethod
     def _expect(doc: Any, key: str, want: Any, where: str) -> None:
