@@ -16,9 +16,14 @@ prompt among them (out of vocabulary, empty) fails the whole request on both. Fe
 (X-Refit-Fence) must agree too: a stale token is refused with the same 409 and body on any
 state-changing path, reads and calls without the header pass, a malformed one is the same 400.
 Pause, sleep and wake are compared with completions in flight and queued: every pause mode,
-sleep levels 0-2 (and bad ones), wake tags, /health and unknown paths; the last test checks that
-every route the simulator serves was compared. What a CPU server cannot show is listed in
-testbed/simworker.py's SIM_UNSHOWN instead.
+sleep levels 0-2 (and bad ones), wake tags, /health and unknown paths. LoRA adapters are
+compared on a second, LoRA-enabled server (runtime updating on) against a simulated fleet with
+LoRA on: vLLM's load and unload routes behind the guard (success texts, refusals and their
+messages, 401s, a stale fence), the adapter cards /v1/models lists, completions through an
+adapter (one prompt per request) and for an unknown one, and refit_adapter_check's answers and
+refusals; without runtime updating (the shared server) both routes are FastAPI's 404. The last
+test checks that every route the simulator serves was compared. What a CPU server cannot show
+is listed in testbed/simworker.py's SIM_UNSHOWN instead.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import itertools
 import json
 import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +42,28 @@ import aiohttp
 import pytest
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
+from refit_worker.checkpoint import write_manifest
 
 from testbed.simfleet import SimFleet
-from testbed.simworker import HTTP_STEPS, PAUSE_MODES, SIM_UNSHOWN, make_sim_checkpoint
+from testbed.simworker import (
+    HTTP_STEPS,
+    PAUSE_MODES,
+    SIM_UNSHOWN,
+    make_sim_adapter,
+    make_sim_checkpoint,
+)
+from testbed.tiny_adapter import ensure_tiny_adapters
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer
+from testbed.vllm_server import VllmServer, start_vllm_server
 
 pytestmark = pytest.mark.vllm
+
+# The adapter comparisons' server (as tests/worker/test_lora_adapter.py starts it): the
+# module's shared server runs without LoRA, because on a LoRA-enabled vLLM 0.32 CPU server a
+# batch of prompt-logprob sequences kills the engine, and run_scenario scores batches.
+LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 VERSION = "contract-1"
 # The paths and query parameters this module sent to the real server (the last test checks
@@ -500,6 +521,278 @@ def test_simulator_pauses_sleeps_and_wakes_like_vllm(
     held = [o[0] for o in observed_real if len(o) == 3 and o[1:] == ("queued answered", False)]
     assert held[:4] == ["abort", "wait", "keep", "paused wait"]
     assert ("aborted by the sleep", (200, "abort")) in observed_real
+
+
+@dataclass(frozen=True)
+class AdapterTarget:
+    base_url: str
+    admin_token: str
+    api_key: str | None
+    v1: Path  # two good adapters of rank 8
+    v2: Path
+    corrupt: Path  # v2 with a flipped byte after its manifest was written
+    invalid: Path  # v1 whose adapter_config.json is no LoRA one (manifest rewritten)
+    wide: Path  # v1 declaring rank 16 (above --max-lora-rank 8; manifest rewritten)
+    root: Path  # the allowed root
+
+
+def adapter_variants(good: Path, into: Path) -> tuple[Path, Path]:
+    """(invalid, wide) made from a good adapter, each with a manifest of its own files."""
+    made = []
+    for name, key, value in (("invalid", "peft_type", "PREFIX_TUNING"), ("wide", "r", 16)):
+        d = into / name
+        shutil.copytree(good, d)
+        config = json.loads((d / contract.ADAPTER_CONFIG_FILE).read_text())
+        (d / contract.ADAPTER_CONFIG_FILE).write_text(json.dumps({**config, key: value}))
+        write_manifest(d)
+        made.append(d)
+    return made[0], made[1]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
+    """A LoRA-enabled server with the runtime routes, used only by the adapter comparisons."""
+    with start_vllm_server(
+        tiny_model,
+        api_key="test-api-key",
+        load_format="safetensors",
+        model_dir=tiny_model.checkpoints["A"],
+        extra_args=LORA_ARGS,
+        env=LORA_ENV,
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def real_lora(lora_server: VllmServer, tiny_model: TinyModel) -> Iterator[AdapterTarget]:
+    adapters = ensure_tiny_adapters(tiny_model)
+    work = Path(tempfile.mkdtemp(prefix="contract-adapters-", dir=tiny_model.allowed_root))
+    try:
+        invalid, wide = adapter_variants(adapters.dir("v1"), work)
+        yield AdapterTarget(
+            lora_server.base_url, lora_server.admin_token, lora_server.api_key,
+            adapters.dir("v1"), adapters.dir("v2"), adapters.dir("corrupt"), invalid, wide,
+            tiny_model.allowed_root,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sim_lora(
+    lora_server: VllmServer, tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AdapterTarget]:
+    root = tmp_path_factory.mktemp("sim-adapters")
+    v1, v2 = make_sim_adapter(root / "v1", "v1"), make_sim_adapter(root / "v2", "v2")
+    corrupt = root / "corrupt"  # as testbed/tiny_adapter.py corrupts its v2
+    shutil.copytree(v2, corrupt)
+    weights = next(corrupt.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    invalid, wide = adapter_variants(v1, root)
+    fleet = SimFleet(
+        1,
+        admin_token=lora_server.admin_token,
+        api_key=lora_server.api_key,
+        allowed_root=root,
+        vocab=tiny_model.vocab_size,
+        max_lora_rank=8,
+        runtime_lora_updating=True,
+    )
+    try:
+        yield AdapterTarget(
+            fleet.pods[0].base_url, lora_server.admin_token, lora_server.api_key,
+            v1, v2, corrupt, invalid, wide, root,
+        )  # fmt: skip
+    finally:
+        fleet.close()
+
+
+async def run_adapters(target: AdapterTarget, prompts: list[list[int]]) -> list[Any]:
+    """vLLM's runtime LoRA routes behind the guard, completions through an adapter and the
+    adapter check: statuses, bodies (an error's message with the model's name and paths
+    replaced; a success's bare text exactly), the cards /v1/models lists, the client's
+    outcomes. vLLM sends a load's or an unload's success text without a content type, which
+    aiohttp cannot (it names application/octet-stream): the text is what is compared."""
+    seen: list[Any] = []
+    async with aiohttp.ClientSession() as http:
+        anyone = WorkerClient(target.base_url, http=http, api_key=target.api_key)
+        model = await anyone.model_name()
+
+        def plain(text: str) -> str:
+            return text.replace(model, "<model>")
+
+        async def record(response: aiohttp.ClientResponse) -> Any:
+            raw = await response.read()
+            COMPARED.add((response.url.path, ""))
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                seen.append((response.url.path, response.status, "text", plain(raw.decode())))
+                return None
+            seen.append((response.url.path, response.status, shape(doc)))
+            error = doc.get("error") if isinstance(doc, dict) else None
+            if isinstance(error, dict):
+                seen.append(("message", plain(str(error.get("message"))), error.get("type")))
+            return doc
+
+        async def route(path: str, body: Any, auth: str | None = target.admin_token) -> None:
+            headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+            async with http.post(target.base_url + path, json=body, headers=headers) as r:
+                await record(r)
+
+        async def load(name: str, path: Path | str, **more: Any) -> None:
+            await route(ADAPTER_ROUTES[0], {"lora_name": name, "lora_path": str(path), **more})
+
+        async def unload(name: str) -> None:
+            await route(ADAPTER_ROUTES[1], {"lora_name": name})
+
+        async def cards() -> None:
+            headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+            async with http.get(target.base_url + "/v1/models", headers=headers) as r:
+                doc = await record(r)
+            paths = {str(getattr(target, k)): k for k in ("v1", "v2", "corrupt")}
+            seen.append(
+                ("cards", [(plain(c["id"]), paths.get(c["root"], c["root"] and "<root>"),
+                            c["parent"] and plain(c["parent"])) for c in doc["data"]])
+            )  # fmt: skip
+
+        async def outcome(call: Awaitable[Any]) -> None:
+            try:
+                result = await call
+            except WorkerError as exc:
+                seen.append(("error", exc.kind, exc.status, exc.code))
+                return
+            if isinstance(result, dict):  # the adapter check: keys and types, rank, targets
+                seen.append(("ok", shape(result), result.get("rank"), result.get("targetModules")))
+            elif isinstance(result, list) and result and isinstance(result[0], list):
+                seen.append(("ok", "scores", [len(scores) for scores in result]))
+            else:
+                seen.append(("ok", result))
+
+        admin = WorkerClient(
+            target.base_url, http=http, admin_token=target.admin_token, api_key=target.api_key
+        )
+        info = await admin.refit_info()
+        seen.append(("lora", info.max_lora_rank, info.runtime_lora_updating))
+        await outcome(admin.adapter_check(str(target.v1)))
+        await outcome(admin.adapter_check(str(target.corrupt)))  # ManifestMismatch
+        await outcome(admin.adapter_check(str(target.invalid)))  # AdapterInvalid
+        await outcome(admin.adapter_check(str(target.root / "absent")))  # CheckpointMissing
+        await outcome(admin.adapter_check("/etc"))  # PathNotAllowed
+        await cards()  # the base model alone
+        await load("policy", target.v1)
+        await load("policy", target.v2)  # 400: loaded already
+        await load("policy", target.v2, load_inplace=False)  # 400 too
+        await load("policy", target.v2, load_inplace=True)  # its weights replaced
+        await load("broken", target.corrupt)  # vLLM loads a flipped byte without a word
+        await cards()
+        await outcome(admin.adapters())
+        await outcome(admin.score_prompts(prompts, model="policy"))  # one prompt per request
+        await outcome(admin.score_prompts(prompts[:1], model="nobody"))  # 404
+        async with http.post(
+            target.base_url + "/v1/completions",
+            json={"model": "nobody", "prompt": prompts[0], "max_tokens": 1},
+            headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else {},
+        ) as r:
+            await record(r)
+        await load("x", target.root / "absent")  # 404, no adapter there
+        await load("x", target.wide)  # 500: rank 16 above --max-lora-rank 8
+        await load(model, target.v1)  # 400: the base model's name
+        await load("", target.v1)  # 400
+        await route(ADAPTER_ROUTES[0], {"lora_name": "x"})  # 400: pydantic's
+        await route(ADAPTER_ROUTES[1], {})  # 400: pydantic's
+        await route(ADAPTER_ROUTES[0], {"lora_name": "x", "lora_path": str(target.v1)}, None)
+        await route(ADAPTER_ROUTES[0], {"lora_name": "x", "lora_path": str(target.v1)},
+                    target.api_key)  # fmt: skip
+        await unload("broken")
+        await unload("broken")  # 404
+        await outcome(admin.unload_adapter("policy"))
+        await outcome(admin.unload_adapter("policy"))  # False: vLLM's 404
+        newer_token = (9 << 32) | 2
+        newer = WorkerClient(
+            target.base_url, http=http, admin_token=target.admin_token, fence=newer_token
+        )
+        older = WorkerClient(
+            target.base_url, http=http, admin_token=target.admin_token, fence=newer_token - 1
+        )
+        await outcome(newer.unload_adapter("nothing-loaded"))  # admitted: the mark moves
+        await outcome(older.load_adapter("intruder", str(target.v1)))  # 409 StaleFence
+        await outcome(admin.adapters())
+    return seen
+
+
+async def run_without_lora(target: Target) -> list[Any]:
+    """A pod without runtime LoRA updating: the routes do not exist (behind the guard)."""
+    seen: list[Any] = []
+    async with aiohttp.ClientSession() as http:
+        admin = WorkerClient(
+            target.base_url, http=http, admin_token=target.admin_token, api_key=target.api_key
+        )
+        info = await admin.refit_info()
+        seen.append(("lora", info.max_lora_rank, info.runtime_lora_updating))
+        for path in ADAPTER_ROUTES:
+            body = {"lora_name": "x", "lora_path": str(target.good)}
+            for auth in (target.admin_token, None):
+                headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+                async with http.post(target.base_url + path, json=body, headers=headers) as r:
+                    seen.append((path, r.status, await r.json()))
+                COMPARED.add((path, ""))
+    return seen
+
+
+def test_simulator_serves_lora_adapters_like_vllm(
+    real: Target,
+    sim: Target,
+    real_lora: AdapterTarget,
+    sim_lora: AdapterTarget,
+    tiny_model: TinyModel,
+) -> None:
+    observed_real = asyncio.run(run_without_lora(real))
+    observed_sim = asyncio.run(run_without_lora(sim))
+    assert observed_sim == observed_real
+    assert observed_real[0] == ("lora", 0, False)
+    assert [o[1:] for o in observed_real[1:]] == [
+        (404, {"detail": "Not Found"}),  # admitted by the guard, no such route in vLLM
+        (401, {"error": "Unauthorized"}),
+    ] * 2
+
+    prompts = [list(p.token_ids) for p in ensure_tiny_adapters(tiny_model).reference("v1").prompts]
+    observed_real = asyncio.run(run_adapters(real_lora, prompts[:2]))
+    observed_sim = asyncio.run(run_adapters(sim_lora, prompts[:2]))
+    for i, (r, s) in enumerate(itertools.zip_longest(observed_real, observed_sim)):
+        assert s == r, (
+            f"observation {i} (after {observed_real[max(0, i - 3) : i]}):\n real {r}\n sim  {s}"
+        )
+    assert observed_real[0] == ("lora", 8, True)
+    texts = [o[3] for o in observed_real if len(o) == 4 and o[2] == "text"]
+    assert texts == [
+        "Success: LoRA adapter 'policy' added successfully.",
+        "Success: LoRA adapter 'policy' added successfully.",
+        "Success: LoRA adapter 'broken' added successfully.",
+        "Success: LoRA adapter 'broken' removed successfully.",
+    ]
+    statuses = [o[1] for o in observed_real if o[0] in ADAPTER_ROUTES]
+    # loads: new, twice a name loaded already, in place, the corrupt adapter; no adapter there,
+    # rank 16, the base model's name, an empty name, no path; an unload without a name; loads
+    # without the admin token (none, the API key); unloads: loaded, then not
+    assert statuses == [200, 400, 400, 200, 200, 404, 500, 400, 400, 400, 400, 401, 401, 200, 404]
+    messages = [o[1] for o in observed_real if o[0] == "message"]
+    assert "Loading lora x failed: No adapter found for <path>" in messages
+    assert "The model `nobody` does not exist. Valid aliases: <model>." in messages
+    unloads = [o for o in observed_real if o[:2] == ("ok", True) or o[:2] == ("ok", False)]
+    assert unloads == [("ok", True), ("ok", False), ("ok", False)]  # 404s tolerated
+    rejected = [o[3] for o in observed_real if o[:2] == ("error", "rejected")]
+    assert rejected == [
+        "ManifestMismatch",
+        "AdapterInvalid",
+        "CheckpointMissing",
+        "PathNotAllowed",
+        contract.STALE_FENCE,
+    ]
+    assert ("cards", [("<model>", "<root>", None), ("policy", "v2", "<model>"),
+                      ("broken", "corrupt", "<model>")]) in observed_real  # fmt: skip
 
 
 def test_every_route_the_simulator_serves_was_compared() -> None:
