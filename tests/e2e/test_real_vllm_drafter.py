@@ -74,8 +74,10 @@ def test_a_drafter_is_refitted_with_its_target_and_judged(harness, tiny_model, t
         st = refit("to-b-none", "B-none", "B-none")
         assert st["phase"] == "Halted", (st, op.logs())
         rec = record()
-        assert (rec["reason"], rec["restored"]) == ("DrafterMissing", True), rec
+        assert (rec["outcome"], rec["reason"], rec["step"]) == ("Failed", "DrafterMissing",
+                                                                "stage"), rec  # fmt: skip
+        assert not rec["left_traffic"] and Path(rec["serving_path"]) == ckpt["A"]
         pod = fleet.pod("vllm-0")
         cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
-        assert (cond["status"], cond["reason"]) == ("True", "PreviousWeights"), cond
-        assert Path(rec["serving_path"]) == ckpt["A"]
+        # Refused while staging: the pod never left traffic, A (probed) serves on.
+        assert (cond["status"], cond["message"]) == ("True", "weights A probed"), cond
