@@ -147,6 +147,7 @@ def test_defaults_are_applied(control_plane: ControlPlane, ns: str) -> None:
                 "maxAbsLogprobDiff": 0.5,
                 "nllDiff": 0.05,
                 "podAgreement": 0.02,
+                "minDraftAcceptance": 0.5,
             },
             "failureLimit": 0,
             "inconclusiveLimit": 0,
@@ -449,6 +450,7 @@ FULL_STATUS: Manifest = {
                 "meanAbsLogprobDiff": 0.0125,
                 "maxAbsLogprobDiff": 0.25,
                 "tokens": 256,
+                "draftAcceptance": 0.875,
             },
         },
         {

@@ -8,9 +8,16 @@ import json
 
 import pytest
 from refit_operator.core import api
-from refit_operator.core.podflow import PROGRESS_ANNOTATION
+from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
 from refit_operator.core.reconcile import RefitView
-from refit_operator.core.views import describe, history_rows, plan_batches, plan_report, table
+from refit_operator.core.views import (
+    describe,
+    history_rows,
+    plan_batches,
+    plan_report,
+    table,
+    track_of,
+)
 from refit_operator.tools.kubectl_plugin import parse_timeout
 from refit_worker.contract import READINESS_GATE
 
@@ -258,3 +265,27 @@ def test_status_and_plan_show_a_pod_group_as_one_unit_named_by_its_leader():
     assert rows["g2-0"][4] == "yes"
     text = plan_report(doc, pods, [])
     assert "g1-1" not in text and "g2-1" not in text
+
+
+def test_an_adapter_refit_is_shown_from_the_adapter_records():
+    """A pod carries the base weights' record and an adapter's (spec.adapter): an adapter
+    refit's describe and plan read the adapter's, never the base weights'."""
+    doc = refit_doc()
+    del doc["spec"]["checkpoint"]
+    doc["spec"]["adapter"] = {"name": "policy", "path": "/lora/s2", "version": "s2"}
+    doc["metadata"]["namespace"] = "ns"
+    doc["status"] = {"phase": "Succeeded", "updatedPods": 1, "targetPods": 1}
+    probe = {"verdict": "Pass", "nll": 2.5, "referenceNll": 2.5, "tokens": 64,
+             "meanAbsLogprobDiff": 1e-6, "maxAbsLogprobDiff": 3e-6}  # fmt: skip
+    base = {"refit": "base-v9", "uid": "u0", "version": "v9", "path": "/c/v9", "step": "",
+            "outcome": "Succeeded", "probe": probe}  # fmt: skip
+    lora = {"refit": "wr", "uid": "u1", "version": "s2", "path": "/lora/s2", "step": "",
+            "outcome": "Succeeded", "source": "adapter", "adapter": "policy",
+            "probe": probe}  # fmt: skip
+    p = pod("p0", ready=True, progress=base)
+    p["metadata"]["annotations"][ADAPTER_PROGRESS_PREFIX + "policy"] = json.dumps(lora)
+    row = next(line for line in describe(doc, [p]).splitlines() if line.startswith("p0"))
+    assert " s2 " in row and "v9" not in row, row
+    assert (track_of(doc), track_of(refit_doc())) == ("policy", "")
+    report = plan_report(doc, [p], [doc])
+    assert "LoRA adapter 'policy' at /lora/s2" in report and "p0" in report

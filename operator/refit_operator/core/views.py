@@ -124,8 +124,7 @@ def units(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]) -> li
 def pod_views(doc: Mapping[str, Any], fleet_pods: Sequence[Mapping[str, Any]]) -> list[PodView]:
     """The pods with the records of the weights the refit replaces (PodView.on_track): an
     adapter refit's, or the base weights'."""
-    track = str(((doc.get("spec") or {}).get("adapter") or {}).get("name", ""))
-    return [PodView.from_pod(p).on_track(track) for p in fleet_pods]
+    return [PodView.from_pod(p).on_track(track_of(doc)) for p in fleet_pods]
 
 
 def _recorded(probe: api.PodProbe | None, name: str) -> object:
@@ -380,6 +379,12 @@ HISTORY_HEADERS = ("  NAME", "VERSION", "OUTCOME", "REASON", "UPDATED", "FROM", 
 
 def fleet_of(doc: Mapping[str, Any]) -> str:
     return api.LabelSelector.model_validate(doc["spec"]["fleet"]["selector"]).canonical()
+
+
+def track_of(doc: Mapping[str, Any]) -> str:
+    """The weights a WeightRefit document replaces (WeightRefitSpec.track): "" for the base
+    weights, else the adapter's name. Refits of one selector and track are one fleet."""
+    return str(((doc.get("spec") or {}).get("adapter") or {}).get("name", ""))
 
 
 def _source(spec: api.WeightRefitSpec) -> str:

@@ -38,6 +38,7 @@ from ..core.views import (
     REFIT_HEADERS,
     describe,
     fleet_of,
+    track_of,
     history_rows,
     plan_report,
     refit_rows,
@@ -103,8 +104,9 @@ class Plugin:
         else:
             assert name is not None
             doc = self.refits.get(name)
-        selector = fleet_of(doc)
-        fleet_refits = [r for r in self.refits.list_refits() if fleet_of(r) == selector]
+        selector, track = fleet_of(doc), track_of(doc)
+        fleet_refits = [r for r in self.refits.list_refits()
+                        if fleet_of(r) == selector and track_of(r) == track]  # fmt: skip
         self.print(plan_report(doc, self.fleet_pods(selector), fleet_refits))
         return 0
 
@@ -145,12 +147,14 @@ class Plugin:
         docs = self.refits.list_refits()
         if name is not None:
             selector = fleet_of(self.refits.get(name))
+        # One block per fleet: its selector, and the adapter of an adapter refit's track.
         fleets: dict[str, list[dict[str, Any]]] = {}
         for d in docs:
-            fleets.setdefault(fleet_of(d), []).append(d)
+            track = track_of(d)
+            fleets.setdefault(fleet_of(d) + (f" adapter={track}" if track else ""), []).append(d)
         if selector is not None:
             want = selector if name is not None else parse_selector(selector).canonical()
-            fleets = {k: v for k, v in fleets.items() if k == want}
+            fleets = {k: v for k, v in fleets.items() if fleet_of(v[0]) == want}
         if not fleets:
             which = f" for fleet {selector}" if selector else ""
             self.print(f"No WeightRefits in namespace {self.ns}{which}.")
