@@ -270,7 +270,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 f"tensors: send the drafter's too, named {DRAFTER_PREFIX}<its tensor name>",
             )
         drafter = self.find_drafter() if self.find_drafter is not None else None
-        if drafter is None:  # a server without the worker extension: the drafter is out of reach
+        if drafter is None:  # no worker extension, or a runner without its draft model
             raise RefitRejected(
                 "DrafterMissing",
                 "this engine runs a draft_model drafter the worker cannot reach: serve with "
@@ -293,7 +293,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         split = split_drafter(held)
         held.clear()
         target, drafted = deque(split[0]), deque(split[1])
-        del split
+        del split  # its lists hold every tensor: each is to be released once loaded
         drafter = self._drafter_for(len(drafted))
         model: Any = self.model
         started = time.perf_counter()
