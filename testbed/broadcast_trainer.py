@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", required=True)
     p.add_argument("--tensors", type=Path, required=True, help="checkpoint directory to send")
     p.add_argument("--reference", type=Path, required=True, help="refit-probe.json")
+    p.add_argument("--drafter", type=Path, help="the draft_model drafter's checkpoint to send too")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--selector", default="app=rollout")
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 rendezvous=(args.host, args.port), reference=args.reference,
                 timeout=args.timeout, name=args.name, port=args.fleet_port,
                 transfer_timeout_seconds=args.transfer_timeout,
+                drafter=wire.load_tensors(args.drafter) if args.drafter else None,
                 on_send=lambda n, stats: rounds.append({"round": n, **stats.to_json_dict()}),
                 **json.loads(args.spec),
             )  # fmt: skip

@@ -6,12 +6,13 @@ promise; a receiver whose trainer never sends times out instead of hanging."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from refit_worker import broadcast
-from refit_worker.contract import TransferManifest
+from refit_worker.contract import DRAFTER_PREFIX, TransferManifest
 from refit_worker.transfer_manifest import tensor_digest
 
 
@@ -152,16 +153,102 @@ def test_buckets_and_headers() -> None:
             broadcast.decode_header(bad)
 
 
-def test_a_broadcast_into_an_engine_with_a_drafter_is_refused_before_it_loads() -> None:
-    """A broadcast carries the target's tensors only: an engine whose draft_model drafter the
-    worker refits from checkpoints (refit_worker.drafter) refuses it, before the promise is
-    even read, and still drains the wire (receive_weights reads on after a refusal)."""
-    from types import SimpleNamespace
-
-    from refit_worker.broadcast.gloo_engine import GlooWeightTransferEngine, Round
+def engine_with(method: str, drafter: Any = None) -> Any:
+    """A refit-gloo engine (no vLLM worker behind it) whose server runs speculative `method`
+    ("" for none), and whose worker extension reaches `drafter`."""
+    from refit_worker.broadcast.gloo_engine import GlooWeightTransferEngine
 
     engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
-    spec = SimpleNamespace(method="draft_model")
-    engine.vllm_config = SimpleNamespace(speculative_config=spec)
-    promise, refusal = engine._check_promise(Round(1), {})
-    assert promise is None and refusal is not None and refusal.code == "DrafterMissing"
+    engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
+    engine.model = "target-model"
+    if drafter is not None:
+        engine.find_drafter = lambda: drafter
+    return engine
+
+
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, list[str], Any]]:
+    """What _check_promise checks against which model: (model, tensor names, load rules)."""
+    from refit_worker.broadcast import gloo_engine
+
+    calls: list[tuple[Any, list[str], Any]] = []
+    monkeypatch.setattr(gloo_engine.LoadRules, "of", staticmethod(lambda config: config))
+    monkeypatch.setattr(
+        gloo_engine,
+        "verify_model_tensors",
+        lambda model, tensors, rules: calls.append((model, sorted(tensors), rules)),
+    )
+    return calls
+
+
+DRAFT = SimpleNamespace(model="draft-model", config="draft-config")
+
+
+def test_a_drafter_travels_in_the_transfer_under_its_prefix_and_is_checked_alike() -> None:
+    target, draft = tensors(), {"w": torch.ones(3), "layers.0.w": torch.zeros(2, 2)}
+    sent = broadcast.with_drafter(target, draft)
+    assert sorted(sent) == sorted([*target, f"{DRAFTER_PREFIX}w", f"{DRAFTER_PREFIX}layers.0.w"])
+    assert broadcast.split_drafter(sent.items()) == (list(target.items()), list(draft.items()))
+    with pytest.raises(ValueError, match="drafter prefix"):
+        broadcast.with_drafter({f"{DRAFTER_PREFIX}x": torch.ones(1)}, {})
+    promise = broadcast.build_manifest(sent)
+    bad = dict(sent)
+    bad[f"{DRAFTER_PREFIX}w"] = torch.full((3,), 2.0)
+    _, results = run_round(bad, promise, receivers=1)
+    passed, refusal, _ = results[1]
+    assert refusal is not None and refusal.startswith(f"{DRAFTER_PREFIX}w: its bytes differ")
+    assert set(passed) == set(sent) - {f"{DRAFTER_PREFIX}w"}
+
+
+def test_a_broadcast_into_an_engine_with_a_drafter_is_refused_before_it_loads(
+    verified: list[tuple[Any, list[str], Any]],
+) -> None:
+    """A promise of the target's tensors alone: an engine whose draft_model drafter the
+    worker refits refuses it before checking it against the model (receive_weights then only
+    drains the wire), so a new target never serves beside a stale drafter."""
+    from refit_worker.broadcast.gloo_engine import Round
+
+    promise = broadcast.build_manifest(tensors()).to_json_dict()
+    for engine in (engine_with("draft_model", DRAFT), engine_with("draft_model")):
+        got, refusal = engine._check_promise(Round(1), promise)
+        assert got is None and refusal is not None and refusal.code == "DrafterMissing"
+    assert verified == []
+    # Drafter tensors, but no worker extension to reach the drafter with: refused alike.
+    promise = broadcast.build_manifest(broadcast.with_drafter(tensors(), tensors())).to_json_dict()
+    got, refusal = engine_with("draft_model")._check_promise(Round(1), promise)
+    assert refusal is not None and refusal.code == "DrafterMissing", refusal
+    assert "--worker-extension-cls" in refusal.detail and verified == []
+
+
+def test_drafter_tensors_into_an_engine_without_a_drafter_are_refused(
+    verified: list[tuple[Any, list[str], Any]],
+) -> None:
+    from refit_worker.broadcast.gloo_engine import Round
+
+    promise = broadcast.build_manifest(broadcast.with_drafter(tensors(), {"w": torch.ones(1)}))
+    for method in ("", "ngram"):
+        got, refusal = engine_with(method)._check_promise(Round(1), promise.to_json_dict())
+        assert got is None and refusal is not None and refusal.code == "TensorMismatch"
+        assert "1 drafter tensors" in refusal.detail, refusal.detail
+    assert verified == []
+
+
+def test_target_and_drafter_tensors_are_each_checked_against_their_model(
+    verified: list[tuple[Any, list[str], Any]],
+) -> None:
+    from refit_worker.broadcast.gloo_engine import Round
+
+    draft = {"w": torch.ones(3), "layers.0.w": torch.zeros(2, 2)}
+    promise = broadcast.build_manifest(broadcast.with_drafter(tensors(), draft))
+    engine = engine_with("draft_model", DRAFT)
+    got, refusal = engine._check_promise(Round(1), promise.to_json_dict())
+    assert refusal is None and got == promise
+    assert verified == [
+        ("target-model", sorted(tensors()), engine.vllm_config),
+        ("draft-model", sorted(draft), "draft-config"),
+    ]
+    # Without a drafter, a promise of the target alone means what it always meant.
+    verified.clear()
+    plain, engine = broadcast.build_manifest(tensors()), engine_with("")
+    assert engine._check_promise(Round(1), plain.to_json_dict()) == (plain, None)
+    assert verified == [("target-model", sorted(tensors()), engine.vllm_config)]

@@ -6,6 +6,10 @@ heads the test bed does not build). vLLM's reload loads the target only (#52487)
 loads the drafter from the checkpoint's drafter/ (contract.DRAFTER_DIR) right after it, or
 refuses the checkpoint before touching either model (refit_worker.drafter).
 
+A broadcast (the refit-gloo engine, this test process as the trainer) refits the drafter the
+same way from the drafter's tensors sent in the target's transfer (contract.DRAFTER_PREFIX),
+and a broadcast of the target alone is refused before either model is touched.
+
 The signal: the drafter's drafts are greedy, so under greedy decoding a drafter holding the
 target's weights has every drafted token accepted, and one on other weights far fewer
 (measured 1.000 for A drafting for A; 0.461 after a refit of the target alone A -> B, before
@@ -26,10 +30,12 @@ from pathlib import Path
 import httpx
 import pytest
 from refit_operator.core import admission
-from refit_worker.contract import DRAFTER_DIR, RefitInfo
+from refit_worker import broadcast
+from refit_worker.contract import DRAFTER_DIR, TRANSFER_BACKEND, RefitInfo, parse_rejection
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
+from tests.fixtures.broadcast import connect, refit_by_broadcast, send_round
 from tests.fixtures.reload import (
     admin,
     assert_matches,
@@ -70,7 +76,12 @@ def vllm_server(tiny_model: TinyModel, root: Path) -> Iterator[VllmServer]:
         tiny_model,
         load_format="safetensors",
         model_dir=tiny_model.checkpoints["A"],
-        extra_args=["--speculative-config", json.dumps(drafter)],
+        extra_args=[
+            "--speculative-config",
+            json.dumps(drafter),
+            "--weight-transfer-config",  # for the broadcast test: refit-gloo
+            json.dumps({"backend": TRANSFER_BACKEND}),
+        ],
         env={"REFIT_ALLOWED_ROOT": str(root)},
     ) as server:
         yield server
@@ -178,4 +189,38 @@ def test_the_drafter_is_loaded_from_drafter_not_from_the_target(
     print(f"\ngreedy acceptance: target B, drafter A {other:.3f}")
     assert other <= STALE, f"target B, drafter A: greedy acceptance {other:.3f}"
     refit_cycle(vllm_server, http, str(root / "A"), "A")
+    assert_serves(vllm_server, http, tiny_model, "A")
+
+
+def test_a_broadcast_refits_the_drafter_with_its_target(
+    vllm_server: VllmServer, http: httpx.Client, tiny_model: TinyModel, root: Path
+) -> None:
+    """B's target and B's drafter in one transfer serve B with a fresh drafter; B's target
+    with A's drafter tensors serves B beside a drafter on A (the probe's DraftAcceptanceLow
+    case), so the acceptance comes from the drafter tensors sent; B's target alone is
+    refused DrafterMissing before either model is touched."""
+    a, b = (broadcast.load_tensors(tiny_model.checkpoints[n]) for n in ("A", "B"))
+    sender = connect(vllm_server)
+    try:
+        before = assert_serves(vllm_server, http, tiny_model, "A")
+        answer, _ = send_round(vllm_server, sender, broadcast.build_manifest(b).to_json_dict(), b)
+        assert answer.status_code == 500
+        refusal = parse_rejection(answer.text)
+        assert refusal is not None and refusal.code == "DrafterMissing", answer.text[:300]
+        assert_serves(vllm_server, http, tiny_model, "A")  # neither model touched
+        received = refit_by_broadcast(vllm_server, http, sender, broadcast.with_drafter(b, b), "B")
+        assert received["tensors"] == 2 * len(b)
+        to_b = assert_serves(vllm_server, http, tiny_model, "B")
+        refit_by_broadcast(vllm_server, http, sender, broadcast.with_drafter(b, a), "B-drafter-A")
+        reference = tiny_model.reference("B")
+        assert_matches(scores(vllm_server, http, reference), reference)
+        other = greedy_acceptance(vllm_server, http, tiny_model)
+    finally:
+        sender.close()
+        refit_cycle(vllm_server, http, str(root / "A"), "A")
+    print(
+        f"\nbroadcast, greedy acceptance: A {before:.3f}, target and drafter B {to_b:.3f}, "
+        f"target B with drafter A {other:.3f}"
+    )
+    assert other <= STALE, f"target B, drafter A by broadcast: greedy acceptance {other:.3f}"
     assert_serves(vllm_server, http, tiny_model, "A")

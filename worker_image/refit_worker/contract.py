@@ -114,6 +114,11 @@ PROBE_FILE = "refit-probe.json"
 # this name, a checkpoint of its own (safetensors and a refit-manifest.json). The worker
 # verifies and loads both, or neither (DrafterMissing).
 DRAFTER_DIR = "drafter"
+# ... and in a broadcast (docs/broadcast.md), the drafter's tensors travel in the target's
+# transfer under this prefix + the drafter's own tensor name, promised in the same transfer
+# manifest; no target tensor may start with it. A transfer without any means what it always
+# meant: the target's tensors only.
+DRAFTER_PREFIX = "drafter."
 MANIFEST_FORMAT_VERSION = 2  # what writers write
 # The file digest each manifest format version carries; readers accept every version here.
 # 2: BLAKE3, about 5x faster to verify than SHA-256 per core (bench/results: verification
@@ -494,7 +499,8 @@ REJECTION_CODES = (
     "LoadFailed",  # vLLM's reload raised after preflight passed
     "AdapterInvalid",  # adapter_config.json absent, unreadable, or not a PEFT LoRA config
     # the engine runs a drafter the worker refits, and the refit carries no drafter weights
-    # (a checkpoint without a DRAFTER_DIR holding a manifest, or any broadcast): refused
+    # (a checkpoint without a DRAFTER_DIR holding a manifest, or a broadcast without any
+    # DRAFTER_PREFIX tensor): refused
     # before either model is touched (never a new target beside a stale drafter).
     "DrafterMissing",
     # Broadcast refits (docs/broadcast.md); both are refused before the model is touched:

@@ -30,6 +30,10 @@ the target (path rules, manifest, digests, the drafter model's tensors) and the 
 it right after the target; a checkpoint without it is refused DrafterMissing before anything
 is hashed or loaded, so a pod never serves a new target beside a stale drafter.
 
+A broadcast (refit_worker.broadcast.gloo_engine) refits the drafter from the round's
+drafter tensors (contract.DRAFTER_PREFIX); the extension hands the engine the drafter
+(``weight_transfer_engine``, below).
+
 Weight version: vLLM 0.32/0.33 keeps the served weight version in the engine core
 (EngineCore._weight_version, set by POST /update_weight_version, read by GET /weight_info),
 which a worker cannot reach (with several workers they are separate processes). So
@@ -124,6 +128,21 @@ class RefitWorkerExtension:
 
     def _refit_drafter(self) -> Drafter | None:
         return drafter_of(self.vllm_config, self.model_runner)
+
+    # vLLM's Worker sets self.weight_transfer_engine in load_model, handing the engine the
+    # target model only; a broadcast that refits the drafter too needs the drafter, which
+    # only the model runner knows. Class attributes of an extension never shadow the
+    # Worker's (vLLM appends it to the bases), but a data descriptor catches the assignment
+    # wherever it sits in the MRO: so the refit-gloo engine learns where the drafter is.
+    @property
+    def weight_transfer_engine(self) -> Any:
+        return self.__dict__.get("_refit_transfer_engine")
+
+    @weight_transfer_engine.setter
+    def weight_transfer_engine(self, engine: Any) -> None:
+        self.__dict__["_refit_transfer_engine"] = engine
+        if hasattr(engine, "find_drafter"):  # refit-gloo (broadcast.gloo_engine)
+            engine.find_drafter = self._refit_drafter
 
     def _refit_drafter_directory(self, path: str) -> Path | None:
         """The drafter's checkpoint directory under `path` when the engine runs a drafter

@@ -1,5 +1,6 @@
 """The transfer manifest's digests (defined in contract.py, next to TransferManifest): the
-tensor digest, the manifest digest, and a manifest parsed with its digest checked.
+tensor digest, the manifest digest, and a manifest parsed with its digest checked; and the
+transfer's names: a drafter's tensors beside its target's (contract.DRAFTER_PREFIX).
 
 Standard library and blake3 only, no torch: a trainer, the worker and the operator compute and
 check them alike, from raw bytes. refit_worker.broadcast.promise applies them to torch tensors.
@@ -8,11 +9,13 @@ check them alike, from raw bytes. refit_worker.broadcast.promise applies them to
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 
-from refit_worker.contract import ContractError, TransferManifest, TransferTensor
+from refit_worker.contract import DRAFTER_PREFIX, ContractError, TransferManifest, TransferTensor
+
+T = TypeVar("T")
 
 # Hash big tensors with BLAKE3's threads; below this, starting them costs more than it saves.
 _THREADED_HASH_BYTES = 8 * 2**20
@@ -57,3 +60,30 @@ def parse_manifest(doc: Any) -> TransferManifest:
             f"digests ({expected})"
         )
     return manifest
+
+
+def with_drafter(target: Mapping[str, T], drafter: Mapping[str, T]) -> dict[str, T]:
+    """One transfer of the target's tensors and its drafter's, each drafter tensor under
+    DRAFTER_PREFIX + its own name. ValueError for a target tensor named with the prefix: the
+    receiver could not tell it from the drafter's."""
+    clash = sorted(n for n in target if n.startswith(DRAFTER_PREFIX))
+    if clash:
+        raise ValueError(
+            f"target tensors named with the drafter prefix {DRAFTER_PREFIX}: {clash[:5]}"
+        )
+    return {**target, **{DRAFTER_PREFIX + n: t for n, t in drafter.items()}}
+
+
+def split_drafter(
+    items: Iterable[tuple[str, T]],
+) -> tuple[list[tuple[str, T]], list[tuple[str, T]]]:
+    """(the target's items, the drafter's under their own names) of a transfer, each in the
+    order given: with_drafter undone."""
+    target: list[tuple[str, T]] = []
+    drafter: list[tuple[str, T]] = []
+    for name, value in items:
+        if name.startswith(DRAFTER_PREFIX):
+            drafter.append((name[len(DRAFTER_PREFIX) :], value))
+        else:
+            target.append((name, value))
+    return target, drafter

@@ -70,7 +70,7 @@ class Reason(StrEnum):
     ProbeReferenceInvalid = "ProbeReferenceInvalid"  # the worker cannot read refit-probe.json
     CheckpointChanged = "CheckpointChanged"  # a file changed between stage and load
     AdapterInvalid = "AdapterInvalid"  # a LoRA adapter's adapter_config.json is not PEFT LoRA
-    DrafterMissing = "DrafterMissing"  # the pod runs a drafter; the checkpoint has no drafter/
+    DrafterMissing = "DrafterMissing"  # the pod runs a drafter; the refit carries none
     LoadFailed = "LoadFailed"  # vLLM's reload raised: the model may be half loaded
     TransferMismatch = "TransferMismatch"  # a broadcast's bytes differ from its promise
     TransferFailed = "TransferFailed"  # a broadcast's transport broke before it was complete

@@ -245,6 +245,7 @@ class RefitClient:
         transfer_timeout_seconds: int | None = None,
         on_update: Callable[[dict[str, Any]], None] | None = None,
         on_send: Callable[[int, Any], None] | None = None,
+        drafter: Mapping[str, Any] | None = None,
         **spec: Any,
     ) -> dict[str, Any]:
         """Refit the fleet to ``tensors`` (name -> torch tensor, the model's checkpoint names)
@@ -259,13 +260,18 @@ class RefitClient:
         not sent yet, it opens the ``rendezvous`` (host, port: where the pods reach this
         process) for that round's world size, announces the round on the WeightRefit and
         sends. AllAtOnce is one round; Rolling and canary refits one per batch.
-        ``on_send(round, stats)`` sees each send. Other keywords set spec fields as for
-        ``submit``.
+        ``on_send(round, stats)`` sees each send. ``drafter`` (name -> tensor) is the
+        drafter's state for a fleet whose engines run a ``draft_model`` drafter: sent and
+        promised in the same transfer under ``contract.DRAFTER_PREFIX`` (such pods refuse a
+        broadcast without it, and other pods one with it). Other keywords set spec fields as
+        for ``submit``.
         """
         from refit_worker import broadcast as wire  # torch: the trainer's environment only
 
         ns = namespace or self.namespace
         name = name or default_name(version)
+        if drafter is not None:
+            tensors = wire.with_drafter(tensors, drafter)
         manifest = wire.build_manifest(tensors)
         # The reference of the tensors this call sends, so of ``version``: the operator
         # refuses a ConfigMap reference of any other version (a stale one).

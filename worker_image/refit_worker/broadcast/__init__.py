@@ -8,6 +8,7 @@ transfer engines (``vllm/distributed/weight_transfer/``):
 - gloo_group: the transfer's gloo process group (rendezvous, ranks, addresses);
 - promise: the transfer manifest made from torch tensors, and checked as they arrive;
 - sender: the trainer's end (rank 0), and load_tensors for a trainer that sends a checkpoint;
+  with_drafter (from transfer_manifest) adds a draft_model drafter's tensors to a transfer;
 - gloo_engine: the ``refit-gloo`` engine of vLLM's workers, the receiving end (needs vLLM);
 - gloo_trainer: the same transport behind vLLM's trainer-side engine interface (needs vLLM).
 
@@ -31,6 +32,7 @@ from refit_worker.broadcast.packed_tensor import (
 )
 from refit_worker.broadcast.promise import Verifier, build_manifest, digest_tensor
 from refit_worker.broadcast.sender import Sender, SendStats, load_tensors, model_tensors
+from refit_worker.transfer_manifest import split_drafter, with_drafter
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -53,4 +55,6 @@ __all__ = [
     "plan_buckets",
     "raw_bytes",
     "receive",
+    "split_drafter",
+    "with_drafter",
 ]

@@ -21,6 +21,10 @@ A round, on each receiving worker:
   Any refusal drains the wire first (the other receivers and the trainer go on), then raises
   contract.RefitRejected, which vLLM's worker answers by ending the update: the model was
   never touched and keeps its weights.
+- An engine running a ``draft_model`` drafter (refit_worker.drafter) loads the drafter's
+  tensors of the same round (contract.DRAFTER_PREFIX) into it right after the target, as a
+  checkpoint refit loads ``drafter/``; a promise without them is refused DrafterMissing, and
+  one with them into an engine without a drafter TensorMismatch, both before the wire.
 - ``finish_weight_update``: nothing left to do (the load ran in update_weights, where a
   failure ends the update cleanly; vLLM leaves an update open when finish raises).
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,14 +54,16 @@ from refit_worker.broadcast.gloo_group import DEFAULT_TIMEOUT_SECONDS, Group
 from refit_worker.broadcast.packed_tensor import TransportError, receive
 from refit_worker.broadcast.promise import Verifier
 from refit_worker.contract import (
+    DRAFTER_PREFIX,
     ContractError,
     ManifestTensor,
     RefitRejected,
     TransferManifest,
+    TransferTensor,
 )
-from refit_worker.drafter import REFITTED_METHODS, method_of
+from refit_worker.drafter import REFITTED_METHODS, Drafter, method_of, reload_drafter
 from refit_worker.model_tensors import LoadRules, verify_model_tensors
-from refit_worker.transfer_manifest import parse_manifest
+from refit_worker.transfer_manifest import parse_manifest, split_drafter
 
 log = logging.getLogger("refit_worker.broadcast.gloo_engine")
 
@@ -109,6 +115,16 @@ class Round:
         }
 
 
+def _expected(tensors: Iterable[tuple[str, TransferTensor]]) -> dict[str, ManifestTensor]:
+    """Promised tensors as verify_model_tensors takes a checkpoint's."""
+    return {n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in tensors}
+
+
+def _drain(held: deque[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    while held:  # each tensor is released once the model took it
+        yield held.popleft()
+
+
 def _worker_rank(parallel_config: Any) -> int:
     """This worker's rank among every inference worker (as vLLM's NCCL engine counts)."""
     per_dp = parallel_config.world_size  # TP * PP
@@ -119,6 +135,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
+    # The drafter this worker refits with its target, or None. The engine is handed only the
+    # target model; the worker extension, which reaches the model runner, sets this when vLLM
+    # makes the engine (RefitWorkerExtension.weight_transfer_engine).
+    find_drafter: Callable[[], Drafter | None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,33 +231,57 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def _check_promise(
         self, current: Round, doc: Any
     ) -> tuple[TransferManifest | None, RefitRejected | None]:
-        """Parse the promise and check that it fits the model: (promise, refusal)."""
-        if method_of(self.vllm_config) in REFITTED_METHODS:
-            # A broadcast carries the target's tensors only (this engine refuses
-            # start_draft_weight_update): loading them would serve a new target beside a
-            # stale drafter. Such a fleet refits from checkpoints with drafter/.
-            return None, RefitRejected(
-                "DrafterMissing",
-                "this engine runs a draft_model drafter and a broadcast carries no drafter "
-                "weights: refit it from a checkpoint with drafter/",
-            )
+        """Parse the promise and check that it fits the model and its drafter, if the
+        engine runs one: (promise, refusal)."""
         try:
             promise = parse_manifest(doc)
         except ContractError as exc:
             return None, RefitRejected("ManifestInvalid", str(exc))
         current.promised = promise.digest
-        tensors = {
-            n: ManifestTensor("(broadcast)", t.dtype, t.shape) for n, t in promise.tensors.items()
-        }
+        target, drafted = split_drafter(promise.tensors.items())
         try:
-            verify_model_tensors(self.model, tensors, LoadRules.of(self.vllm_config))
+            drafter = self._drafter_for(len(drafted))
+            verify_model_tensors(self.model, _expected(target), LoadRules.of(self.vllm_config))
+            if drafter is not None:
+                verify_model_tensors(
+                    drafter.model, _expected(drafted), LoadRules.of(drafter.config)
+                )
         except RefitRejected as exc:
             return None, exc
         return promise, None
 
+    def _drafter_for(self, drafted: int) -> Drafter | None:
+        """The drafter the round's `drafted` drafter tensors load into (None: the engine runs
+        none). Target and drafter load together or not at all: a promise without drafter
+        tensors would serve a new target beside a stale drafter (DrafterMissing), and one
+        with them has nothing to load them into here (TensorMismatch)."""
+        if method_of(self.vllm_config) not in REFITTED_METHODS:
+            if drafted:
+                raise RefitRejected(
+                    "TensorMismatch",
+                    f"the promise carries {drafted} drafter tensors ({DRAFTER_PREFIX}…) and "
+                    "this engine runs no draft_model drafter",
+                )
+            return None
+        if not drafted:
+            raise RefitRejected(
+                "DrafterMissing",
+                "this engine runs a draft_model drafter and the broadcast carries no drafter "
+                f"tensors: send the drafter's too, named {DRAFTER_PREFIX}<its tensor name>",
+            )
+        drafter = self.find_drafter() if self.find_drafter is not None else None
+        if drafter is None:  # no worker extension, or a runner without its draft model
+            raise RefitRejected(
+                "DrafterMissing",
+                "this engine runs a draft_model drafter the worker cannot reach: serve with "
+                "--worker-extension-cls refit_worker.extension.RefitWorkerExtension",
+            )
+        return drafter
+
     def _load(self, current: Round, held: deque[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layerwise reload from the verified tensors (as its NCCL engine loads, but
-        only after the whole round matched the promise)."""
+        only after the whole round matched the promise); then the drafter's, if the round
+        carries them (checked to fit the engine's drafter in _check_promise)."""
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
@@ -246,19 +290,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             initialize_layerwise_reload,
         )
 
-        def drain() -> Iterator[tuple[str, torch.Tensor]]:
-            while held:  # each tensor is released once the model took it
-                yield held.popleft()
-
+        split = split_drafter(held)
+        held.clear()
+        target, drafted = deque(split[0]), deque(split[1])
+        del split  # its lists hold every tensor: each is to be released once loaded
+        drafter = self._drafter_for(len(drafted))
         model: Any = self.model
         started = time.perf_counter()
         try:
             with disable_mtp_completeness_check():
                 initialize_layerwise_reload(model)
                 try:
-                    model.load_weights(drain())
+                    model.load_weights(_drain(target))
                 finally:  # restores the layers that got nothing
                     finalize_layerwise_reload(model, self.model_config)
+            if drafter is not None:  # as refit_load loads drafter/: right after the target
+                reload_drafter(self.vllm_config, drafter, weights_iterator=_drain(drafted))
         except Exception as exc:
             self._refuse(current, "LoadFailed", f"{type(exc).__name__}: {exc}")
         current.load_seconds = time.perf_counter() - started
