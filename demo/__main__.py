@@ -150,26 +150,24 @@ class DemoError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ set-up
-def tiny_model_root() -> Path:
-    """Build (or find) the tiny model in a child process: torch stays out of this one."""
+def built_in_child(module: str, what: str) -> Path:
+    """Build (or find) ``what`` by running the test bed's ``module`` in a child process, which
+    prints its root last: torch stays out of this one."""
     proc = subprocess.run(
-        [sys.executable, "-m", "testbed.tiny_model"],
+        [sys.executable, "-m", module],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     if proc.returncode != 0:
-        raise DemoError(f"building the tiny model failed:\n{proc.stderr[-2000:]}")
+        raise DemoError(f"building {what} failed:\n{proc.stderr[-2000:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def tiny_model_root() -> Path:
+    return built_in_child("testbed.tiny_model", "the tiny model")
 
 
 def tiny_adapters_root() -> Path:
-    """Build (or find) the tiny LoRA adapters in a child process, as the model."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "testbed.tiny_adapter"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise DemoError(f"building the tiny adapters failed:\n{proc.stderr[-2000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return built_in_child("testbed.tiny_adapter", "the tiny LoRA adapters")
 
 
 def common_free_port(ips: list[str]) -> int:

@@ -7,7 +7,8 @@ the drafter's greedy acceptance on the probe prompts recorded (about 1.0: the dr
 as the target decodes); a checkpoint whose drafter/ holds another version's weights passes
 the target's probe but fails the drafter's (DraftAcceptanceLow) and stays out of traffic; a
 checkpoint without drafter/ is refused before either model is touched (DrafterMissing), and
-the pod serves on."""
+the pod serves on. A broadcast sends the drafter's tensors beside the target's: the same
+judgement holds for it (a trainer process, `testbed.broadcast_trainer --drafter`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import json
 from pathlib import Path
 
 import pytest
-from refit_worker.contract import READINESS_GATE
+from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
 from testbed.vllm_server import start_vllm_server
 from tests.fixtures.reload import checkpoint_with
+from tests.fixtures.trainer import train
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -35,9 +37,11 @@ def test_a_drafter_is_refitted_with_its_target_and_judged(harness, tiny_model, t
         "B-none": checkpoint_with(root, "B-none", b, None),
     }
     drafter = {"method": "draft_model", "model": str(a), "num_speculative_tokens": 2}
+    engine = json.dumps({"backend": TRANSFER_BACKEND})  # broadcasts too
     with start_vllm_server(
         tiny_model, host="127.0.0.1", load_format="safetensors", model_dir=a,
-        extra_args=["--speculative-config", json.dumps(drafter)],
+        extra_args=["--speculative-config", json.dumps(drafter),
+                    "--weight-transfer-config", engine],
         env={"REFIT_ALLOWED_ROOT": str(root)},
     ) as server:  # fmt: skip
         fleet.add_server_pods(["vllm-0"], [server])
@@ -81,3 +85,16 @@ def test_a_drafter_is_refitted_with_its_target_and_judged(harness, tiny_model, t
         cond = next(c for c in pod["status"]["conditions"] if c["type"] == READINESS_GATE)
         # Refused while staging: the pod never left traffic, A (probed) serves on.
         assert (cond["status"], cond["message"]) == ("True", "weights A probed"), cond
+
+        # By broadcast: B's target with B's drafter, then with A's (stale) drafter.
+        said = train(fleet, tiny_model, [server], "bcast-b", "B-sent", tensors="B",
+                     reference="B", drafter="B")  # fmt: skip
+        assert said["phase"] == "Succeeded", (said, op.logs())
+        rec = record()
+        assert (rec["source"], rec["version"]) == ("broadcast", "B-sent")
+        assert rec["probe"]["draftAcceptance"] >= 0.99, rec["probe"]
+        said = train(fleet, tiny_model, [server], "bcast-stale", "B-stale-sent", tensors="B",
+                     reference="B", drafter="A")  # fmt: skip
+        assert said["phase"] == "Halted" and said["reason"] == "FailureLimitExceeded", said
+        rec = record()
+        assert (rec["outcome"], rec["reason"]) == ("Failed", "DraftAcceptanceLow"), rec

@@ -17,6 +17,8 @@ from refit_operator.core.reasons import Reason
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import DRAFT_PROBE_TOKENS, WorkerClient, WorkerError
 
+from tests.fixtures.loopback import serving
+
 PASSED = probe.ProbeOutcome("Pass", Reason.ProbePassed, "within thresholds", nll=2.0, tokens=9)
 MIN = Thresholds().min_draft_acceptance
 
@@ -80,16 +82,8 @@ async def served() -> AsyncIterator[tuple[WorkerClient, Engine]]:
     app.router.add_get("/v1/models", engine.models)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_get("/metrics", engine.metrics_text)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        _, port = runner.addresses[0][:2]
-        async with worker_client.session() as session:
-            yield WorkerClient(f"http://127.0.0.1:{port}", http=session), engine
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, worker_client.session() as session:
+        yield WorkerClient(url, http=session), engine
 
 
 async def test_acceptance_is_measured_by_the_counters_moved_by_greedy_decoding(

@@ -18,6 +18,8 @@ from aiohttp import web
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 
+from tests.fixtures.loopback import serving
+
 MODEL = "mock-model"
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 Rewrite = Callable[[list[dict[str, Any]]], list[Any]]
@@ -74,22 +76,13 @@ async def http() -> AsyncIterator[Make]:
     app = web.Application()
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/completions", server.completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        _, port = runner.addresses[0][:2]
-        async with worker_client.session() as session:
+    async with serving(app) as url, worker_client.session() as session:
 
-            def make(rewrite: Rewrite) -> tuple[WorkerClient, Server]:
-                server.rewrite = rewrite
-                url = f"http://127.0.0.1:{port}"
-                return WorkerClient(url, http=session, api_key="k"), server
+        def make(rewrite: Rewrite) -> tuple[WorkerClient, Server]:
+            server.rewrite = rewrite
+            return WorkerClient(url, http=session, api_key="k"), server
 
-            yield make
-    finally:
-        await runner.cleanup()
+        yield make
 
 
 async def test_one_request_with_every_prompt(http: Make) -> None:
