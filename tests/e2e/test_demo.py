@@ -28,9 +28,8 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     )  # fmt: skip
     text = proc.stdout
     assert proc.returncode == 0, text[-6000:] + proc.stderr[-3000:]
-    rows = {
-        line.split()[0]: line.split() for line in text.splitlines() if line.startswith("demo-v")
-    }
+    refits = ("demo-v", "demo-lora")
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(refits)}
     assert "Succeeded" in rows["demo-v1"] and rows["demo-v1"][-1] == "ok"
     assert "Succeeded" in rows["demo-v2"] and rows["demo-v2"][-1] == "ok"
     v3 = rows["demo-v3"]
@@ -39,6 +38,8 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     # The last version came by broadcast from a trainer process, gated by the same probe.
     v4 = rows["demo-v4"]
     assert "(broadcast)" in v4 and "Succeeded" in v4 and v4[-1] == "ok"
+    lora = rows["demo-lora-v1"]  # the adapter refit: beside the base weights, no reload
+    assert "adapter policy v1" in " ".join(lora) and "Succeeded" in lora and lora[-1] == "ok"
     # Then a short GRPO run through Refit: one refit per step and one for the final weights,
     # in order, each Succeeded, each step's completions generated at that step's version.
     versions = [f"demo-grpo-step-{s}" for s in range(GRPO_STEPS + 1)]
@@ -53,6 +54,7 @@ def test_demo_runs_the_scenario_and_cleans_up(tmp_path):
     assert [p[2:] for p in finals[-PODS:]] == [[versions[-1], "yes"]] * PODS
     assert "outcome as expected" in text
     assert sorted(p.name for p in out.glob("*.png")) == [
+        "demo-lora-v1.png",
         "demo-v1.png",
         "demo-v2.png",
         "demo-v3-rejected.png",
