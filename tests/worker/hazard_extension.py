@@ -166,6 +166,7 @@ class HazardExtension(RefitWorkerExtension):
         self._hazard_skews, self._hazard_originals = [], {}
         return {"restored": len(originals)}
 
-    def _refit_reload(self, **source: Any) -> None:
-        super()._refit_reload(**source)
-        self._hazard_apply_skews()
+    def _refit_reload(self, drafter: Any = None, **source: Any) -> None:
+        super()._refit_reload(drafter, **source)
+        if drafter is None:  # the skews are the target's
+            self._hazard_apply_skews()
