@@ -65,7 +65,8 @@ class PassContext:
     admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     # Pods whose vLLM runs LoRA (refit_info.max_lora_rank > 0), as the preflight or a late
     # pod's admission found them: their probes score one prompt per request, as a batch of
-    # prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU engine. Added to by passes.
+    # prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU engine. Added to by passes,
+    # which record it (Progress.lora) for their probe.
     lora: set[str] = field(default_factory=set)
     # Pods whose vLLM runs a drafter with weights of its own: name -> its method
     # (refit_info.drafter), as the preflight or a late pod's admission found them; a pass

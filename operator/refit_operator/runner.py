@@ -81,6 +81,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         # the previous checkpoint (start.path) and needs none.
         unsourced = ctx.source_problem if not start.path else None
         refused = unsourced or await _admission(ctx, pod, ctx.client(pod, None))
+        progress = replace(progress, lora=pod.name in ctx.lora)
         if progress.source != "adapter":  # an adapter's probe scores no drafter
             progress = replace(progress, drafter=ctx.drafters.get(pod.name, ""))
         if refused is not None:

@@ -498,10 +498,10 @@ async def _probe(
         worker.probed_process = await worker.process_identity(timeout=timeout)
         reference = await ctx.reference(progress.path, worker)
         # One request for every prompt: the probe's cost is then one forward pass's overhead
-        # (one per prompt where the pod runs LoRA: PassContext.lora).
+        # (one per prompt where the pod runs LoRA: Progress.lora).
         prompts = [list(p.token_ids) for p in reference.prompts]
         scored = await worker.score_prompts(prompts, timeout=timeout, model=progress.probe_model,
-                                            batch=pod.name not in ctx.lora)  # fmt: skip
+                                            batch=not progress.lora)  # fmt: skip
     except probe.ReferenceMismatch as e:
         # Rewritten since the preflight admitted it (read again after an operator restart):
         # the weights cannot be judged, so the pod stays out of traffic and the gate decides.
@@ -528,7 +528,7 @@ async def _probe(
         outcome = probe.evaluate(reference, scored, thresholds, ctx.peer_nlls(progress.version))
         if progress.drafter and outcome.verdict == "Pass":
             outcome = await _judge_drafter(worker, outcome, prompts, thresholds, timeout,
-                                           batch=pod.name not in ctx.lora)  # fmt: skip
+                                           batch=not progress.lora)  # fmt: skip
     seconds = times.monotonic() - began
     metrics.step_finished(
         ctx.namespace,

@@ -182,3 +182,17 @@ def test_history_keeps_each_tracks_target_and_limits_each_track_alone() -> None:
     assert sorted(sorted(r.name for r in g) for g in history.fleets(refits)) == [
         ["base-1", "base-2"], [f"lora-{i}" for i in range(4)],
     ]  # fmt: skip
+
+
+def test_a_pass_records_that_its_pod_runs_lora_for_a_resumed_probe() -> None:
+    """The probe scores one prompt per request on a LoRA pod (a batch kills vLLM 0.32's
+    LoRA-enabled CPU engine). A pass resumed after an operator restart runs no preflight to
+    learn it: the pod's record carries it, and a record written before it reads as no LoRA."""
+    ran = replace(podflow.start("wr", "uid", "s2", "/ckpt/lora/s2", NOW, source="adapter",
+                                adapter="policy"), lora=True)  # fmt: skip
+    back = podflow.Progress.from_annotation(ran.to_annotation())
+    assert back is not None and back.lora and back == ran
+    older = json.loads(ran.to_annotation())
+    del older["lora"]
+    parsed = podflow.Progress.from_annotation(json.dumps(older))
+    assert parsed is not None and not parsed.lora

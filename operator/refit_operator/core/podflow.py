@@ -193,6 +193,10 @@ class Progress:
     # "draft_model"), refitted with its target: the probe also judges its greedy acceptance
     # (probe.judge_drafter). Recorded, so a pass resumed after a restart judges it too.
     drafter: str = ""
+    # The pod's vLLM runs LoRA (refit_info.max_lora_rank > 0): its probe scores one prompt per
+    # request, as a batch of prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU
+    # engine. Recorded, so a pass resumed after a restart (no preflight) does not batch.
+    lora: bool = False
 
     @property
     def track(self) -> str:
