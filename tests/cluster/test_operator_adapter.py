@@ -144,11 +144,13 @@ def test_tracks_do_not_queue_on_each_other_and_take_turns_on_a_pod(harness, sim_
     fleet.apply_refit("policy-s1", "s1", policy["s1"], sims[0].port, adapter="policy")
     fleet.apply_refit("critic-c1", "c1", critic["c1"], sims[0].port, adapter="critic")
     phases: set[str] = set()
-    fleet.wait_for(
-        lambda: (phases.add(fleet.refit("policy-s1").get("status", {}).get("phase", "")) or
-                 fleet.refit("policy-s1").get("status", {}).get("phase") in END),
-        120, "policy-s1 ended",
-    )  # fmt: skip
+
+    def policy_ended() -> bool:
+        phase = fleet.refit("policy-s1").get("status", {}).get("phase", "")
+        phases.add(phase)
+        return phase in END
+
+    fleet.wait_for(policy_ended, 120, "policy-s1 ended")
     assert "Queued" not in phases, phases
     for name in ("base-v1", "policy-s1", "critic-c1"):
         assert fleet.wait_phase(name, END, 120, op)["status"]["phase"] == "Succeeded", name

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from refit_operator.core import api
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "weightrefit.yaml"
@@ -30,7 +30,7 @@ def crd_defaults(node: dict[str, Any], path: str = "") -> dict[str, Any]:
     return out
 
 
-def model_value(model: BaseModel, path: str) -> Any:
+def model_value(model: api.WeightRefitSpec, path: str) -> Any:
     value: Any = model.dump()
     for part in path.split("."):
         value = value[part]
@@ -82,7 +82,7 @@ def test_spec_defaults_match_the_crd():
 
 def test_every_status_field_is_declared_in_the_crd():
     declared = schema()["status"]["properties"]
-    status = api.WeightRefitStatus(
+    status: dict[str, Any] = api.WeightRefitStatus(
         previous=api.Previous(),
         pods=[
             api.PodResult(name="p", probe=api.PodProbe(verdict="Pass"), out_of_traffic_seconds=1.5)
@@ -114,10 +114,11 @@ def test_out_of_traffic_is_camel_case_and_a_pod_still_out_has_no_figure():
     assert st.out_of_traffic == api.OutOfTrafficSummary(
         pods=2, worst_seconds=9.5, median_seconds=7.0, worst_pod="b"
     )
-    doc = st.dump()
+    doc: dict[str, Any] = st.dump()
     assert doc["outOfTraffic"]["worstPod"] == "b"
     assert "outOfTrafficSeconds" not in doc["pods"][0]  # None: left out, not written as null
-    assert api.WeightRefitStatus().dump()["outOfTraffic"]["pods"] == 0
+    empty: dict[str, Any] = api.WeightRefitStatus().dump()
+    assert empty["outOfTraffic"]["pods"] == 0
 
 
 def test_spec_sequence_fields_match_the_crd():

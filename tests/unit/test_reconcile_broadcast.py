@@ -76,7 +76,7 @@ def test_joining_round_is_shown_and_not_ready() -> None:
 
 def test_a_ready_or_sending_round_tells_the_trainer_where_and_how_many() -> None:
     for state in ("Ready", "Sending"):
-        r = BroadcastRound(round=2, world_size=3, receivers=2, state=state)  # type: ignore[arg-type]
+        r = BroadcastRound(round=2, world_size=3, receivers=2, state=state)
         d = progressing(r)
         assert d.status.broadcast == r
         c = receivers_ready(d)

@@ -9,6 +9,7 @@ from refit_operator.core import podflow
 from refit_operator.core.api import (
     Condition,
     LabelSelector,
+    Phase,
     PodProbe,
     Previous,
     WeightRefitSpec,
@@ -42,7 +43,7 @@ def refit(name: str, created: str, s: WeightRefitSpec, st: WeightRefitStatus) ->
     return RefitView(name, f"uid-{name}", 1, created, s, st)
 
 
-def ref(r: RefitView, phase: str | None = None) -> RefitRef:
+def ref(r: RefitView, phase: Phase | None = None) -> RefitRef:
     return RefitRef(r.name, r.created, phase or r.status.phase, selector=r.spec.fleet.selector)
 
 

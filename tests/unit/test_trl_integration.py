@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from refit_operator.core.podflow import PROGRESS_ANNOTATION, Progress
@@ -146,19 +147,19 @@ def test_completions_without_spans_fail_closed_unless_the_pod_served_the_version
 
 
 def test_a_route_is_checked_when_the_rollout_is_made() -> None:
-    common = {"fleet_selector": "app=x", "port": 8000, "probe_token_ids": [[1]],
-              "rendezvous": ("127.0.0.1", 1)}  # fmt: skip
+    common: dict[str, Any] = {"fleet_selector": "app=x", "port": 8000,
+                              "probe_token_ids": [[1]], "rendezvous": ("127.0.0.1", 1)}  # fmt: skip
     with pytest.raises(ValueError, match="route 'grpc': one of generate, completions"):
         RefitRollout(SimpleNamespace(), route="grpc", **common)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs the pods, not service_url"):
-        RefitRollout(SimpleNamespace(), route="completions", service_url="http://svc",
-                     **common)  # type: ignore[arg-type]  # fmt: skip
+        RefitRollout(SimpleNamespace(),  # type: ignore[arg-type]
+                     route="completions", service_url="http://svc", **common)  # fmt: skip
 
 
 def test_a_long_run_keeps_a_bounded_record_and_an_early_selector_check() -> None:
-    common = {"port": 8000, "probe_token_ids": [[1]], "rendezvous": ("127.0.0.1", 1)}
-    rollout = RefitRollout(SimpleNamespace(), fleet_selector={"app": "x", "pool": "a"},
-                           **common)  # type: ignore[arg-type]  # fmt: skip
+    common: dict[str, Any] = dict(port=8000, probe_token_ids=[[1]], rendezvous=("127.0.0.1", 1))
+    rollout = RefitRollout(SimpleNamespace(),  # type: ignore[arg-type]
+                           fleet_selector={"app": "x", "pool": "a"}, **common)  # fmt: skip
     assert rollout.records.maxlen == RECORDS_KEPT  # memory stays flat over a long run
     assert rollout.label_selector == "app=x,pool=a"
     with pytest.raises(RefitError, match="not key=value"):

@@ -33,13 +33,13 @@ from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
 from ..core import api, times
+from ..core.api import SENDING_ANNOTATION
+from ..core.reasons import Reason
+from ..core.views import reason_of
 from .checkpoint_files import write_checkpoint_files
 from .kubeconfig import default_namespace, load_api_client
-from ..core.reasons import Reason
 from .refit_document import API_VERSION, build_refit, default_name, stamped
 from .refit_error import RefitError
-from ..core.api import SENDING_ANNOTATION
-from ..core.views import reason_of
 
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default

@@ -30,20 +30,20 @@ from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP
 
 from ..core import api
-from .client import RefitClient, RefitFailed, RefitTimeout
-from .refit_document import parse_selector
-from .refit_error import RefitError
 from ..core.views import (
     HISTORY_HEADERS,
     REFIT_HEADERS,
     describe,
     fleet_of,
-    track_of,
     history_rows,
     plan_report,
     refit_rows,
     table,
+    track_of,
 )
+from .client import RefitClient, RefitFailed, RefitTimeout
+from .refit_document import parse_selector
+from .refit_error import RefitError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

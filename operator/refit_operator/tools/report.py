@@ -1,6 +1,7 @@
 """A picture of one refit instead of a log: per-pod probe results and a per-pod step timeline.
 
-    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] --out report.png
+    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] \\
+        --out report.png
 
 reads the WeightRefit and its fleet's pods from the API server and draws every pod: each pod's
 own record (its refit.rollout.dev/progress annotation) folded with the refit's status.pods,
@@ -31,8 +32,7 @@ from refit_worker.contract import API_GROUP
 
 from ..core import api, times, traffic
 from ..core.podflow import STEPS, Progress
-from ..core.views import pod_views
-from ..core.views import seconds, version_of
+from ..core.views import pod_views, seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"

@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from ..client import RefitClient
 from ...core.podview import PodView
+from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,10 @@ class RefitRollout:
         rec = StepRecord(step=step, version=version, refit=default_name(version))
         started = rec.publish_began_at = time.monotonic()
         ref = reference.reference_from_model(
-            model, self.probe_token_ids, version=version, tool="refit_operator.tools.integrations.trl"
+            model,
+            self.probe_token_ids,
+            version=version,
+            tool="refit_operator.tools.integrations.trl",
         )
         referenced = time.monotonic()
         if self.rendezvous is not None:
