@@ -80,3 +80,16 @@ def test_a_failed_refits_labels_and_message_clear_the_legends(reason: str) -> No
 def test_the_report_of_a_failed_refit_is_written(tmp_path: Path) -> None:
     out = render(_rejected_canary(), tmp_path / "v3.png", title="demo-v3 → v3")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_refit_that_failed_before_any_step_draws_no_empty_legend() -> None:
+    import matplotlib.pyplot as plt
+
+    status = _rejected_canary()
+    status.update(phase="Failed", message="pod rollout-0: scoring failed: no answer in time")
+    status["pods"] = [{"name": f"rollout-{i}", "phase": "Pending"} for i in range(3)]
+    fig = figure(status)
+    try:
+        assert fig.axes[-1].get_legend() is None
+    finally:
+        plt.close(fig)

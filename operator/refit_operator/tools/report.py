@@ -397,7 +397,9 @@ def _timeline(
     ax.grid(axis="x", alpha=0.3)
     left, right = ax.get_xlim()
     ax.set_xlim(min(left, 0), right)  # the phase labels' room: _fit_labels, once laid out
-    _step_legend(ax, [Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used] + shaded)
+    handles = [Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used] + shaded
+    if handles:  # a refit that failed before any step has nothing to explain
+        _step_legend(ax, handles)
     return labels
 
 
