@@ -23,9 +23,10 @@ messages, 401s, a stale fence), the adapter cards /v1/models lists, completions 
 adapter (one prompt per request) and for an unknown one, and refit_adapter_check's answers and
 refusals (the path rules, the manifest, a PEFT LoRA config, and whether the adapter fits the
 engine: its rank, its modules and their sizes, which the real check reads from vLLM's LoRA
-manager and the simulator from SIM_LORA_MODULES); without runtime updating (the shared server) both routes are FastAPI's 404. The last
-test checks that every route the simulator serves was compared. What a CPU server cannot show
-is listed in testbed/simworker.py's SIM_UNSHOWN instead.
+manager and the simulator from SIM_LORA_MODULES); without runtime updating (the shared
+server) both routes are FastAPI's 404. The last test checks that every route the simulator
+serves was compared. What a CPU server cannot show is listed in testbed/simworker.py's
+SIM_UNSHOWN instead.
 """
 
 from __future__ import annotations
