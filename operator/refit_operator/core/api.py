@@ -133,7 +133,11 @@ class Checkpoint(_Model):
 
 class Adapter(_Model):
     """A LoRA adapter to refit on the fleet's pods (docs/concepts.md, "LoRA adapters"): its
-    directory (PEFT files, manifest, probe reference) and version, served under ``name``."""
+    directory (PEFT files, manifest, probe reference) and version, served under ``name``. The
+    CRD's CEL rules hold ``name`` to 1-40 letters, digits, '.', '_' or '-' and refuse '@' with
+    a message of its own (core.admission.STAGED_SEPARATOR: a pass's staged name is
+    ``<name>@<version>``); the preflight refuses a name the pods serve already as another
+    model (core.admission.adapter_name_problem)."""
 
     name: str
     path: str
