@@ -15,7 +15,7 @@ help:
 	@echo "make node-down     stop it and clean the machine"
 	@echo "make test-node     the real-node suite alone (tests/node; root)"
 	@echo "make lint          ruff + mypy over the code, the test bed and the tests"
-	@echo "make generate      rewrite the generated files (API docs, dashboards, chart copies)"
+	@echo "make generate      rewrite the generated files (the CRD from core/api.py, API docs, dashboards, chart copies)"
 	@echo "make bench         benchmarks; results under bench/results/"
 
 venv: $(VENV_STAMP)
