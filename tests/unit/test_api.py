@@ -5,6 +5,8 @@ models mean, test_generated.py the committed file to what it makes.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 from refit_operator.core import api
@@ -18,10 +20,11 @@ def test_out_of_traffic_is_camel_case_and_a_pod_still_out_has_no_figure():
     assert st.out_of_traffic == api.OutOfTrafficSummary(
         pods=2, worst_seconds=9.5, median_seconds=7.0, worst_pod="b"
     )
-    doc = st.dump()
+    doc: dict[str, Any] = st.dump()
     assert doc["outOfTraffic"]["worstPod"] == "b"
     assert "outOfTrafficSeconds" not in doc["pods"][0]  # None: left out, not written as null
-    assert api.WeightRefitStatus().dump()["outOfTraffic"]["pods"] == 0
+    empty: dict[str, Any] = api.WeightRefitStatus().dump()
+    assert empty["outOfTraffic"]["pods"] == 0
 
 
 @pytest.mark.parametrize("value", [0, 1, 30, 300])
