@@ -88,7 +88,7 @@ def test_only_units_in_traffic_at_the_version_generate() -> None:
     assert got.refused["d"] == "the kubelet reports d not Ready"
     assert got.refused["e"] == "pod e has no pod IP"
     assert got.refused["f"] == "serves v1, not v2"
-    assert got.refused["g"].startswith("NotProbed")
+    assert got.refused["g"] == "serves no probed version, not v2"
     assert got.refused["h"].startswith("ContainerRestarted")
     assert got.refused["i"].startswith("Refitting")
 
@@ -121,7 +121,7 @@ def test_a_group_generates_on_its_leader_only() -> None:
     alone = rollout_endpoints(pods, 8000, "v2")  # the same pods without groups: none
     assert alone.urls == []
     assert alone.refused["g1-0"].startswith("ContainerRestarted")
-    assert alone.refused["g1-1"].startswith("NotProbed")
+    assert alone.refused["g1-1"] == "serves no probed version, not v2"
 
 
 @pytest.mark.parametrize(

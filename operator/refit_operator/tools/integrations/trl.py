@@ -50,6 +50,7 @@ from ...core import api
 from ...core import groups as pod_groups
 from ...core.podflow import Readiness
 from ...core.podview import PodView
+from ...core.reasons import Reason
 from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 
@@ -120,19 +121,19 @@ def _interim_gate(unit: PodView) -> Readiness:
         return Readiness(False, unit.group_problem.reason, unit.group_problem.message)
     if unit.deleting or not unit.running:
         what = f"a pod of group {unit.name}" if unit.members else f"pod {unit.name}"
-        return Readiness(False, "PodNotRunning", f"{what} is not running")
+        return Readiness(False, Reason.PodNotRunning, f"{what} is not running")
     p = unit.progress
-    if p is None:
-        return Readiness(False, "NotProbed", f"{unit.name} carries no record of a probe")
+    if p is None:  # no record: ``refusal``'s version check says it serves no probed version
+        return Readiness(True, Reason.ProbePassed, "")
     if not unit.same_run(p):
         return Readiness(
-            False, "ContainerRestarted",
+            False, Reason.ContainerRestarted,
             f"{unit.name}'s record was made in another run (a container restarted, or a "
             "member of its group was replaced or is missing)",
         )  # fmt: skip
     if p.outcome != "Succeeded" and not p.restored:
-        return Readiness(False, p.reason or "Refitting", p.message or "its pass has not ended")
-    return Readiness(True, "ProbePassed", "")
+        return Readiness(False, p.reason or Reason.Refitting, p.message or "its pass has not ended")
+    return Readiness(True, Reason.ProbePassed, "")
 
 
 def refusal(unit: PodView, version: str) -> str:
@@ -276,7 +277,9 @@ def fleet_groups(
 
 class RefitRollout:
     """The ``rollout_func`` (see the module's docstring). ``records`` holds a StepRecord per
-    published step, the last RECORDS_KEPT of them (a long run's memory stays flat)."""
+    published step, the last RECORDS_KEPT of them (a long run's memory stays flat).
+    ``groups`` (an api.Groups, or its fields as the API spells them: ``{}`` for
+    LeaderWorkerSet's labels) makes the fleet one of pod groups (``fleet_groups``)."""
 
     def __init__(
         self,
