@@ -48,9 +48,8 @@ import httpx
 
 from ...core import api
 from ...core import groups as pod_groups
-from ...core.podflow import Readiness
+from ...core.gate import gate, served
 from ...core.podview import PodView
-from ...core.reasons import Reason
 from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 
@@ -114,38 +113,21 @@ def fleet_units(pods: Sequence[Mapping[str, Any]], groups: api.Groups | None) ->
     return pod_groups.units([PodView.from_pod(p) for p in pods], groups)
 
 
-def _interim_gate(unit: PodView) -> Readiness:
-    """The base weights' rules of the operator's traffic gate (issue 41), until core/gate.py
-    lands on main."""
-    if unit.group_problem is not None:
-        return Readiness(False, unit.group_problem.reason, unit.group_problem.message)
-    if unit.deleting or not unit.running:
-        what = f"a pod of group {unit.name}" if unit.members else f"pod {unit.name}"
-        return Readiness(False, Reason.PodNotRunning, f"{what} is not running")
-    p = unit.progress
-    if p is None:  # no record: ``refusal``'s version check says it serves no probed version
-        return Readiness(True, Reason.ProbePassed, "")
-    if not unit.same_run(p):
-        return Readiness(
-            False, Reason.ContainerRestarted,
-            f"{unit.name}'s record was made in another run (a container restarted, or a "
-            "member of its group was replaced or is missing)",
-        )  # fmt: skip
-    if p.outcome != "Succeeded" and not p.restored:
-        return Readiness(False, p.reason or Reason.Refitting, p.message or "its pass has not ended")
-    return Readiness(True, Reason.ProbePassed, "")
-
-
 def refusal(unit: PodView, version: str) -> str:
     """Why rollouts taken at ``version`` may not be generated on ``unit`` ("" when they may):
-    the operator's traffic gate holds it out (for a group: its record on the leader, every
-    member present, running and in the run the record was made in), or it does not serve
-    ``version`` with a passed probe."""
-    verdict = _interim_gate(unit)
+    the operator's traffic gate holds it out (core/gate.py: every track's record on the pod,
+    and for a group its record on the leader and every member present, running and in the run
+    that record was made in), its weights-ready condition is not True on every pod of it, or
+    its base weights serve another version."""
+    verdict = gate(unit)
     if not verdict.ready:
         return f"{verdict.reason}: {verdict.message}"
-    if unit.serving != version:
-        return f"serves {unit.serving or 'no probed version'}, not {version}"
+    if not unit.ready:
+        pods = "every pod of the group" if unit.members else "the pod"
+        return f"out of traffic: the weights-ready condition is not True on {pods}"
+    serves = served(unit.records[""])  # the gate let it in: it has a base record
+    if serves != version:
+        return f"serves {serves or 'no probed version'}, not {version}"
     return ""
 
 
@@ -155,6 +137,13 @@ def rollout_endpoints(
     """Where rollouts at ``version`` may go: every unit ``refusal`` lets through, with a pod
     IP and, where a kubelet reports it, the Ready condition not False on each of its pods. A
     group generates on its leader only (its followers have no vLLM API)."""
+    # What each pod's own object says, for the kubelet's word and a reason's details.
+    phase = {
+        p["metadata"]["name"]: "being deleted"
+        if p["metadata"].get("deletionTimestamp")
+        else str((p.get("status") or {}).get("phase") or "no phase")
+        for p in pods
+    }
     kubelet_ready = {
         p["metadata"]["name"]: all(
             c.get("status") != "False"
@@ -167,6 +156,9 @@ def rollout_endpoints(
     refused: dict[str, str] = {}
     for unit in fleet_units(pods, groups):
         why = refusal(unit, version)
+        down = [f"{n}: {phase[n]}" for n in (unit.name, *unit.members) if phase[n] != "Running"]
+        if why and down and unit.members:
+            why += f" ({', '.join(down)})"
         if not why:
             not_ready = [n for n in (unit.name, *unit.members) if not kubelet_ready.get(n, False)]
             if not_ready:
