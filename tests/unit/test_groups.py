@@ -8,10 +8,10 @@ from typing import Any
 
 from refit_operator.core.admission import PreflightResult, fleet_problem
 from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups, WeightRefitStatus
+from refit_operator.core.decision import Decision, decide
 from refit_operator.core.groups import units
 from refit_operator.core.podflow import Progress
 from refit_operator.core.podview import PodView
-from refit_operator.core.reconcile import Decision, decide
 
 from tests.fixtures.refits import done, observe, pod, refit, spec
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from refit_operator.core import api
+from refit_operator.core.decision import RefitView
 from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
-from refit_operator.core.reconcile import RefitView
 from refit_operator.core.views import (
     describe,
     history_rows,

@@ -1,4 +1,4 @@
-"""reconcile.decide driven with plain data: a fleet of pods through a whole refit."""
+"""decision.decide driven with plain data: a fleet of pods through a whole refit."""
 
 from dataclasses import replace
 from typing import Any
@@ -11,10 +11,10 @@ from refit_operator.core.admission import (
     reference_scorers,
 )
 from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
+from refit_operator.core.decision import decide
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Problem
-from refit_operator.core.reconcile import decide
 
 from tests.fixtures.refits import CREATED, NOW, STARTED, done, info, observe, pod, refit, spec
 

@@ -1,4 +1,4 @@
-"""reconcile.decide for a broadcast refit (spec.broadcast): status.broadcast and the
+"""decision.decide for a broadcast refit (spec.broadcast): status.broadcast and the
 ReceiversReady condition the trainer waits for, and what a broadcast does not do (stage
 ahead, converge pods that join later)."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from refit_operator.core import podflow
 from refit_operator.core.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
+from refit_operator.core.decision import Decision, decide
 from refit_operator.core.plan import RefitRef
-from refit_operator.core.reconcile import Decision, decide
 from refit_operator.core.status import RECEIVERS_READY
 from refit_operator.core.times import rfc3339
 

@@ -1,6 +1,6 @@
 """Admission: what must hold of a fleet and of each pod before a refit touches any pod,
 judged from the Pod objects first (before the admin token goes anywhere) and then from each
-pod's refit_info. Pure: the engine gathers the answers, runner asks for a late pod."""
+pod's refit_info. Pure: the engine gathers the answers, pod_pass asks for a late pod."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
 FAILED_PHASES: frozenset[api.Phase] = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
-# The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
+# The operator's per-pod Events: "pod NAME: Reason: message" (pod_pass._finish).
 _POD_EVENT = re.compile(r"^pod (\S+): ([A-Za-z]+): (.*)$", re.S)
 
 

@@ -7,7 +7,7 @@
 
 Read only: nothing here writes to the cluster (`plan -f` asks the API server for a
 server-side dry run, which validates and defaults the file without storing it). `plan` runs
-the operator's own pure planning code (plan.next_pods, reconcile.pod_state) on the pods as
+the operator's own pure planning code (plan.next_pods, decision.pod_state) on the pods as
 they are now, so what it prints is what the operator would do.
 
 Exit codes of `wait`: 0 Succeeded, 1 Failed/Halted/RolledBack/Superseded, 124 timed out;

@@ -1,6 +1,6 @@
 """The fleet's preflight, and the inputs it reads: before a refit touches any pod, every pod
 answers refit_info and /get_world_size, the probe reference is read and scored on one pod, and
-a broadcast's transfer manifest is read and checked against the spec (reconcile.decide judges
+a broadcast's transfer manifest is read and checked against the spec (decision.decide judges
 the answers, core/admission the rules). The Secrets, the reference and the manifest are read
 again by the first tick that starts a pass after a restart, where no preflight runs.
 """
@@ -15,13 +15,13 @@ from typing import Any
 
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from .core import admission, probe
-from .core.admission import PreflightResult
-from .core.api import WeightRefitSpec
-from .core.podview import PodView
-from .core.reasons import Problem, Reason
-from .edges.cluster import AccessDenied, Kube
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import admission, probe
+from ..core.admission import PreflightResult
+from ..core.api import WeightRefitSpec
+from ..core.podview import PodView
+from ..core.reasons import Problem, Reason
+from ..edges.cluster import AccessDenied, Kube
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import BroadcastSource
 from .refit_state import Tick
 from .rounds import Rounds

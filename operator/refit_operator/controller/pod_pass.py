@@ -13,16 +13,16 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from .core import podflow, times
-from .core.admission import admission_problem, joins_layout, reach_problem
-from .core.gate import loaded, pass_readiness
-from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
-from .core.podview import PodView
-from .core.reasons import Problem, Reason, pass_event, step_timeout
-from .core.reconcile import PodStart
-from .edges import metrics
-from .edges.cluster import ClaimedPod, ClaimLost
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import podflow, times
+from ..core.admission import admission_problem, joins_layout, reach_problem
+from ..core.decision import PodStart
+from ..core.gate import loaded, pass_readiness
+from ..core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
+from ..core.podview import PodView
+from ..core.reasons import Problem, Reason, pass_event, step_timeout
+from ..edges import metrics
+from ..edges.cluster import ClaimedPod, ClaimLost
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepFailed, StepRun
 from .preflight import adapter_admission
 from .steps import run_step_code
