@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit_operator.core import times
-from refit_operator.core.api import LabelSelector
+from refit_operator.core.api_spec import LabelSelector
 from refit_operator.core.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
 from refit_operator.core.reasons import Reason
 from refit_operator.engine import Engine
