@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from refit_operator.controller import steps
 from refit_operator.core import podflow, probe
-from refit_operator.core.api import Sequence, Thresholds
+from refit_operator.core.api_spec import Sequence, Thresholds
 from refit_operator.core.podflow import Step
 from refit_operator.edges.worker_client import WorkerClient
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from refit_operator.controller import steps
 from refit_operator.core import podflow, probe
-from refit_operator.core.api import Broadcast, Sequence, Thresholds
+from refit_operator.core.api_spec import Broadcast, Sequence, Thresholds
 from refit_operator.core.podflow import Step
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient

@@ -23,7 +23,7 @@ import time
 from statistics import median
 from typing import Any
 
-from refit_operator.core.api import Sequence
+from refit_operator.core.api_spec import Sequence
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient
 

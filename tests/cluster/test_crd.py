@@ -536,7 +536,7 @@ def test_status_rejects_unknown_phase(control_plane: ControlPlane, ns: str) -> N
 
 def test_status_pods_is_capped_by_the_schema(control_plane: ControlPlane, ns: str) -> None:
     """status.pods holds at most api.STATUS_PODS_LIMIT entries: the API server says so too."""
-    from refit_operator.core.api import STATUS_PODS_LIMIT
+    from refit_operator.core.api_status import STATUS_PODS_LIMIT
 
     create(control_plane, ns, minimal("capped"))
 

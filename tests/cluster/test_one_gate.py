@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_worker.contract import READINESS_GATE
 
 from testbed.fleet import LABELS, assert_one_driver, make_checkpoints

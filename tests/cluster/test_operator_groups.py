@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 
 from testbed.fleet import LABELS, make_checkpoints
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.tools.client import RefitClient
 from refit_operator.tools.integrations import trl
 from refit_worker import reference

@@ -242,7 +242,7 @@ def test_read_back_checksums_agree_and_a_skewed_pod_fails_before_its_probe(
     WeightChecksumMismatch at the checksum step, never probed, and stays out of traffic,
     while the probe alone (the same reference, thresholds and code) passes it."""
     import httpx
-    from refit_operator.core.api import Thresholds
+    from refit_operator.core.api_spec import Thresholds
     from refit_operator.core.probe import evaluate
 
     from tests.fixtures.reload import scores

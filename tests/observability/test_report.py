@@ -128,12 +128,12 @@ def test_report_draws_pods_the_status_does_not_list(tmp_path: Path) -> None:
 
 
 def test_a_large_fleet_is_drawn_whole_at_a_fixed_size(tmp_path: Path) -> None:
-    from refit_operator.core import api
+    from refit_operator.core import api_status
     from refit_operator.tools.report import LABELLED_ROWS
 
     status = halted_rolling_refit()
     results = [
-        api.PodResult.model_validate({**p, "name": f"vllm-{i:05d}-{p['name']}"})
+        api_status.PodResult.model_validate({**p, "name": f"vllm-{i:05d}-{p['name']}"})
         for i in range(LABELLED_ROWS) for p in status["pods"]
     ]  # fmt: skip
     png = mpimg.imread(render(status, tmp_path / "large.png", pods=results))
@@ -171,7 +171,7 @@ def test_the_timeline_shades_each_pods_time_out_of_traffic(tmp_path: Path) -> No
 
 
 def test_windows_from_records_and_from_results() -> None:
-    from refit_operator.core import api
+    from refit_operator.core import api_status
     from refit_operator.core.podflow import Progress
     from refit_operator.tools.report import record_windows, result_windows
 
@@ -186,25 +186,29 @@ def test_windows_from_records_and_from_results() -> None:
     assert got == {"a": (105.0, 117.5), "b": (106.0, None), "c": (107.0, None)}
 
     results = [
-        api.PodResult(name="a", completion_time="2026-11-29T08:00:20Z", out_of_traffic_seconds=12),
-        api.PodResult(name="b", completion_time="2026-11-29T08:00:20Z"),  # left out: no figure
-        api.PodResult(name="c", out_of_traffic_seconds=3.0),  # no completion time: no window
+        api_status.PodResult(
+            name="a", completion_time="2026-11-29T08:00:20Z", out_of_traffic_seconds=12
+        ),
+        api_status.PodResult(
+            name="b", completion_time="2026-11-29T08:00:20Z"
+        ),  # left out: no figure
+        api_status.PodResult(name="c", out_of_traffic_seconds=3.0),  # no completion time: no window
     ]
     end = 1795939220.0  # 2026-11-29T08:00:20Z
     assert result_windows(results) == {"a": (end - 12, end)}
 
 
 def test_the_title_headlines_worst_and_median_time_out_of_traffic() -> None:
-    from refit_operator.core import api
+    from refit_operator.core import api_status
     from refit_operator.tools.report import headline
 
-    st = api.WeightRefitStatus.model_validate(halted_rolling_refit())
+    st = api_status.WeightRefitStatus.model_validate(halted_rolling_refit())
     assert headline(st, {}) == (
         "time out of traffic: worst 19.7s (vllm-rollout-2), median 18.5s over 3 pod(s) put back"
     )
     # The windows drawn measure more pods than the status (an operator older than the field):
     # they give the figures; pods still out are counted.
-    empty = api.WeightRefitStatus()
+    empty = api_status.WeightRefitStatus()
     windows = {"a": (100.0, 400.0), "b": (100.0, 110.0), "c": (100.0, None)}
     assert headline(empty, windows) == (
         "time out of traffic: worst 5m0s (a), median 2m35s over 2 pod(s) put back, 1 still out"

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 from refit_operator.core import admission, history, podflow
 from refit_operator.core.admission import PreflightResult
-from refit_operator.core.api import WeightRefitSpec
+from refit_operator.core.api_spec import WeightRefitSpec
 from refit_operator.core.decision import decide
 from refit_operator.core.index import RefitIndex
 from refit_operator.core.podview import PodView

@@ -9,27 +9,27 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from refit_operator.core import api
+from refit_operator.core import api_spec, api_status
 
 
 def test_out_of_traffic_is_camel_case_and_a_pod_still_out_has_no_figure():
-    st = api.WeightRefitStatus.model_validate(
+    st = api_status.WeightRefitStatus.model_validate(
         {"outOfTraffic": {"pods": 2, "worstSeconds": 9.5, "medianSeconds": 7.0,
                           "worstPod": "b"}, "pods": [{"name": "a"}]}
     )  # fmt: skip
-    assert st.out_of_traffic == api.OutOfTrafficSummary(
+    assert st.out_of_traffic == api_status.OutOfTrafficSummary(
         pods=2, worst_seconds=9.5, median_seconds=7.0, worst_pod="b"
     )
     doc: dict[str, Any] = st.dump()
     assert doc["outOfTraffic"]["worstPod"] == "b"
     assert "outOfTrafficSeconds" not in doc["pods"][0]  # None: left out, not written as null
-    empty: dict[str, Any] = api.WeightRefitStatus().dump()
+    empty: dict[str, Any] = api_status.WeightRefitStatus().dump()
     assert empty["outOfTraffic"]["pods"] == 0
 
 
 @pytest.mark.parametrize("value", [0, 1, 30, 300])
 def test_drain_delay_seconds_accepted(value):
-    seq = api.Sequence.model_validate({"drainDelaySeconds": value})
+    seq = api_spec.Sequence.model_validate({"drainDelaySeconds": value})
     assert seq.drain_delay_seconds == value
     assert seq.dump()["drainDelaySeconds"] == value
 
@@ -48,7 +48,7 @@ def test_drain_delay_seconds_accepted(value):
 )
 def test_drain_delay_seconds_refused(value, says):
     with pytest.raises(ValidationError) as refused:
-        api.Sequence.model_validate({"drainDelaySeconds": value})
+        api_spec.Sequence.model_validate({"drainDelaySeconds": value})
     (error,) = refused.value.errors()
     assert error["loc"] == ("drainDelaySeconds",)
     assert says in error["msg"]
@@ -60,11 +60,11 @@ def test_drain_delay_seconds_refused(value, says):
     [(1, 10, 1), (3, 10, 3), ("25%", 10, 2), ("100%", 4, 4), ("1%", 10, 1), (50, 4, 4)],
 )
 def test_max_unavailable(value, total, want):
-    assert api.max_unavailable_count(value, total) == want
+    assert api_spec.max_unavailable_count(value, total) == want
 
 
 def test_selector_canonical_is_order_independent():
-    a = api.LabelSelector.model_validate(
+    a = api_spec.LabelSelector.model_validate(
         {"matchLabels": {"b": "2", "a": "1"},
          "matchExpressions": [{"key": "t", "operator": "In", "values": ["y", "x"]}]}
     )  # fmt: skip
@@ -72,7 +72,7 @@ def test_selector_canonical_is_order_independent():
 
 
 def test_label_selector_matches_like_kubernetes():
-    from refit_operator.core.api import LabelSelector
+    from refit_operator.core.api_spec import LabelSelector
 
     sel = LabelSelector.model_validate(
         {

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from refit_operator.core import api, podflow
+from refit_operator.core import api_status, podflow
 from refit_operator.core.reasons import Reason, step_timeout
 from refit_worker import contract
 
@@ -24,7 +24,7 @@ CAMEL = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 # CamelCase literals that are spec values, API names or prefixes, not reasons.
 NOT_REASONS = {"AllAtOnce", "LatestWins", "ConfigMap", "DoesNotExist", "NotIn", "WeightRefit",
                "BearerToken", "PodRefit", "ContainersReady"}  # fmt: skip
-PHASES = set(get_args(api.Phase)) | set(get_args(api.PodPhase))
+PHASES = set(get_args(api_status.Phase)) | set(get_args(api_status.PodPhase))
 
 
 def camel_literals() -> dict[str, set[str]]:

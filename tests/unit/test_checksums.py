@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refit_operator.core import checksums, podflow
-from refit_operator.core.api import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
+from refit_operator.core.api_status import STATUS_CHECKSUMS_LIMIT, PodProbe, VersionChecksum
 from refit_operator.core.checksums import (
     CHECKSUM_MISMATCH,
     Peer,

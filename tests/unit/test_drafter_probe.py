@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from refit_operator.core import probe
-from refit_operator.core.api import Thresholds
+from refit_operator.core.api_spec import Thresholds
 from refit_operator.core.reasons import Reason
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import DRAFT_PROBE_TOKENS, WorkerClient, WorkerError

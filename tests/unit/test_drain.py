@@ -17,7 +17,7 @@ import pytest
 from refit_operator.controller import steps
 from refit_operator.controller.pass_context import StepFailed
 from refit_operator.core import podflow
-from refit_operator.core.api import Sequence
+from refit_operator.core.api_spec import Sequence
 from refit_operator.core.podflow import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict
-from refit_operator.core import api
+from refit_operator.core import api, api_spec, api_status
 from refit_operator.core.api_crd import crd, rule
 
 from hack import gen_crd
@@ -93,11 +93,11 @@ def test_the_servers_defaults_are_the_models() -> None:
         "probe": {"reference": {"source": "ConfigMap", "configMapRef": {"name": "c"}}},
     }  # fmt: skip
     served = _default(given, SPEC)
-    assert served == _set(api.WeightRefitSpec.model_validate(given).dump())
+    assert served == _set(api_spec.WeightRefitSpec.model_validate(given).dump())
     assert set(served) >= {"sequence", "strategy", "probe", "onFailure", "queuePolicy"}
     assert served["sequence"]["sleepLevel"] == 1
     assert served["strategy"]["maxUnavailable"] == "25%"
-    assert served["fleet"]["groups"]["indexLabel"] == api.LWS_INDEX_LABEL
+    assert served["fleet"]["groups"]["indexLabel"] == api_spec.LWS_INDEX_LABEL
 
 
 def _prune(doc: Any, node: dict[str, Any]) -> Any:
@@ -113,18 +113,19 @@ def _prune(doc: Any, node: dict[str, Any]) -> Any:
 
 
 def test_the_server_keeps_every_status_field_the_operator_writes() -> None:
-    status = api.WeightRefitStatus(
-        previous=api.Previous(version="v", path="/p", refit="r"),
-        pods=[api.PodResult(name="p", probe=api.PodProbe(verdict="Pass", draft_acceptance=0.9),
-                            step_seconds={"load": 1.5}, out_of_traffic_seconds=1.5)],
-        conditions=[api.Condition(type="Ready", status="True", reason="R")],
-        checksums=[api.VersionChecksum(version="v", layout="l", digest="d")],
-        broadcast=api.BroadcastRound(round=1, world_size=3, receivers=2),
-        sequence=api.Sequence(drain_delay_seconds=5),
+    status = api_status.WeightRefitStatus(
+        previous=api_status.Previous(version="v", path="/p", refit="r"),
+        pods=[api_status.PodResult(
+            name="p", probe=api_status.PodProbe(verdict="Pass", draft_acceptance=0.9),
+            step_seconds={"load": 1.5}, out_of_traffic_seconds=1.5)],
+        conditions=[api_status.Condition(type="Ready", status="True", reason="R")],
+        checksums=[api_status.VersionChecksum(version="v", layout="l", digest="d")],
+        broadcast=api_status.BroadcastRound(round=1, world_size=3, receivers=2),
+        sequence=api_spec.Sequence(drain_delay_seconds=5),
         layout="TP1 PP1 DP1",
     ).dump()  # fmt: skip
     assert _prune(status, STATUS) == status
-    assert set(STATUS["properties"]["sequence"]["properties"]) == set(api.Sequence().dump())
+    assert set(STATUS["properties"]["sequence"]["properties"]) == set(api_spec.Sequence().dump())
     assert "default" not in str(STATUS)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from refit_operator.core.admission import PreflightResult, fleet_problem
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups, WeightRefitStatus
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
+from refit_operator.core.api_status import WeightRefitStatus
 from refit_operator.core.decision import Decision, decide
 from refit_operator.core.groups import units
 from refit_operator.core.podflow import Progress

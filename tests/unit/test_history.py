@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from refit_operator.core import api, history, times
+from refit_operator.core import api_spec, api_status, history, times
 from refit_operator.core.history import Finished, Policy, to_delete
 
 NOW = 1_000_000.0
@@ -12,7 +12,7 @@ FLEET = "rl/app=rollout"
 
 def wr(
     step: int,
-    phase: api.Phase = "Succeeded",
+    phase: api_status.Phase = "Succeeded",
     *,
     fleet: str = FLEET,
     completed: float | None = NOW - 3600,
@@ -64,7 +64,7 @@ def test_order_is_by_creation_then_name_not_by_input_order() -> None:
 
 
 def test_every_terminal_phase_counts_and_can_be_deleted() -> None:
-    phases = sorted(api.TERMINAL_PHASES - {"Succeeded"})
+    phases = sorted(api_status.TERMINAL_PHASES - {"Succeeded"})
     refits = [wr(i + 1, phase) for i, phase in enumerate(phases)]
     refits.append(wr(len(phases) + 1))  # the target, newest
     deleted = to_delete(refits, Policy(history_limit=1), NOW)
@@ -178,9 +178,9 @@ def test_ttl_and_limit_together() -> None:
 
 @pytest.mark.parametrize(
     "phase",
-    sorted(set(api.Phase.__args__) - api.TERMINAL_PHASES),  # type: ignore[attr-defined]
+    sorted(set(api_status.Phase.__args__) - api_status.TERMINAL_PHASES),  # type: ignore[attr-defined]
 )
-def test_active_refits_are_never_deleted(phase: api.Phase) -> None:
+def test_active_refits_are_never_deleted(phase: api_status.Phase) -> None:
     refits = [
         wr(1, phase, completed=None, ttl=0),
         wr(2, phase, completed=NOW - 10_000, ttl=0),  # a stale completionTime changes nothing
@@ -292,7 +292,7 @@ def test_a_selector_that_varies_from_step_to_step_keeps_a_bounded_history() -> N
     policy = Policy(history_limit=3)
     alive: list[Finished] = []
     for step in range(1, 501):
-        phase: api.Phase = "Failed" if step % 5 == 0 else "Succeeded"
+        phase: api_status.Phase = "Failed" if step % 5 == 0 else "Succeeded"
         alive.append(wr(step, phase, fleet=f"rl/app=rollout,step notin (x{step})", pods=POD_FLEET))
         doomed = set(to_delete(alive, policy, NOW))
         alive = [r for r in alive if r.name not in doomed]
@@ -334,8 +334,8 @@ def test_the_spec_carries_the_ttl() -> None:
         "fleet": {"selector": {"matchLabels": {"app": "x"}}},
         "checkpoint": {"path": "/c", "version": "v"},
     }
-    assert api.WeightRefitSpec.model_validate(base).ttl_seconds_after_finished is None
-    assert "ttlSecondsAfterFinished" not in api.WeightRefitSpec.model_validate(base).dump()
-    spec = api.WeightRefitSpec.model_validate({**base, "ttlSecondsAfterFinished": 600})
+    assert api_spec.WeightRefitSpec.model_validate(base).ttl_seconds_after_finished is None
+    assert "ttlSecondsAfterFinished" not in api_spec.WeightRefitSpec.model_validate(base).dump()
+    spec = api_spec.WeightRefitSpec.model_validate({**base, "ttlSecondsAfterFinished": 600})
     assert spec.ttl_seconds_after_finished == 600
     assert spec.dump()["ttlSecondsAfterFinished"] == 600

@@ -7,7 +7,7 @@ import argparse
 import json
 
 import pytest
-from refit_operator.core import api
+from refit_operator.core import api_spec, api_status
 from refit_operator.core.decision import RefitView
 from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
 from refit_operator.core.views import (
@@ -47,8 +47,8 @@ def refit_doc(version: str = "v2", **spec: object) -> dict:
 
 
 def view(doc: dict) -> RefitView:
-    spec = api.WeightRefitSpec.model_validate(doc["spec"])
-    return RefitView("wr", "u1", 1, "2026-01-01T00:00:00Z", spec, api.WeightRefitStatus())
+    spec = api_spec.WeightRefitSpec.model_validate(doc["spec"])
+    return RefitView("wr", "u1", 1, "2026-01-01T00:00:00Z", spec, api_status.WeightRefitStatus())
 
 
 def views(*docs: dict) -> list:
@@ -244,7 +244,7 @@ def test_status_and_plan_show_a_pod_group_as_one_unit_named_by_its_leader():
     """With spec.fleet.groups, `kubectl refit status` and `plan` count groups as the operator
     does: a follower (no record of its own) is no row of its own, and the group's gate is
     "yes" only when every pod of it is in traffic."""
-    from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+    from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
     from refit_operator.core.views import pod_rows
 
     doc = refit_doc(strategy={"type": "Rolling", "maxUnavailable": 1})

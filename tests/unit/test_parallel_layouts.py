@@ -17,7 +17,7 @@ from refit_operator.core.admission import (
     reach_problem,
     world_size_problem,
 )
-from refit_operator.core.api import WeightRefitStatus
+from refit_operator.core.api_status import WeightRefitStatus
 from refit_operator.core.decision import decide
 from refit_worker.contract import ContractError, RefitInfo
 

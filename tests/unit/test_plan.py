@@ -1,5 +1,5 @@
 from refit_operator.core import plan
-from refit_operator.core.api import ProbeSpec, Strategy
+from refit_operator.core.api_spec import ProbeSpec, Strategy
 from refit_operator.core.plan import RefitRef
 
 

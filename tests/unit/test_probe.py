@@ -1,6 +1,6 @@
 import math
 
-from refit_operator.core.api import Thresholds
+from refit_operator.core.api_spec import Thresholds
 from refit_operator.core.probe import evaluate
 from refit_worker.contract import ProbePrompt, ProbeReference
 

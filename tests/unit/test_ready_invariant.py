@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.core.podflow import PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 

@@ -10,7 +10,8 @@ from refit_operator.core.admission import (
     fleet_problem,
     reference_scorers,
 )
-from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
+from refit_operator.core.api_spec import LabelSelector
+from refit_operator.core.api_status import PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.decision import decide
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView
@@ -521,7 +522,7 @@ def _record(i: int, outcome: str = "Succeeded", **over: object) -> podflow.Progr
 def test_status_of_a_10000_pod_fleet_is_small_and_lists_the_worst_first():
     import json
 
-    from refit_operator.core.api import STATUS_PODS_LIMIT
+    from refit_operator.core.api_status import STATUS_PODS_LIMIT
 
     n = 10_000
     failed = {f"vllm-{i:05d}" for i in range(7, n, 500)}  # 20
@@ -602,7 +603,7 @@ def test_succeeded_and_rolled_back_pods_are_not_listed_but_counted():
 
 
 def test_dropped_pods_are_remembered_within_the_limit_worst_first():
-    from refit_operator.core.api import STATUS_PODS_LIMIT, PodResult
+    from refit_operator.core.api_status import STATUS_PODS_LIMIT, PodResult
 
     s = spec()
     st = WeightRefitStatus(
@@ -625,7 +626,7 @@ def test_dropped_pods_are_remembered_within_the_limit_worst_first():
 
 
 def test_result_for_a_pod_now_in_another_refits_hands_is_kept_only_if_it_needs_attention():
-    from refit_operator.core.api import PodResult
+    from refit_operator.core.api_status import PodResult
 
     s = spec(probe={"failureLimit": 1})
     old = [
@@ -666,7 +667,7 @@ def test_summary_of_a_finished_refit_keeps_probes_of_pods_that_moved_on():
 
 
 def test_fleet_results_show_every_pod_from_its_record():
-    from refit_operator.core.api import PodResult
+    from refit_operator.core.api_status import PodResult
     from refit_operator.core.status import fleet_results, pod_phases
 
     listed = [
@@ -699,7 +700,7 @@ def test_status_pods_limit_is_the_crds_max_items():
     from pathlib import Path
 
     import yaml
-    from refit_operator.core.api import STATUS_PODS_LIMIT
+    from refit_operator.core.api_status import STATUS_PODS_LIMIT
 
     crd = yaml.safe_load((Path(__file__).parents[2] / "crds" / "weightrefit.yaml").read_text())
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refit_operator.core import podflow
-from refit_operator.core.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
+from refit_operator.core.api_spec import WeightRefitSpec
+from refit_operator.core.api_status import BroadcastRound, Condition, WeightRefitStatus
 from refit_operator.core.decision import Decision, decide
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.status import RECEIVERS_READY

@@ -17,7 +17,7 @@ import json
 import pytest
 from refit_operator.core import podflow
 from refit_operator.core.admission import PreflightResult, admission_problem
-from refit_operator.core.api import WeightRefitStatus
+from refit_operator.core.api_status import WeightRefitStatus
 from refit_operator.core.decision import decide
 from refit_worker.contract import RefitInfo
 

@@ -6,15 +6,8 @@ checkpoint that pod served (docs/concepts.md, "Convergence" and "Rollback")."""
 from dataclasses import replace
 
 from refit_operator.core import podflow
-from refit_operator.core.api import (
-    Condition,
-    LabelSelector,
-    Phase,
-    PodProbe,
-    Previous,
-    WeightRefitSpec,
-    WeightRefitStatus,
-)
+from refit_operator.core.api_spec import LabelSelector, WeightRefitSpec
+from refit_operator.core.api_status import Condition, Phase, PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.decision import Observed, RefitView, decide, foreign, rollback_targets
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView

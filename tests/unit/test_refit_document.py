@@ -4,7 +4,7 @@ checked before it is sent; its selector and its name."""
 from __future__ import annotations
 
 import pytest
-from refit_operator.core import api
+from refit_operator.core import api_spec
 from refit_operator.tools.refit_document import build_refit, default_name, parse_selector
 from refit_operator.tools.refit_error import RefitError
 
@@ -38,7 +38,7 @@ def test_parse_selector_forms():
         "pool": "eval",
     }
     assert parse_selector({"a": "b"}).canonical() == "a=b"
-    sel = api.LabelSelector(match_labels={"x": "y"})
+    sel = api_spec.LabelSelector(match_labels={"x": "y"})
     assert parse_selector(sel) is sel
     with pytest.raises(RefitError, match="not key=value"):
         parse_selector("env in (a,b)")

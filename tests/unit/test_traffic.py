@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from refit_operator.core import api, podflow, traffic
+from refit_operator.core import api_status, podflow, traffic
 from refit_operator.core.podflow import STEPS, Progress
 
 
@@ -44,7 +44,7 @@ def test_summary_worst_median_and_pods():
         ("d", podflow.start("wr", "u1", "v2", "/c/v2", now=100.0)),  # still out: not counted
     ]
     got = traffic.summarize_out_of_traffic(items)
-    assert got == api.OutOfTrafficSummary(
+    assert got == api_status.OutOfTrafficSummary(
         pods=3, worst_seconds=30.5, median_seconds=10.0, worst_pod="a"
     )
     # An even count: the median is the mean of the middle two.
@@ -53,7 +53,7 @@ def test_summary_worst_median_and_pods():
 
 
 def test_summary_of_no_measured_pod_is_empty_and_ties_go_to_the_first_name():
-    assert traffic.summarize_out_of_traffic([]) == api.OutOfTrafficSummary()
+    assert traffic.summarize_out_of_traffic([]) == api_status.OutOfTrafficSummary()
     tie = traffic.summarize_seconds([("z", 5.0), ("m", 5.0), ("x", None)])
     assert (tie.pods, tie.worst_pod, tie.worst_seconds) == (2, "m", 5.0)
 
@@ -61,7 +61,9 @@ def test_summary_of_no_measured_pod_is_empty_and_ties_go_to_the_first_name():
 def test_summary_never_drops_pods_already_counted():
     """A pod that moved on to a newer refit no longer carries this refit's record: the summary
     already written stays until at least as many pods are measured again."""
-    before = api.OutOfTrafficSummary(pods=3, worst_seconds=40.0, median_seconds=9.0, worst_pod="x")
+    before = api_status.OutOfTrafficSummary(
+        pods=3, worst_seconds=40.0, median_seconds=9.0, worst_pod="x"
+    )
     two = [("a", passed(100.0, 105.0)), ("b", passed(100.0, 107.0))]
     assert traffic.summarize_out_of_traffic(two, before) == before
     three = [*two, ("c", passed(100.0, 109.0))]

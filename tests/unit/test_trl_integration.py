@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
 from refit_operator.core.podflow import PROGRESS_ANNOTATION, Outcome, Progress
 from refit_operator.core.podview import PodView
 from refit_operator.tools.integrations.trl import (

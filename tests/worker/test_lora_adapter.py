@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from refit_operator.controller import pod_pass, steps
 from refit_operator.core import podflow, probe
-from refit_operator.core.api import Sequence, Thresholds
+from refit_operator.core.api_spec import Sequence, Thresholds
 from refit_operator.core.podflow import Progress, RunStep, Step
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract

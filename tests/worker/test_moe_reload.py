@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from refit_operator.core.api import Thresholds
+from refit_operator.core.api_spec import Thresholds
 from refit_operator.core.probe import evaluate
 from refit_worker import checkpoint, reference
 from refit_worker.contract import CAP_MOE_RELAYOUT_ON_RELOAD, ProbeReference

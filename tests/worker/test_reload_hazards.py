@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator.core.api import Thresholds
+from refit_operator.core.api_spec import Thresholds
 from refit_operator.core.probe import evaluate
 
 from testbed.tiny_model import TinyModel

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from refit_worker.contract import ProbeReference
 
 from ..core import checksums
-from ..core.api import Broadcast, Sequence, WeightRefitSpec
+from ..core.api_spec import Broadcast, Sequence, WeightRefitSpec
 from ..core.podflow import Progress, Step
 from ..core.podview import PodView
 from ..core.reasons import Problem

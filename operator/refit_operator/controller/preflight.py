@@ -17,7 +17,7 @@ from refit_worker.contract import ContractError, ProbeReference, RefitInfo, Tran
 
 from ..core import admission, probe
 from ..core.admission import PreflightResult
-from ..core.api import WeightRefitSpec
+from ..core.api_spec import WeightRefitSpec
 from ..core.podview import PodView
 from ..core.reasons import Problem, Reason
 from ..edges.cluster import AccessDenied, Kube

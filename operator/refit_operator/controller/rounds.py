@@ -23,7 +23,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..core.api import SENDING_ANNOTATION, BroadcastRound, RoundState
+from ..core.api import SENDING_ANNOTATION
+from ..core.api_status import BroadcastRound, RoundState
 from ..core.reasons import Problem, Reason
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from refit_worker.contract import REQUIRED_CAPABILITIES, RefitInfo
 
-from .api import WeightRefitSpec, WeightRefitStatus
+from .api_spec import WeightRefitSpec
+from .api_status import WeightRefitStatus
 from .podview import PodView
 from .reasons import Problem, Reason
 

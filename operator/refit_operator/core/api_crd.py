@@ -1,13 +1,14 @@
-"""What the WeightRefit CRD says beyond the models' types: the CEL rules and schema keywords
-api.py's fields and models carry (``crd``, ``crd_model``), the rules several fields share, and
-the document's names, scope and printer columns.
+"""What the WeightRefit CRD says beyond the models' types: the base every model of the API
+derives from (``ApiModel``: the CRD's camelCase names, a field's docstring as its description),
+the CEL rules and schema keywords the fields and models carry (``crd``, ``crd_model``), the
+rules several fields share, and the document's names, scope and printer columns.
 
-api.py's models are the single source of the API. hack/gen_crd.py turns their JSON schema
-(types, enums, defaults, required fields, ge/le bounds, the field docstrings as descriptions)
-and what this module adds into crds/weightrefit.yaml; `make generate` writes it and
-tests/unit/test_generated.py fails when the committed file differs. What only the API server
-checks (lengths, patterns, CEL) is written with ``crd`` so the models' own validation is not
-changed by it.
+The models of api.py, api_spec.py and api_status.py are the single source of the API.
+hack/gen_crd.py turns their JSON schema (types, enums, defaults, required fields, ge/le bounds,
+the field docstrings as descriptions) and what this module adds into crds/weightrefit.yaml;
+`make generate` writes it and tests/unit/test_generated.py fails when the committed file
+differs. What only the API server checks (lengths, patterns, CEL) is written with ``crd`` so
+the models' own validation is not changed by it.
 
 CEL rules bound every string and list they touch (maxLength/maxItems) so that their estimated
 cost fits the API server's budget.
@@ -17,13 +18,30 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 # The JSON-schema key that carries what ``crd`` adds; hack/gen_crd.py reads and removes it.
 CRD_KEY: Final = "x-refit-crd"
 # A rule's message may say this: the generator writes the path of the field the rule is on
 # (spec.fleet.adminTokenSecretRef.name), so one model's rules name each place it is used.
 PATH: Final = "{path}"
+
+
+class ApiModel(BaseModel):
+    """The base of the API's models: read and written in the CRD's camelCase, fields the model
+    does not know ignored, and a field's docstring its description in the CRD."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        use_attribute_docstrings=True,  # a field's docstring is its CRD description
+    )
+
+    def dump(self) -> dict[str, object]:
+        """The camelCase JSON document the API server stores (unset optionals left out)."""
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 
 def rule(cel: str, message: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from .api import STATUS_CHECKSUMS_LIMIT, VersionChecksum
+from .api_status import STATUS_CHECKSUMS_LIMIT, VersionChecksum
 from .podflow import Progress
 from .reasons import Problem, Reason
 
@@ -186,7 +186,7 @@ def status_checksums(
 ) -> list[VersionChecksum]:
     """status.checksums: one digest per (version, layout) that this refit's pods served with
     a passed probe, kept once written (a pod that moves on does not take it away); newest
-    first, at most api.STATUS_CHECKSUMS_LIMIT (a refit has a version and its rollback's, each
+    first, at most api_status.STATUS_CHECKSUMS_LIMIT (a refit has a version and its rollback's, each
     in a few layouts)."""
     out = list(old)
     have = {(e.version, e.layout) for e in out}

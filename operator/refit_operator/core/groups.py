@@ -24,7 +24,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .api import LEADER_INDEX, Groups
+from .api_spec import LEADER_INDEX, Groups
 from .podview import PodView
 from .reasons import Problem, Reason
 

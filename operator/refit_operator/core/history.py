@@ -4,7 +4,7 @@ A training run creates one WeightRefit per step, for thousands of steps. Without
 every one of them stays in etcd, in `kubectl get wr` and in the operator's index forever.
 The policy (docs/concepts.md, "History and garbage collection"):
 
-- Only finished refits (api.TERMINAL_PHASES) are ever deleted; an active or queued one never.
+- Only finished refits (api_status.TERMINAL_PHASES) are ever deleted; an active or queued one never.
 - A fleet is what the queue calls one: refits that select a pod in common (``Finished.pods``)
   are one fleet, chained (a and b share a pod, b and c another: one fleet), whatever their
   selectors' text; refits with the same selector text are one fleet too (a fleet scaled to
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import times
-from .api import TERMINAL_PHASES, Phase
+from .api_status import TERMINAL_PHASES, Phase
 
 DEFAULT_HISTORY_LIMIT = 10
 

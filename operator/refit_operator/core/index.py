@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import history, plan, times
-from .api import TERMINAL_PHASES, Phase, Previous, WeightRefitSpec
+from .api_spec import WeightRefitSpec
+from .api_status import TERMINAL_PHASES, Phase, Previous
 from .podview import PodView
 from .reasons import Reason
 

@@ -8,14 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import times
-from .api import (
-    TERMINAL_PHASES,
-    LabelSelector,
-    Phase,
-    ProbeSpec,
-    Strategy,
-    max_unavailable_count,
-)
+from .api_spec import LabelSelector, ProbeSpec, Strategy, max_unavailable_count
+from .api_status import TERMINAL_PHASES, Phase
 from .reasons import Reason
 
 # Where a pod stands for one refit. "blocked": another refit's pass, or another operator

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from refit_worker.contract import ProbeReference
 
-from .api import PodProbe, Thresholds, Verdict
+from .api_spec import Thresholds
+from .api_status import PodProbe, Verdict
 from .reasons import Reason
 
 # Logprobs a little above zero come from rounding in low precision, not from a broken model.

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 from . import checksums, traffic
-from .api import (
+from .api_spec import Broadcast
+from .api_status import (
     STATUS_PODS_LIMIT,
     TERMINAL_PHASES,
-    Broadcast,
     BroadcastRound,
     Condition,
     Phase,
@@ -128,7 +128,7 @@ def receivers(
 
 # status.pods lists only the pods that need a person's attention, worst first (rank, then
 # name). A pod that succeeded or rolled back is not listed: its record is its progress
-# annotation, so the WeightRefit stays small at any fleet size (api.STATUS_PODS_LIMIT).
+# annotation, so the WeightRefit stays small at any fleet size (api_status.STATUS_PODS_LIMIT).
 ATTENTION: Final[Mapping[PodPhase, int]] = {
     "Failed": 0,
     "Inconclusive": 1,
@@ -183,7 +183,7 @@ def pod_results(
     vanished: frozenset[str] = frozenset(),
 ) -> tuple[list[PodResult], int]:
     """(status.pods, status.podsOmitted): the pods that need attention, worst first, capped
-    at api.STATUS_PODS_LIMIT, and how many more there are."""
+    at api_status.STATUS_PODS_LIMIT, and how many more there are."""
     seen = {p.name for p in pods}
     mine: dict[str, tuple[PodPhase, PodView]] = {}  # name -> (phase, pod)
     for pod in pods:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from .api import OutOfTrafficSummary
+from .api_status import OutOfTrafficSummary
 from .podflow import Progress, out_of_traffic_seconds
 
 # Milliseconds: finer than a status reader needs, and a stable value once measured.

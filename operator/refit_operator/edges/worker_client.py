@@ -1,8 +1,10 @@
 """Async HTTP client for ONE vLLM pod running the refit_worker plugin.
 
 Every call is one HTTP request; nothing here retries (the operator's per-pod flow owns
-retries and backoff). Every failure surfaces as :class:`WorkerError` whose ``kind`` tells
-the caller what it may assume:
+retries and backoff). This module is the transport: the request, its credentials, fencing
+header and time limits, and what a failed one means; worker_answers.py reads what the pod
+answered (pure). Every failure surfaces as :class:`WorkerError` (defined there, imported from
+here) whose ``kind`` tells the caller what it may assume:
 
 - ``connect``: no answer came back because the connection failed or dropped (refused,
   unreachable, not established within ``CONNECT_TIMEOUT_SECONDS``, reset mid-request: a
@@ -37,14 +39,14 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 from refit_worker import contract
 from refit_worker.fence import format_fence
 
-ErrorKind = Literal["http", "timeout", "connect", "protocol", "rejected"]
+from . import worker_answers as answers
+from .worker_answers import WorkerError
 
 # A pod that has not accepted the connection by then is unreachable, not slow.
 CONNECT_TIMEOUT_SECONDS = 10.0
@@ -63,109 +65,6 @@ DRAFT_METRICS = (
 )
 # Tokens each probe prompt decodes greedily to measure a drafter: about 16 drafts of 2 tokens.
 DRAFT_PROBE_TOKENS = 32
-
-
-class WorkerError(Exception):
-    def __init__(
-        self,
-        kind: ErrorKind,
-        message: str,
-        *,
-        status: int | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind: ErrorKind = kind
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-def _field(doc: Any, key: str, kind: type, where: str) -> Any:
-    if not isinstance(doc, dict) or key not in doc:
-        raise WorkerError("protocol", f"{where}: answer lacks {key!r}: {str(doc)[:200]}")
-    value = doc[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise WorkerError("protocol", f"{where}: {key!r} is {type(value).__name__}, not {kind}")
-    return value
-
-
-def _digests(doc: dict[Any, Any]) -> dict[str, str]:
-    """A {tensor key: hex digest} answer, checked: anything else is a protocol error."""
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
-        raise WorkerError("protocol", "checksums: keys and digests must be strings")
-    return dict(doc)
-
-
-def _logprob(entry: Any, token_id: int, where: str) -> float | None:
-    """The logprob of token_id in one prompt_logprobs entry; None when it is absent."""
-    if entry is None:
-        return None
-    if not isinstance(entry, dict):
-        raise WorkerError("protocol", f"{where}: entry is {type(entry).__name__}, not an object")
-    scored = entry.get(str(token_id))
-    if scored is None:
-        return None
-    value = scored.get("logprob") if isinstance(scored, dict) else None
-    # NaN and infinities are data for the probe (garbage), not a protocol error.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise WorkerError("protocol", f"{where}: logprob of token {token_id} is {value!r}")
-
-
-def _prompt_scores(choice: Any, token_ids: list[int], index: int) -> list[float | None]:
-    """One completion choice's prompt_logprobs as the logprob of each of token_ids."""
-    where = f"completions: prompt {index}"
-    echoed = _field(choice, "prompt_token_ids", list, where)
-    if echoed != token_ids:
-        raise WorkerError(
-            "protocol", f"{where}: the choice scored other tokens than the prompt holds"
-        )
-    entries = _field(choice, "prompt_logprobs", list, where)
-    if len(entries) != len(token_ids):
-        raise WorkerError(
-            "protocol", f"{where}: {len(entries)} prompt_logprobs for {len(token_ids)} tokens"
-        )
-    scores = [
-        _logprob(entry, tok, f"{where}: prompt_logprobs[{i}]")
-        for i, (entry, tok) in enumerate(zip(entries, token_ids, strict=True))
-    ]
-    scores[0] = None
-    return scores
-
-
-# vLLM wraps a worker exception raised under /collective_rpc as
-# {"error": {"message": "Call to collective_rpc method failed: Worker failed with error
-# '<str(exc)>', please check the stack trace above for the root cause", ...}}.
-_VLLM_RPC_ERROR_SUFFIX = "', please check the stack trace above for the root cause"
-
-
-def _rpc_error_text(body: str) -> str:
-    """The worker exception's own text from a /collective_rpc error body (else the body)."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body
-    if not isinstance(message, str):
-        return body
-    return message.split(_VLLM_RPC_ERROR_SUFFIX, 1)[0]
-
-
-def _stale_fence(body: str) -> str | None:
-    """The message of a pod's StaleFence refusal body; None when the body is not one."""
-    try:
-        error = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(error, dict) or error.get("code") != contract.STALE_FENCE:
-        return None
-    message = error.get("message")
-    return message if isinstance(message, str) else contract.STALE_FENCE
 
 
 def session() -> aiohttp.ClientSession:
@@ -283,17 +182,10 @@ class WorkerClient:
         if 200 <= answer.status < 300 or answer.status in accept:
             return answer
         text = answer.text
-        if answer.status == 409:
-            stale = _stale_fence(text)
-            if stale is not None:
-                raise WorkerError(
-                    "rejected", stale, status=answer.status, code=contract.STALE_FENCE
-                )
-        if path == "/collective_rpc" or path in TRANSFER_PATHS:
-            rejection = contract.parse_rejection(_rpc_error_text(text))
-            if rejection is not None:
-                code, detail = rejection
-                raise WorkerError("rejected", detail, status=answer.status, code=code)
+        rpc = path == "/collective_rpc" or path in TRANSFER_PATHS
+        refused = answers.refusal(answer.status, text, rpc=rpc)
+        if refused is not None:
+            raise refused
         raise WorkerError(
             "http", f"{where}: HTTP {answer.status}: {text[:500]}", status=answer.status
         )
@@ -320,10 +212,7 @@ class WorkerClient:
         # vLLM bounds the engine-side wait with the body's timeout; keep both in step.
         body = {"method": method, "args": args, "kwargs": {}, "timeout": timeout or self._timeout}
         doc = await self._json("POST", "/collective_rpc", timeout=timeout, json=body)
-        results = _field(doc, "results", list, method)
-        if not results:
-            raise WorkerError("protocol", f"{method}: no worker answered")
-        return results[0]
+        return answers.rpc_result(doc, method)
 
     # --- refit_worker extension RPCs -------------------------------------------------
     async def refit_info(self, *, timeout: float | None = None) -> contract.RefitInfo:
@@ -366,39 +255,34 @@ class WorkerClient:
 
     async def buffer_digests(self, *, timeout: float | None = None) -> tuple[str, dict[str, str]]:
         """(model dtype, {key: SHA-256}) of every module buffer that is not a parameter."""
-        doc = await self._rpc_dict(contract.RPC_BUFFER_DIGESTS, [], timeout)
-        dtype = _field(doc, "dtype", str, contract.RPC_BUFFER_DIGESTS)
-        return dtype, _digests(_field(doc, "buffers", dict, contract.RPC_BUFFER_DIGESTS))
+        where = contract.RPC_BUFFER_DIGESTS
+        doc = await self._rpc_dict(where, [], timeout)
+        dtype = answers.field(doc, "dtype", str, where)
+        return dtype, answers.digests(answers.field(doc, "buffers", dict, where))
 
     async def _rpc_dict(
         self, method: str, args: list[Any], timeout: float | None
     ) -> dict[str, Any]:
-        result = await self._rpc(method, args, timeout)
-        if not isinstance(result, dict):
-            raise WorkerError("protocol", f"{method}: result is {type(result).__name__}, not dict")
-        return result
+        return answers.rpc_dict(await self._rpc(method, args, timeout), method)
 
     # --- vLLM dev / RL endpoints -----------------------------------------------------
     async def world_size(self, *, timeout: float | None = None) -> int:
         """How many workers this pod's API server counts (TP x PP x DP): a refit's calls must
         reach every one of them, and a broadcast gives each a rank."""
         doc = await self._json("GET", contract.WORLD_SIZE_PATH, timeout=timeout)
-        size = _field(doc, "world_size", int, "get_world_size")
-        if isinstance(size, bool) or size < 1:
-            raise WorkerError("protocol", f"get_world_size: {size!r} is not a worker count")
-        return int(size)
+        return answers.world_size(doc)
 
     async def pause(self, mode: str, *, timeout: float | None = None) -> None:
         doc = await self._json("POST", "/pause", timeout=timeout, params={"mode": mode})
-        self._expect(doc, "status", "paused", "pause")
+        answers.expect(doc, "status", "paused", "pause")
 
     async def resume(self, *, timeout: float | None = None) -> None:
         doc = await self._json("POST", "/resume", timeout=timeout)
-        self._expect(doc, "status", "resumed", "resume")
+        answers.expect(doc, "status", "resumed", "resume")
 
     async def is_paused(self, *, timeout: float | None = None) -> bool:
         doc = await self._json("GET", "/is_paused", timeout=timeout)
-        return bool(_field(doc, "is_paused", bool, "is_paused"))
+        return bool(answers.field(doc, "is_paused", bool, "is_paused"))
 
     async def sleep(
         self, level: int, *, mode: str | None = None, timeout: float | None = None
@@ -407,20 +291,17 @@ class WorkerClient:
         if mode is not None:
             params["mode"] = mode
         doc = await self._json("POST", "/sleep", timeout=timeout, params=params)
-        self._expect(doc, "status", "sleeping", "sleep")
+        answers.expect(doc, "status", "sleeping", "sleep")
 
     async def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> bool:
         """Wake the given tags (all when None); True when the engine is fully awake."""
         params = [("tags", t) for t in tags or []]
         doc = await self._json("POST", "/wake_up", timeout=timeout, params=params)
-        status = _field(doc, "status", str, "wake_up")
-        if status not in ("awake", "sleeping"):
-            raise WorkerError("protocol", f"wake_up: unknown status {status!r}")
-        return bool(status == "awake")
+        return answers.awake(doc)
 
     async def is_sleeping(self, *, timeout: float | None = None) -> bool:
         doc = await self._json("GET", "/is_sleeping", timeout=timeout)
-        return bool(_field(doc, "is_sleeping", bool, "is_sleeping"))
+        return bool(answers.field(doc, "is_sleeping", bool, "is_sleeping"))
 
     async def reset_prefix_cache(
         self, *, reset_running: bool = False, timeout: float | None = None
@@ -429,7 +310,7 @@ class WorkerClient:
         ones) so that they recompute their prefix on the new weights, instead of a refusal."""
         params = {"reset_running_requests": "true"} if reset_running else None
         doc = await self._json("POST", "/reset_prefix_cache", timeout=timeout, params=params)
-        if not _field(doc, "success", bool, "reset_prefix_cache"):
+        if not answers.field(doc, "success", bool, "reset_prefix_cache"):
             # vLLM refuses while blocks are still held (running requests); a retry may pass.
             raise WorkerError("rejected", "reset_prefix_cache refused: cache blocks still held")
 
@@ -462,7 +343,7 @@ class WorkerClient:
         doc = await self._json(
             "POST", "/update_weight_version", timeout=timeout, json={"new_version": version}
         )
-        self._expect(doc, "new_version", version, "update_weight_version")
+        answers.expect(doc, "new_version", version, "update_weight_version")
 
     async def mark_ready(
         self, version: str, *, process: str | None = None, timeout: float | None = None
@@ -481,7 +362,7 @@ class WorkerClient:
                     "rejected", e.message, status=409, code=contract.PROCESS_CHANGED
                 ) from e
             raise
-        self._expect(doc, "version", version, "refit/ready")
+        answers.expect(doc, "version", version, "refit/ready")
 
     async def process_identity(self, *, timeout: float | None = None) -> str | None:
         """The pod process's identity (``GET /refit/ready``, open, vouched for or not);
@@ -502,11 +383,11 @@ class WorkerClient:
         ``{"action": "checksum"}``), read after process_weights_after_loading."""
         path = contract.WEIGHT_CHECKER_PATH
         doc = await self._json("POST", path, timeout=timeout, json={"action": "checksum"})
-        return _digests(_field(doc, "checksums", dict, "weight_checker"))
+        return answers.digests(answers.field(doc, "checksums", dict, "weight_checker"))
 
     async def weight_version(self, *, timeout: float | None = None) -> str:
         doc = await self._json("GET", "/weight_info", timeout=timeout)
-        return str(_field(doc, "weight_version", str, "weight_info"))
+        return str(answers.field(doc, "weight_version", str, "weight_info"))
 
     # --- LoRA adapters (vLLM's runtime routes; admin paths behind the guard, fenced) ------
     async def load_adapter(
@@ -537,17 +418,12 @@ class WorkerClient:
         gives an adapter's card the base model's name as parent and a base model name (one per
         --served-model-name) none (core.admission.ServedModel)."""
         doc = await self._json("GET", "/v1/models", timeout=timeout)
-        out: list[tuple[str, str | None]] = []
-        for card in _field(doc, "data", list, "models"):
-            model = _field(card, "id", str, "models")
-            parent = card.get("parent")
-            out.append((model, parent if isinstance(parent, str) and parent else None))
-        return out
+        return answers.served_models(doc)
 
     async def adapters(self, *, timeout: float | None = None) -> list[str]:
         """The adapter names the pod serves (/v1/models entries other than the base model)."""
         doc = await self._json("GET", "/v1/models", timeout=timeout)
-        data = _field(doc, "data", list, "models")
+        data = answers.field(doc, "data", list, "models")
         base = await self.model_name(timeout=timeout)
         return [str(m.get("id")) for m in data if isinstance(m, dict) and m.get("id") != base]
 
@@ -556,10 +432,10 @@ class WorkerClient:
         """The served model name (first entry of /v1/models), asked once per client."""
         if self._model is None:
             doc = await self._json("GET", "/v1/models", timeout=timeout)
-            data = _field(doc, "data", list, "models")
+            data = answers.field(doc, "data", list, "models")
             if not data:
                 raise WorkerError("protocol", "models: the pod serves no model")
-            self._model = str(_field(data[0], "id", str, "models"))
+            self._model = str(answers.field(data[0], "id", str, "models"))
         return self._model
 
     async def score(
@@ -604,33 +480,11 @@ class WorkerClient:
             "return_token_ids": True,
         }
         doc = await self._json("POST", "/v1/completions", timeout=timeout, json=body)
-        by_index: dict[int, Any] = {}
-        for choice in _field(doc, "choices", list, "completions"):
-            index = _field(choice, "index", int, "completions: choice")
-            if not 0 <= index < len(prompts):
-                raise WorkerError(
-                    "protocol",
-                    f"completions: a choice has index {index}, "
-                    f"the request had {len(prompts)} prompts",
-                )
-            if index in by_index:
-                raise WorkerError("protocol", f"completions: two choices for prompt {index}")
-            by_index[index] = choice
-        missing = [i for i in range(len(prompts)) if i not in by_index]
-        if missing:
-            raise WorkerError(
-                "protocol",
-                f"completions: no choice for prompt(s) {missing} of {len(prompts)}",
-            )
-        return [_prompt_scores(by_index[i], tokens, i) for i, tokens in enumerate(prompts)]
+        return answers.prompt_scores(doc, prompts)
 
     async def requests_in_flight(self, *, timeout: float | None = None) -> int:
         """Running + waiting requests from /metrics: what a drain still waits for."""
-        sums = await self._metric_sums(IN_FLIGHT_METRICS, timeout=timeout)
-        total = sum(sums)
-        if not math.isfinite(total) or total < 0:
-            raise WorkerError("protocol", f"metrics: in-flight count is {total}")
-        return int(total)
+        return answers.in_flight(await self._metric_sums(IN_FLIGHT_METRICS, timeout=timeout))
 
     async def draft_acceptance(
         self, prompts: list[list[int]], *, timeout: float | None = None, batch: bool = True
@@ -657,22 +511,4 @@ class WorkerClient:
         """Each sample name's sum over its labels (every engine) on /metrics, in ``names``'
         order; a name the pod does not export is a protocol error."""
         response = await self._request("GET", "/metrics", timeout=timeout)
-        try:
-            families = list(text_string_to_metric_families(response.text))
-        except ValueError as exc:
-            raise WorkerError("protocol", f"metrics: cannot parse: {exc}") from exc
-        sums: dict[str, float] = {}
-        for family in families:
-            for sample in family.samples:
-                if sample.name in names:
-                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-        missing = [n for n in names if n not in sums]
-        if missing:
-            raise WorkerError("protocol", f"metrics: missing {', '.join(missing)}")
-        return [sums[n] for n in names]
-
-    @staticmethod
-    def _expect(doc: Any, key: str, want: Any, where: str) -> None:
-        got = _field(doc, key, type(want), where)
-        if got != want:
-            raise WorkerError("protocol", f"{where}: {key}={got!r}, expected {want!r}")
+        return answers.metric_sums(response.text, names)
