@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from refit_operator.controller.rounds import Rounds, TrainerTimeout, rank_problem
 from refit_operator.core.api import SENDING_ANNOTATION
 from refit_operator.core.api_status import BroadcastRound
-from refit_operator.rounds import Rounds, TrainerTimeout, rank_problem
 
 WAIT = 5.0  # seconds a join may wait in these tests: never reached unless a test fails
 
