@@ -1,6 +1,6 @@
 """A picture of one refit instead of a log: per-pod probe results and a per-pod step timeline.
 
-    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] \\
+    python -m refit_client.report --refit NAME -n NAMESPACE [--kubeconfig PATH] \\
         --out report.png
 
 reads the WeightRefit and its fleet's pods from the API server and draws every pod: each pod's
@@ -9,10 +9,7 @@ which lists only the pods that need attention. `render(status, out, ...)` draws 
 dict (`.status` of a WeightRefit) directly, or from every pod's result (`pods=`);
 `render_refit(doc, out, pods=...)` from the WeightRefit and its fleet's Pod objects;
 `figure(status, ...)` is the Figure `render` saves. Needs matplotlib (the `report` extra).
-
-`render_grpo(run, out)` draws a training run through Refit instead: reward and refit time
-per step, from the run document `testbed/grpo_trainer.py` writes (the `refit[trl]`
-integration's StepRecords and the reward TRL logged).
+A training run through Refit, step by step, is grpo_report's picture.
 
 The headline is the time out of traffic: the title gives the refit's worst and median, and
 the timeline shades each pod's window out of traffic (its readiness condition False) behind
@@ -22,18 +19,22 @@ its steps, hatched where the pod is still out.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+from refit_operator.core import api, times, traffic
+from refit_operator.core.podflow import STEPS, Progress
 from refit_worker.contract import API_GROUP
 
-from ..core import api, times, traffic
-from ..core.podflow import STEPS, Progress
-from ..core.views import pod_views, seconds, version_of
+from .kubeconfig import load_api_client
+from .kubectl_text import pod_views, seconds, version_of
+from .refit_error import RefitError
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
@@ -50,12 +51,6 @@ DPI: Final = 110
 MESSAGE_WIDTH: Final = 160
 # Points kept free between a pod's phase label and the timeline's right edge.
 LABEL_MARGIN: Final = 8.0
-# The parts of a GRPO step's time (StepRecord fields), stacked in this order.
-GRPO_TIMES: Final = (
-    ("publish_seconds", "publish (reference + send)", "#1f77b4"),
-    ("operator_seconds", "operator (refit → Succeeded)", "#ff7f0e"),
-    ("generation_seconds", "generation (rollouts)", "#2ca02c"),
-)
 # One color per step of the sequence, in order (tab10 + three).
 STEP_COLORS: Final[dict[str, str]] = dict(
     zip(
@@ -463,26 +458,26 @@ def _out_of_traffic(
     return legend
 
 
-async def _fetch(
+def _fetch(
     name: str, namespace: str, kubeconfig: str | None
 ) -> tuple[dict[str, Any], list[dict[str, Any]] | str]:
-    """The WeightRefit, and its fleet's Pod objects (or why they could not be listed)."""
-    from kubernetes_asyncio import client
-    from kubernetes_asyncio.client.exceptions import ApiException
-
-    from ..edges.cluster import connect, read_json
-
-    api_client = await connect(kubeconfig)
-    async with api_client:
-        doc: dict[str, Any] = await client.CustomObjectsApi(
-            api_client
-        ).get_namespaced_custom_object(API_GROUP, api.VERSION, namespace, api.PLURAL, name)
+    """The WeightRefit, and its fleet's Pod objects (or why they could not be listed). The
+    trainer side's one Kubernetes client (kubeconfig.py), as RefitClient and kubectl refit
+    read: the SDK imports nothing of the operator's I/O edges."""
+    api_client = load_api_client(kubeconfig, None)
+    # Any: the stubs type the answers as models; these calls return plain JSON.
+    custom: Any = k8s.CustomObjectsApi(api_client)
+    core: Any = k8s.CoreV1Api(api_client)
+    with api_client:
+        doc: dict[str, Any] = custom.get_namespaced_custom_object(
+            API_GROUP, api.VERSION, namespace, api.PLURAL, name
+        )
         selector = api.LabelSelector.model_validate(doc["spec"]["fleet"]["selector"])
         try:
-            resp = await client.CoreV1Api(api_client).list_namespaced_pod(
+            resp = core.list_namespaced_pod(
                 namespace, label_selector=selector.canonical(), _preload_content=False
             )
-            items: list[dict[str, Any]] = (await read_json(resp)).get("items", [])
+            items: list[dict[str, Any]] = json.loads(resp.data).get("items", [])
         except ApiException as e:
             return doc, f"HTTP {e.status} {e.reason}"
     return doc, items
@@ -508,7 +503,7 @@ def render_refit(
     results = None
     windows = None
     if pods is not None:
-        from ..core.status import fleet_results
+        from refit_operator.core.status import fleet_results
 
         listed = api.WeightRefitStatus.model_validate(dict(status)).pods
         views = pod_views(doc, pods)
@@ -520,75 +515,9 @@ def render_refit(
     return render(status, out, thresholds=thresholds, title=title, pods=results, windows=windows)
 
 
-def render_grpo(run: Mapping[str, Any], out: Path, *, title: str = "") -> Path:
-    """Draw a GRPO run through Refit as a PNG at `out`: the reward per step above, each
-    step's time below (publish, the operator's refit, generation), stacked.
-
-    run: {"records": [StepRecord as a dict, one per publish], "steps": {step: {"reward":
-    ...}}, "end": {"phase": ...}}, as testbed/grpo_trainer.py writes it. The last publish
-    (the final weights, from on_train_end) has no rollouts: no reward, no generation.
-    """
-    records = sorted(run.get("records") or [], key=lambda r: int(r["step"]))
-    if not records:
-        raise ValueError("the run document has no steps (no records): nothing to draw")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [int(r["step"]) for r in records]
-    # JSON turns the steps' integer keys into strings.
-    scored = {int(k): v for k, v in (run.get("steps") or {}).items()}
-    rewarded = [
-        (s, scored[s]["reward"]) for s in steps if scored.get(s, {}).get("reward") is not None
-    ]
-
-    fig, (top, bottom) = plt.subplots(
-        2, 1, sharex=True, figsize=(10, 7), height_ratios=[1, 1.3], layout="constrained"
-    )
-    if rewarded:
-        values = [r for _, r in rewarded]
-        top.plot([s for s, _ in rewarded], values, marker="o", color="#9467bd", clip_on=False)
-        top.set_ylim(bottom=min(0.0, *values))  # a reward of 0 sits on the axis
-    else:
-        top.text(0.5, 0.5, "no reward logged", transform=top.transAxes, ha="center")
-    top.set_ylabel("mean reward")
-    top.set_title("reward of the step's rollouts", fontsize=10)
-    top.grid(alpha=0.3)
-
-    below = [0.0] * len(records)
-    for key, label, color in GRPO_TIMES:
-        values = [float(r.get(key) or 0.0) for r in records]
-        bottom.bar(steps, values, bottom=below, color=color, label=label, edgecolor="black", lw=0.4)
-        below = [b + v for b, v in zip(below, values, strict=True)]
-    for step, total in zip(steps, below, strict=True):
-        bottom.annotate(
-            f"{total:.1f}s", xy=(step, total), xytext=(0, 2), textcoords="offset points",
-            ha="center", va="bottom", fontsize=8,
-        )  # fmt: skip
-    bottom.set_ylabel("seconds")
-    bottom.set_xlabel("training step (the last refit publishes the final weights)")
-    bottom.set_title("time per step: the refit to the step's weights, then its rollouts",
-                     fontsize=10)  # fmt: skip
-    bottom.set_xticks(steps)
-    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    bottom.grid(axis="y", alpha=0.3)
-
-    end = (run.get("end") or {}).get("phase") or "not ended"
-    fig.suptitle(
-        f"{title or 'GRPO through Refit'} — {records[0]['version']} … {records[-1]['version']}"
-        f" — {len(records)} refits, training {end}",
-        fontsize=12, x=0.01, ha="left",
-    )  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m refit_operator.tools.report",
+        prog="python -m refit_client.report",
         description="Render a PNG report of one WeightRefit: probe results and step timeline.",
     )
     p.add_argument("--refit", required=True, help="WeightRefit name")
@@ -596,10 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kubeconfig", default=None, help="default: in-cluster, else KUBECONFIG")
     p.add_argument("--out", type=Path, default=Path("report.png"))
     args = p.parse_args(argv)
-    from kubernetes_asyncio.client.exceptions import ApiException
-
     try:
-        doc, pods = asyncio.run(_fetch(args.refit, args.namespace, args.kubeconfig))
+        doc, pods = _fetch(args.refit, args.namespace, args.kubeconfig)
+    except RefitError as e:  # no usable configuration
+        print(f"report: {e}", file=sys.stderr)
+        return 1
     except ApiException as e:
         print(
             f"report: cannot read WeightRefit {args.namespace}/{args.refit}: "

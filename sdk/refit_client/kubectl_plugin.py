@@ -27,10 +27,11 @@ from typing import Any, TextIO
 import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from refit_operator.core import api
 from refit_worker.contract import API_GROUP
 
-from ..core import api
-from ..core.views import (
+from .client import RefitClient, RefitFailed, RefitTimeout
+from .kubectl_text import (
     HISTORY_HEADERS,
     REFIT_HEADERS,
     describe,
@@ -41,7 +42,6 @@ from ..core.views import (
     table,
     track_of,
 )
-from .client import RefitClient, RefitFailed, RefitTimeout
 from .refit_document import parse_selector
 from .refit_error import RefitError
 

@@ -1,6 +1,6 @@
 """Trainer-side client: submit a WeightRefit for a checkpoint directory and wait for its verdict.
 
-    from refit_operator.tools.client import RefitClient, RefitFailed
+    from refit_client import RefitClient, RefitFailed
 
     refits = RefitClient()                         # in-cluster config, else KUBECONFIG
     name = refits.submit("/ckpt/step-100", "step-100", fleet_selector={"app": "rollout"},
@@ -30,14 +30,14 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
+from refit_operator.core import api, times
+from refit_operator.core.api import SENDING_ANNOTATION
+from refit_operator.core.reasons import Reason
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
-from ..core import api, times
-from ..core.api import SENDING_ANNOTATION
-from ..core.reasons import Reason
-from ..core.views import reason_of
 from .checkpoint_files import write_checkpoint_files
 from .kubeconfig import default_namespace, load_api_client
+from .kubectl_text import reason_of
 from .refit_document import API_VERSION, build_refit, default_name, stamped
 from .refit_error import RefitError
 

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer trains through Refit: ``GRPOTrainer(rollout_func=RefitRollout(...))``.
 
-    from refit_operator.tools.client import RefitClient
-    from refit_operator.tools.integrations.trl import RefitRollout
+    from refit_client import RefitClient
+    from refit_client.integrations.trl import RefitRollout
 
     rollout = RefitRollout(RefitClient(namespace="rl"), fleet_selector="app=rollout",
                            port=8000, probe_token_ids=ids, rendezvous=("10.0.0.5", 29600))
@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from refit_operator.core import api
+from refit_operator.core import groups as pod_groups
+from refit_operator.core.gate import gate, served
+from refit_operator.core.podview import PodView
 
-from ...core import api
-from ...core import groups as pod_groups
-from ...core.gate import gate, served
-from ...core.podview import PodView
 from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 
@@ -337,7 +337,7 @@ class RefitRollout:
             model,
             self.probe_token_ids,
             version=version,
-            tool="refit_operator.tools.integrations.trl",
+            tool="refit_client.integrations.trl",
         )
         referenced = time.monotonic()
         if self.rendezvous is not None:

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from refit_operator.core import api, times
 from refit_worker.contract import API_GROUP
 
-from ..core import api, times
 from .refit_error import RefitError
 
 API_VERSION = f"{API_GROUP}/{api.VERSION}"
