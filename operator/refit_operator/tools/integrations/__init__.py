@@ -1,0 +1,1 @@
+"""Deprecated: refit_client.integrations (refit_operator/tools/__init__.py says why)."""
