@@ -27,8 +27,8 @@ $(VENV_STAMP): pyproject.toml worker_image/requirements-cpu.txt worker_image/req
 # [tool.mypy] names (all but examples/, one script). tests/unit/test_lint_coverage.py fails
 # naming a tracked file either leaves out.
 lint: $(VENV_STAMP)
-	.venv/bin/ruff check operator worker_image testbed demo tests hack bench examples
-	.venv/bin/ruff format --check operator worker_image testbed demo tests hack bench examples
+	.venv/bin/ruff check operator worker_image sdk testbed demo tests hack bench examples
+	.venv/bin/ruff format --check operator worker_image sdk testbed demo tests hack bench examples
 	.venv/bin/mypy
 
 # The real-node suite (tests/node) needs root; REFIT_NODE_TESTS=0 leaves it out (reported

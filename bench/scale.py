@@ -40,10 +40,10 @@ from typing import Any
 import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_client.refit_document import build_refit
 from refit_operator.core import api
 from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.edges.leader import DEFAULT_LEASE_SECONDS
-from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import API_GROUP
 
 from bench import apiserver

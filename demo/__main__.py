@@ -12,7 +12,7 @@ each server's own loopback address, and a real Prometheus scraping the operator.
     v3  checkpoint mixed  Rolling, canary 1   valid manifest, wrong weights  -> the probe
         rejects the canary, the rollout halts, the canary is rolled back     -> RolledBack
     v4  broadcast of A    AllAtOnce           a trainer process sends A's tensors over
-        gloo (refit_operator.tools.client); each pod checks them against the trainer's promise
+        gloo (refit_client.client); each pod checks them against the trainer's promise
         before loading, then the probe gates it as for a checkpoint           -> Succeeded
     lora-v1  LoRA adapter "policy" v1 on A, Rolling (spec.adapter): each pod loads and probes
         it under a staged name while serving, then swaps it in; no sleep, no reload
@@ -21,7 +21,7 @@ each server's own loopback address, and a real Prometheus scraping the operator.
         policy at every step (demo-grpo-step-0..N, broadcast), the pods generate its
         rollouts                                       -> every refit and training Succeeded
 
-with live per-pod progress, a summary table and PNG reports (refit_operator.tools.report; the GRPO
+with live per-pod progress, a summary table and PNG reports (refit_client.report; the GRPO
 run's reward and refit time per step in grpo.png). Exit 0 only when every outcome is the
 expected one, every GRPO step's completions came from that step's version, and every pod
 serves the last base weights (v4, the adapter loads beside them; or the GRPO run's last step),
@@ -58,9 +58,9 @@ from typing import Any, TextIO
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from refit_operator.core.views import describe, duration, reason_of, table
-from refit_operator.tools.client import RefitClient, RefitFailed, RefitTimeout
-from refit_operator.tools.report import render_refit
+from refit_client.client import RefitClient, RefitFailed, RefitTimeout
+from refit_client.kubectl_text import describe, duration, reason_of, table
+from refit_client.report import render_refit
 from refit_worker.contract import READINESS_GATE, TRANSFER_BACKEND
 
 from demo import grpo
@@ -301,7 +301,7 @@ class Live:
 
 def start_trainer(model: Any, step: Step, port: int, kubeconfig: Path, log: Path) -> Any:
     """The trainer of a broadcast step: its own process (torch stays out of this one),
-    `testbed.broadcast_trainer`, which sends through refit_operator.tools.client."""
+    `testbed.broadcast_trainer`, which sends through refit_client.client."""
     spec = {"admin_token_secret": SECRET, "on_failure": "Rollback", **step.strategy}
     ckpt = model.checkpoints[step.checkpoint]
     cmd = [
@@ -604,7 +604,7 @@ def keep_text(
         f"  export KUBECONFIG={kubeconfig}\n"
         f"  {kubectl} get wr -n {NAMESPACE}\n"
         f"  {kubectl} get wr -n {NAMESPACE} -o wide\n"
-        f"  .venv/bin/python -m refit_operator.tools.kubectl_plugin history -n {NAMESPACE}\n"
+        f"  .venv/bin/python -m refit_client.kubectl_plugin history -n {NAMESPACE}\n"
         f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics\n"
         f"  Prometheus:       {prom_url} (API: {prom_url}/api/v1/query?query=refit_refits_total)\n"
         f"  logs and state:   {state}\n"
@@ -616,7 +616,7 @@ def keep_text(
         f"  checkpoints:      the pods load only under {model.allowed_root} (A and B are the\n"
         "                    demo's; a checkpoint of your own goes beside them)\n"
         "  a refit to checkpoint B, from Python (.venv/bin/python, PYTHONPATH as for the demo):\n"
-        "    from refit_operator.tools.client import RefitClient\n"
+        "    from refit_client import RefitClient\n"
         f'    with RefitClient(namespace="{NAMESPACE}", kubeconfig="{kubeconfig}") as refits:\n'
         f'        name = refits.submit("{ckpt}", "mine-1", fleet_selector="{selector}",\n'
         f'                             port={port}, admin_token_secret="{SECRET}")\n'

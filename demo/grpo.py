@@ -3,7 +3,7 @@
 TRL's GRPOTrainer (`testbed.grpo_trainer`, its own process: torch stays out of the demo's)
 trains the tiny model from checkpoint A and publishes its policy to the demo's fleet by
 broadcast at every step, one WeightRefit per step (`demo-grpo-step-N`), through
-`refit_operator.tools.integrations.trl.RefitRollout`; each step's rollouts come from the pods.
+`refit_client.integrations.trl.RefitRollout`; each step's rollouts come from the pods.
 N steps are N+1 refits: step 0 publishes the starting model, the end the final weights.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_operator.core.views import table
-from refit_operator.tools.report import render_grpo
+from refit_client.grpo_report import render_grpo
+from refit_client.kubectl_text import table
 
 from testbed.grpo_trainer import PROGRESS, command
 

@@ -1,5 +1,5 @@
-"""A training loop that refits its rollout fleet after every update, with
-refit_operator.tools.client.
+"""A training loop that refits its rollout fleet after every update, with the trainer-side
+SDK's RefitClient (refit_client).
 
     python examples/trainer_loop.py --model-dir /ckpt/base --out-root /ckpt/run1 \\
         --pod-root /checkpoints/run1 --selector app=rollout --namespace rl --probe-texts texts.txt
@@ -24,7 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
-from refit_operator.tools.client import RefitClient, RefitFailed, RefitTimeout
+from refit_client import RefitClient, RefitFailed, RefitTimeout
 
 log = logging.getLogger("trainer")
 

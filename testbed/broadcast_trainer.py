@@ -1,5 +1,5 @@
 """A trainer process for broadcast refits: sends a checkpoint's tensors to the fleet through
-`refit_operator.tools.client.RefitClient.broadcast`, optionally with one fault injected, and
+`refit_client.client.RefitClient.broadcast`, optionally with one fault injected, and
 prints the verdict as one JSON line. Tests run it as a real process (it may die mid-send).
 
     python -m testbed.broadcast_trainer --kubeconfig K --namespace NS --name N --version V \\
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from refit_operator.tools.client import RefitClient, RefitFailed
-from refit_operator.tools.refit_error import RefitError
+from refit_client.client import RefitClient, RefitFailed
+from refit_client.refit_error import RefitError
 from refit_worker import broadcast as wire
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"

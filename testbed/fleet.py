@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from refit_client.refit_document import build_refit
 from refit_operator.core.api_spec import LEADER_INDEX, LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
-from refit_operator.tools.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE
 
 from testbed.controlplane import ControlPlane

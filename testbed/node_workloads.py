@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_operator.tools.refit_document import build_refit
+from refit_client.refit_document import build_refit
 from refit_worker.contract import READINESS_GATE, READY_PATH
 
 from testbed.node_images import OPERATOR_IMAGE, WORKER_IMAGE

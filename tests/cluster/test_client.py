@@ -1,4 +1,4 @@
-"""refit_operator.tools.client against the real API server: what submit creates, how wait reads
+"""refit_client.client against the real API server: what submit creates, how wait reads
 the operator's verdicts (simulated here through the status subresource, as the operator
 writes it), the timeout, the manifest/reference writers, and one run against the real
 operator with simulated workers."""
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from refit_operator.tools.client import RefitClient, RefitFailed, RefitTimeout
-from refit_operator.tools.refit_error import RefitError
+from refit_client.client import RefitClient, RefitFailed, RefitTimeout
+from refit_client.refit_error import RefitError
 from refit_worker import contract
 
 from testbed.controlplane import ControlPlane

@@ -30,9 +30,7 @@ def kubectl_refit(control_plane: ControlPlane, tmp_path: Path):
     if INSTALLED.exists():
         plugin.symlink_to(INSTALLED)
     else:
-        plugin.write_text(
-            f'#!/bin/sh\nexec {sys.executable} -m refit_operator.tools.kubectl_plugin "$@"\n'
-        )
+        plugin.write_text(f'#!/bin/sh\nexec {sys.executable} -m refit_client.kubectl_plugin "$@"\n')
         plugin.chmod(0o755)
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig),
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip

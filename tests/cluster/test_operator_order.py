@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from refit_client.client import RefitClient
 from refit_operator.core import times
-from refit_operator.tools.client import RefitClient
 
 from testbed.fleet import LABELS, make_checkpoints, start_fleet
 

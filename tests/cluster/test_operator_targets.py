@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from refit_operator.tools.refit_document import build_refit
+from refit_client.refit_document import build_refit
 
 from testbed.fleet import Fleet, make_checkpoints
 

@@ -1,4 +1,4 @@
-"""The TRL integration (refit_operator.tools.integrations.trl.RefitRollout) on a fleet of pod
+"""The TRL integration (refit_client.integrations.trl.RefitRollout) on a fleet of pod
 groups (spec.fleet.groups), on the real API server with the real operator and simulated
 workers: two groups of two, labelled as LeaderWorkerSet labels them (tests/cluster/
 test_operator_groups.py). Each step publishes through the operator (the refit carries the
@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
+from refit_client.client import RefitClient
+from refit_client.integrations import trl
 from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
-from refit_operator.tools.client import RefitClient
-from refit_operator.tools.integrations import trl
 from refit_worker import reference
 
 from testbed.fleet import LABELS

@@ -1,7 +1,7 @@
 """Broadcast refits end to end on real parts: the `refit-operator` process on the real API
 server drives two real vLLM CPU servers (the refit-gloo engine, the admin guard, the worker
 extension), and a real trainer process (`testbed.broadcast_trainer`, through
-`refit_operator.tools.client`) sends the tensors over gloo once per round.
+`refit_client.client`) sends the tensors over gloo once per round.
 
 Every pass reads back its pod's runtime weights after the load or receive (vLLM's weight
 checker and the buffers' digests, through the guard with the pass's fence): pods of one

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from refit_operator.tools.report import render_refit
+from refit_client.report import render_refit
 
 from testbed.controlplane import ControlPlane, free_port
 from testbed.fleet import Fleet, make_checkpoints

@@ -1,4 +1,4 @@
-"""refit_operator.tools.report: a PNG of one refit, from a status dict and from the API server."""
+"""refit_client.report: a PNG of one refit, from a status dict and from the API server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import numpy as np
 import pytest
-from refit_operator.tools.report import VERDICT_COLORS, render
+from refit_client.report import VERDICT_COLORS, render
 
 from tests.observability.refit_status import halted_rolling_refit
 
@@ -80,7 +80,7 @@ def test_cli_reads_the_refit_from_the_api_server(
         "-p", json.dumps({"status": status}),
     )  # fmt: skip
     out = tmp_path / "cli.png"
-    cmd = [sys.executable, "-m", "refit_operator.tools.report", "--refit", name, "-n", namespace,
+    cmd = [sys.executable, "-m", "refit_client.report", "--refit", name, "-n", namespace,
            "--kubeconfig", str(control_plane.kubeconfig), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -113,7 +113,7 @@ def _passed(i: int) -> dict:
 def test_report_draws_pods_the_status_does_not_list(tmp_path: Path) -> None:
     """A Succeeded refit lists no pods in its status: the report draws every pod of the fleet
     from its own record (the progress annotation)."""
-    from refit_operator.tools.report import render_refit
+    from refit_client.report import render_refit
 
     status = halted_rolling_refit()
     status.update(phase="Succeeded", failedPods=0, inconclusivePods=0, pods=[], message="")
@@ -128,8 +128,8 @@ def test_report_draws_pods_the_status_does_not_list(tmp_path: Path) -> None:
 
 
 def test_a_large_fleet_is_drawn_whole_at_a_fixed_size(tmp_path: Path) -> None:
+    from refit_client.report import LABELLED_ROWS
     from refit_operator.core import api_status
-    from refit_operator.tools.report import LABELLED_ROWS
 
     status = halted_rolling_refit()
     results = [
@@ -145,8 +145,8 @@ def test_a_large_fleet_is_drawn_whole_at_a_fixed_size(tmp_path: Path) -> None:
 def test_the_timeline_shades_each_pods_time_out_of_traffic(tmp_path: Path) -> None:
     """render_refit reads each pod's window out of traffic from its record (left_traffic to
     finished) and shades it behind the steps; without windows nothing is shaded."""
+    from refit_client.report import OUT_OF_TRAFFIC_COLOR, render_refit
     from refit_operator.core.times import epoch
-    from refit_operator.tools.report import OUT_OF_TRAFFIC_COLOR, render_refit
 
     status = halted_rolling_refit()
     for p in status["pods"]:
@@ -171,9 +171,9 @@ def test_the_timeline_shades_each_pods_time_out_of_traffic(tmp_path: Path) -> No
 
 
 def test_windows_from_records_and_from_results() -> None:
+    from refit_client.report import record_windows, result_windows
     from refit_operator.core import api_status
     from refit_operator.core.podflow import Progress
-    from refit_operator.tools.report import record_windows, result_windows
 
     done = Progress(refit="wr", uid="u1", version="v2", path="/c", outcome="Succeeded",
                     step="", left_traffic=105.0, finished=117.5)  # fmt: skip
@@ -199,8 +199,8 @@ def test_windows_from_records_and_from_results() -> None:
 
 
 def test_the_title_headlines_worst_and_median_time_out_of_traffic() -> None:
+    from refit_client.report import headline
     from refit_operator.core import api_status
-    from refit_operator.tools.report import headline
 
     st = api_status.WeightRefitStatus.model_validate(halted_rolling_refit())
     assert headline(st, {}) == (

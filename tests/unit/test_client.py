@@ -1,10 +1,10 @@
-"""refit_operator.tools.client without a cluster: how it reads verdicts."""
+"""refit_client.client without a cluster: how it reads verdicts."""
 
 from __future__ import annotations
 
+from refit_client.client import RefitFailed, RefitTimeout, WatchedFailures, pod_failures
+from refit_client.kubectl_text import reason_of
 from refit_operator.core.reasons import Problem
-from refit_operator.core.views import reason_of
-from refit_operator.tools.client import RefitFailed, RefitTimeout, WatchedFailures, pod_failures
 
 HALTED = {
     "phase": "Halted",

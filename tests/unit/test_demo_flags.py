@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from refit_operator.tools import client as client_module
-from refit_operator.tools.refit_document import build_refit
+import refit_client
+from refit_client.refit_document import build_refit
 
 from demo import __main__ as demo
 from demo.grpo import GrpoRun
@@ -207,7 +207,7 @@ def test_keep_prints_the_fleet_a_trainer_needs(monkeypatch: pytest.MonkeyPatch) 
     assert "/cache/models/tiny/checkpoints" in text
     # The snippet it prints runs as written and makes a refit of that fleet with its Secret.
     snippet = text.split("from Python", 1)[1].split("\n", 1)[1].split("Press Ctrl-C")[0]
-    monkeypatch.setattr(client_module, "RefitClient", _Client)
+    monkeypatch.setattr(refit_client, "RefitClient", _Client)  # the name the snippet imports
     _Client.made.clear()
     exec(textwrap.dedent(snippet), {})
     (doc,) = _Client.made

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
+from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api_status import WeightRefitStatus
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
-from refit_operator.tools.refit_document import build_refit
 
 from testbed.explorer.explore import ROOT, VERSIONS
 from testbed.explorer.memcluster import MemoryCluster, MemoryLeases, Store, finalized, pod_body

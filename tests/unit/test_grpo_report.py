@@ -1,4 +1,4 @@
-"""refit_operator.tools.report.render_grpo: reward and refit time per step of a GRPO run, from the
+"""refit_client.grpo_report.render_grpo: reward and refit time per step of a GRPO run, from the
 run document testbed/grpo_trainer.py writes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import matplotlib.image as mpimg
 import pytest
-from refit_operator.tools.report import render_grpo
+from refit_client.grpo_report import render_grpo
 
 
 def _run(steps: int) -> dict[str, Any]:

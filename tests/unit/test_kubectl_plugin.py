@@ -7,10 +7,8 @@ import argparse
 import json
 
 import pytest
-from refit_operator.core import api_spec, api_status
-from refit_operator.core.decision import RefitView
-from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
-from refit_operator.core.views import (
+from refit_client.kubectl_plugin import parse_timeout
+from refit_client.kubectl_text import (
     describe,
     history_rows,
     plan_batches,
@@ -18,7 +16,9 @@ from refit_operator.core.views import (
     table,
     track_of,
 )
-from refit_operator.tools.kubectl_plugin import parse_timeout
+from refit_operator.core import api_spec, api_status
+from refit_operator.core.decision import RefitView
+from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 
 
@@ -201,7 +201,7 @@ def test_describe_headlines_the_time_out_of_traffic_and_shows_it_per_pod():
 def test_out_of_traffic_from_the_pods_records_when_the_status_has_none():
     """An operator older than status.outOfTraffic: the summary comes from the pods' records
     of this refit (another refit's record is not counted)."""
-    from refit_operator.core.views import out_of_traffic
+    from refit_client.kubectl_text import out_of_traffic
 
     doc = refit_doc()
     doc["metadata"]["namespace"] = "ns"
@@ -244,8 +244,8 @@ def test_status_and_plan_show_a_pod_group_as_one_unit_named_by_its_leader():
     """With spec.fleet.groups, `kubectl refit status` and `plan` count groups as the operator
     does: a follower (no record of its own) is no row of its own, and the group's gate is
     "yes" only when every pod of it is in traffic."""
+    from refit_client.kubectl_text import pod_rows
     from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
-    from refit_operator.core.views import pod_rows
 
     doc = refit_doc(strategy={"type": "Rolling", "maxUnavailable": 1})
     doc["spec"]["fleet"]["groups"] = {}

@@ -1,18 +1,25 @@
 """The layers of the house, read from the imports of its source (no import runs), written as
 import-linter's contracts read: each test below is one contract.
 
-    refit_operator.tools        what users import: the trainer client, kubectl refit, reports,
-                                framework integrations
+    refit_client                the trainer-side SDK, a package of its own (sdk/): the trainer
+                                client, kubectl refit, reports, framework integrations
+    refit_operator.tools        deprecated: the SDK's old import paths, for one release
     refit_operator.controller   the controller: the reconcile loop, the per-pod pass and its
-                                steps, the preflight, the broadcast rounds; beside it at the top
-                                level the kopf glue (handlers) and the entry point (main)
+                                steps, the weight sources, the preflight, the broadcast rounds;
+                                beside it at the top level the kopf glue (handlers) and the
+                                entry point (main)
     refit_operator.edges        thin I/O edges: the Kubernetes API, the pods' HTTP, the Lease,
                                 the Prometheus metrics
     refit_operator.core         the pure core: plain data in, decisions out
 
 - layers: a module imports its own layer and the layers below it, never one above;
-- independence: the tools never import the controller, nor the controller the tools (a
-  trainer's process never loads the engine; the operator's image never needs a tool);
+- independence: the old paths never import the controller, nor the controller them;
+- the SDK reads the operator's pure core only: refit_client imports refit_operator.core and
+  refit_worker (refit_worker.contract at module level; the checkpoint writers and the
+  broadcast, which need torch, inside the functions that use them), never the edges or the
+  controller, so a trainer's process loads neither kopf nor the engine; the operator never
+  imports refit_client, but for its deprecated old paths (refit_operator.tools), which import
+  nothing else of the operator;
 - forbidden: the core imports no I/O library; the operator imports neither torch nor vLLM; the
   worker plugin (refit_worker) imports nothing of the operator;
 - acyclic: no module of either package imports another that imports it back, lazily or not.
@@ -21,11 +28,16 @@ import-linter's contracts read: each test below is one contract.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
+SDK = ROOT / "sdk" / "refit_client"
+OLD_PATHS = OPERATOR / "tools"
 
 CONTROLLER = "refit_operator"  # controller/ and the top-level glue (handlers, main)
 # Lowest first: a layer may import the layers before it in this tuple.
@@ -61,14 +73,18 @@ def module_files(package_dir: Path) -> dict[str, Path]:
     return out
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, anywhere in its source: at the top, inside
-    functions (lazy imports) and under TYPE_CHECKING alike. An import is an edge to each module
-    it names: ``from refit_worker.checkpoint import X`` to refit_worker.checkpoint, ``from
-    refit_worker import checkpoint`` to refit_worker and refit_worker.checkpoint, ``from
-    .digests import X`` to the sibling module. The parent packages Python initializes first
+def import_graph(package_dir: Path, *reads: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (and those of the packages `reads`),
+    anywhere in its source: at the top, inside functions (lazy imports) and under
+    TYPE_CHECKING alike. An import is an edge to each module it names: ``from
+    refit_worker.checkpoint import X`` to refit_worker.checkpoint, ``from refit_worker import
+    checkpoint`` to refit_worker and refit_worker.checkpoint, ``from .digests import X`` to the
+    sibling module. The parent packages Python initializes first
     are not edges (a package's __init__ imports its own modules for its interface)."""
     files = module_files(package_dir)
+    known = dict(files)
+    for other in reads:
+        known |= module_files(other)
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -87,7 +103,7 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
         for dotted in named:
             parts = dotted.split(".")
             for n in range(len(parts), 0, -1):  # the longest prefix that is a module
-                if ".".join(parts[:n]) in files:
+                if ".".join(parts[:n]) in known:
                     targets.add(".".join(parts[:n]))
                     break
         graph[name] = targets - {name}
@@ -155,13 +171,14 @@ def test_no_test_module_imports_another() -> None:
     assert not wrong, f"modules importing test modules (move what they share): {wrong}"
 
 
-INTEGRATIONS = OPERATOR / "tools" / "integrations"
+INTEGRATIONS = SDK / "integrations"
 # What an integration may import at module level: the client it drives and the pure document
-# it names refits with (refit_document), the pure reading of a pod and its records (podflow,
-# podview), the standard library and httpx. Its framework and torch only inside functions
-# (the operator's image has neither).
+# it names refits with (refit_document), the operator's pure reading of a pod and its records
+# (refit_operator.core: podview, groups, the gate; the SDK's contract below holds it to the
+# core), the standard library and httpx. Its framework and torch only inside functions (a
+# trainer without the extra has neither).
 INTEGRATION_TOP_LEVEL = {"__future__", "logging", "time", "collections", "dataclasses",
-                         "pathlib", "typing", "httpx", "..client", "...core",
+                         "pathlib", "typing", "httpx", "..client", "refit_operator",
                          "..refit_document"}  # fmt: skip
 
 
@@ -198,11 +215,11 @@ def layer_of(module: str) -> str:
 def test_the_top_level_holds_only_the_glue() -> None:
     top = {p.stem for p in OPERATOR.glob("*.py")} - {"__init__"}
     assert top == {"handlers", "main"}, (
-        "a new module goes in core/ (pure), edges/ (I/O), controller/ (the reconcile loop and "
-        "the per-pod pass) or tools/ (what users import)"
+        "a new module goes in core/ (pure), edges/ (I/O) or controller/ (the reconcile loop and "
+        "the per-pod pass); what users import, in refit_client"
     )
     folders = {p.name for p in OPERATOR.iterdir() if (p / "__init__.py").is_file()}
-    assert folders == {"controller", "core", "edges", "tools"}
+    assert folders == {"controller", "core", "edges", "tools"}  # tools: the SDK's old paths
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
@@ -246,10 +263,92 @@ def test_contract_the_core_imports_no_io() -> None:
 
 def test_contract_operator_and_worker_never_import_each_other() -> None:
     for path in OPERATOR.rglob("*.py"):
-        if INTEGRATIONS not in path.parents:  # an integration loads torch in the trainer only
-            assert not imports(path) & {"torch", "vllm", "safetensors"}, path
+        assert not imports(path) & {"torch", "vllm", "safetensors"}, path
     for path in WORKER.rglob("*.py"):
-        assert "refit_operator" not in imports(path), path
+        assert not imports(path) & {"refit_operator", "refit_client"}, path
+
+
+# What of the operator the SDK may read: its pure core (plain data in, decisions out).
+SDK_READS = ("refit_operator.core",)
+
+
+def sdk_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The SDK's imports of the operator outside its pure core."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if t.split(".")[0] == "refit_operator"
+                  and not any(t == r or t.startswith(r + ".") for r in SDK_READS))  # fmt: skip
+
+
+def module_level_names(path: Path) -> set[str]:
+    """The absolute modules a module's top-level statements import, with the names they take
+    from each (``from refit_worker import checkpoint``: refit_worker, refit_worker.checkpoint)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_contract_the_sdk_reads_only_the_operators_pure_core() -> None:
+    graph = import_graph(SDK, OPERATOR, WORKER)
+    # The graph sees the SDK's reads of the operator and the worker, lazy ones included.
+    assert "refit_operator.core.gate" in graph["refit_client.integrations.trl"]
+    assert "refit_worker.broadcast" in graph["refit_client.client"]
+    bad = sdk_violations(graph)
+    assert not bad, f"the SDK imports the operator outside its pure core: {bad}"
+    assert sdk_violations({"refit_client.report": {"refit_operator.edges.cluster",
+                                                   "refit_operator.core.api"}}) == [
+        "refit_client.report -> refit_operator.edges.cluster"]  # fmt: skip
+    for path in SDK.rglob("*.py"):
+        assert not imports(path) & {"kopf", "kubernetes_asyncio", "aiohttp", "vllm"}, path
+        # torch, the checkpoint writers and the broadcast: inside the functions that send.
+        worker = {n for n in module_level_names(path) if n.split(".")[0] == "refit_worker"}
+        assert all(n.startswith("refit_worker.contract") for n in worker), (path, worker)
+        assert "torch" not in top_level_imports(path), path
+
+
+def test_contract_the_operator_never_imports_the_sdk_but_for_its_old_paths() -> None:
+    for path in OPERATOR.rglob("*.py"):
+        if OLD_PATHS in path.parents or path.parent == OLD_PATHS:
+            continue
+        assert "refit_client" not in imports(path), path
+    # The old paths are the SDK's modules under their old names: nothing of the operator.
+    graph = import_graph(OPERATOR)
+    for name, targets in graph.items():
+        if layer_of(name) == "refit_operator.tools":
+            outside = sorted(t for t in targets if layer_of(t) != "refit_operator.tools")
+            assert not outside, f"{name} (an old path) imports the operator: {outside}"
+
+
+def test_contract_no_import_cycle_among_sdk_modules() -> None:
+    graph = import_graph(SDK)
+    assert "refit_client.kubectl_text" in graph["refit_client.kubectl_plugin"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_importing_the_sdk_loads_neither_kopf_nor_the_controller() -> None:
+    """What a trainer's process loads: `import refit_client` and every module of it (the
+    integrations' frameworks are lazy), run for real in a fresh interpreter."""
+    modules = sorted(module_files(SDK))
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout))
+    assert "refit_client.integrations.trl" in loaded
+    heavy = {"kopf", "kubernetes_asyncio", "aiohttp", "torch", "vllm", "prometheus_client"}
+    assert not {m.split(".")[0] for m in loaded} & heavy, sorted(
+        m for m in loaded if m.split(".")[0] in heavy
+    )
+    operator = sorted(m for m in loaded if m.startswith("refit_operator."))
+    assert all(m.startswith(SDK_READS) for m in operator), operator
 
 
 def test_contract_no_import_cycle_among_operator_modules() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Ruff checks and formats these folders and mypy type-checks them.
-LINTED = ("operator", "worker_image", "testbed", "tests", "bench", "demo", "hack")
+LINTED = ("operator", "worker_image", "sdk", "testbed", "tests", "bench", "demo", "hack")
 # The Python files outside them, which ruff checks too, and why mypy does not.
 RUFF_ONLY = {
     "examples/trainer_loop.py": "a script, no package: [tool.mypy] takes packages or files",
@@ -84,7 +84,7 @@ def test_every_python_file_is_in_a_linted_folder() -> None:
     outside = _names(tracked - _in_linted_folders(tracked))
     assert outside == sorted(RUFF_ONLY), f"Python outside the linted folders: {outside}"
     assert {p.relative_to(REPO).parts[0] for p in _in_linted_folders(tracked)} == set(LINTED)
-    assert REPO / "operator" / "refit_operator" / "tools" / "client.py" in tracked
+    assert REPO / "sdk" / "refit_client" / "client.py" in tracked
 
 
 def test_ruff_checks_and_formats_every_python_file() -> None:

@@ -4,9 +4,9 @@ checked before it is sent; its selector and its name."""
 from __future__ import annotations
 
 import pytest
+from refit_client.refit_document import build_refit, default_name, parse_selector
+from refit_client.refit_error import RefitError
 from refit_operator.core import api_spec
-from refit_operator.tools.refit_document import build_refit, default_name, parse_selector
-from refit_operator.tools.refit_error import RefitError
 
 
 def test_build_refit_sets_only_what_was_asked():

@@ -1,4 +1,4 @@
-"""refit_operator.tools.report lays a failed refit out without overlaps: the timeline's phase
+"""refit_client.report lays a failed refit out without overlaps: the timeline's phase
 labels stay inside the timeline, its step legend within the timeline's height, and the status
 message below both (the demo's three-pod rejection drew its failure label and message over the
 step legend)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from refit_operator.tools.report import figure, render
+from refit_client.report import figure, render
 
 STEPS = {"stage": 0.06, "drain": 0.24, "sleep": 0.08, "wakeWeights": 0.12, "load": 2.4,
          "wakeKV": 0.14, "resetCache": 0.01, "stampVersion": 0.02, "probe": 0.5}  # fmt: skip

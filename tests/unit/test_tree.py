@@ -1,7 +1,8 @@
 """The tree, top down. The `refit` distribution (what the operator image and `pip install` get)
-holds refit_operator and refit_worker, every module of both, and nothing of what runs only
-from a checkout (the test bed, the demo, the benchmarks, the generators); the operator
-imports only the standard library, the two packages and its declared dependencies. The test
+holds refit_operator, refit_worker and the trainer-side SDK refit_client, every module of
+each, and nothing of what runs only from a checkout (the test bed, the demo, the benchmarks,
+the generators); the operator and the SDK import only the standard library, the three
+packages and their declared dependencies. The test
 bed is a library the tests, the demo and the benchmarks share: it imports neither pytest nor
 the tests, and neither do the demo and the benchmarks."""
 
@@ -20,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OPERATOR = REPO / "operator" / "refit_operator"
 WORKER = REPO / "worker_image" / "refit_worker"
+SDK = REPO / "sdk" / "refit_client"
+PACKAGES = {"refit_operator", "refit_worker", "refit_client"}
 CHECKOUT_ONLY = {"testbed", "demo", "bench", "hack", "tests"}
 
 
@@ -42,9 +45,9 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_the_wheel_holds_both_packages_whole_and_nothing_else(tmp_path: Path) -> None:
-    """Built as the operator image builds it: from pyproject.toml, README.md, operator/ and
-    worker_image/refit_worker only (operator/Dockerfile)."""
+def test_the_wheel_holds_the_three_packages_whole_and_nothing_else(tmp_path: Path) -> None:
+    """Built as the operator image builds it: from pyproject.toml, README.md, operator/,
+    worker_image/refit_worker and sdk/refit_client only (operator/Dockerfile)."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -52,6 +55,7 @@ def test_the_wheel_holds_both_packages_whole_and_nothing_else(tmp_path: Path) ->
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(REPO / "operator", src / "operator", ignore=ignore)
     shutil.copytree(WORKER, src / "worker_image" / "refit_worker", ignore=ignore)
+    shutil.copytree(SDK, src / "sdk" / "refit_client", ignore=ignore)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
@@ -61,7 +65,7 @@ def test_the_wheel_holds_both_packages_whole_and_nothing_else(tmp_path: Path) ->
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     files = set(zipfile.ZipFile(wheel).namelist())
     modules = {f for f in files if not re.match(r"refit-[^/]+\.dist-info/", f)}
-    assert modules == _modules(OPERATOR) | _modules(WORKER)
+    assert modules == _modules(OPERATOR) | _modules(WORKER) | _modules(SDK)
 
 
 def _dist(requirement: str) -> str:
@@ -70,8 +74,8 @@ def _dist(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[;( ]", requirement, maxsplit=1)[0]).lower()
 
 
-def test_the_operator_imports_only_its_dependencies() -> None:
-    """What it imports is installed by `pip install refit[report]`: a declared dependency, or
+def test_the_operator_and_the_sdk_import_only_their_dependencies() -> None:
+    """What they import is installed by `pip install refit[report]`: a declared dependency, or
     one those bring (urllib3, with kubernetes); an integration (integrations/NAME.py) may also
     import what its extra `refit[NAME]` brings (torch and transformers with trl)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -87,18 +91,18 @@ def test_the_operator_imports_only_its_dependencies() -> None:
     base = project["dependencies"] + extras["report"]
     dists = packages_distributions()
     wrong = {}
-    for path in sorted(OPERATOR.rglob("*.py")):
+    for path in sorted([*OPERATOR.rglob("*.py"), *SDK.rglob("*.py")]):
         extra = extras.get(path.stem, []) if path.parent.name == "integrations" else []
         installed = installed_with(base + extra)
-        names = _imports(path) - set(sys.stdlib_module_names) - {"refit_operator", "refit_worker"}
+        names = _imports(path) - set(sys.stdlib_module_names) - PACKAGES
         bad = {n for n in names if not {_dist(d) for d in dists.get(n, [])} & installed}
         if bad:
-            wrong[path.name] = sorted(bad)
-    assert not wrong, f"imports of the operator that are not its dependencies: {wrong}"
+            wrong[path.relative_to(REPO).as_posix()] = sorted(bad)
+    assert not wrong, f"imports that are not the distribution's dependencies: {wrong}"
 
 
-def test_neither_package_imports_the_checkout() -> None:
-    for path in sorted([*OPERATOR.rglob("*.py"), *WORKER.rglob("*.py")]):
+def test_no_package_imports_the_checkout() -> None:
+    for path in sorted([*OPERATOR.rglob("*.py"), *WORKER.rglob("*.py"), *SDK.rglob("*.py")]):
         assert not _imports(path) & CHECKOUT_ONLY, path.relative_to(REPO)
 
 

@@ -1,4 +1,4 @@
-"""The pure parts of refit_operator.tools.integrations.trl: how TRL's prompt batch is grouped, which
+"""The pure parts of refit_client.integrations.trl: how TRL's prompt batch is grouped, which
 units generate (each pod, or each pod group's leader, judged by the group's record and the run of
 every member), which sampling settings go to vLLM, and how a completion is checked against the
 version the trainer published (the fail-closed part): by the route's weight-version spans, or,
@@ -11,10 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
-from refit_operator.core.podflow import PROGRESS_ANNOTATION, Outcome, Progress
-from refit_operator.core.podview import PodView
-from refit_operator.tools.integrations.trl import (
+from refit_client.integrations.trl import (
     READY_GATE,
     RECORDS_KEPT,
     RefitRollout,
@@ -28,7 +25,10 @@ from refit_operator.tools.integrations.trl import (
     sampling_params,
     served_throughout,
 )
-from refit_operator.tools.refit_error import RefitError
+from refit_client.refit_error import RefitError
+from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
+from refit_operator.core.podflow import PROGRESS_ANNOTATION, Outcome, Progress
+from refit_operator.core.podview import PodView
 from refit_worker.contract import READINESS_GATE
 
 

@@ -1,9 +1,12 @@
-"""The error a trainer-side call raises when a refit cannot be submitted or followed: the
-base of client.RefitFailed and client.RefitTimeout, and what the document builder, the
-checkpoint writers and the kubeconfig loading raise, so a trainer catches one class."""
+"""Deprecated: refit_client.refit_error (refit_operator/tools/__init__.py says why)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-class RefitError(Exception):
-    """The refit could not be submitted or followed; the message says why."""
+from .moved import moved
+
+if TYPE_CHECKING:
+    from refit_client.refit_error import *  # noqa: F403
+
+moved(__name__, "refit_operator.tools.refit_error", "refit_client.refit_error")

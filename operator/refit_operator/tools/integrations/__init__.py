@@ -1,4 +1,1 @@
-"""Integrations of Refit with training frameworks (optional extras: ``refit[trl]``).
-
-Each module imports its framework, and torch, only when it is used.
-"""
+"""Deprecated: refit_client.integrations (refit_operator/tools/__init__.py says why)."""

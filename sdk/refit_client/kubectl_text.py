@@ -8,13 +8,12 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from refit_operator.core import api, decision, groups, plan, times, traffic
+from refit_operator.core.podflow import Progress
+from refit_operator.core.podview import PodView
+from refit_operator.core.reasons import Problem
+from refit_operator.core.status import fleet_results
 from refit_worker.contract import READINESS_GATE
-
-from . import api, decision, groups, plan, times, traffic
-from .podflow import Progress
-from .podview import PodView
-from .reasons import Problem
-from .status import fleet_results
 
 
 def reason_of(status: Mapping[str, Any]) -> Problem:
