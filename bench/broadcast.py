@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from refit_operator.controller import steps
-from refit_operator.core import podflow, probe
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api import Broadcast, Sequence, Thresholds
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import broadcast as wire
@@ -65,7 +65,7 @@ async def broadcast_cycle(
     progress = podflow.start("bench", "bench", version, "", time.time(), source="broadcast")
     seq = Sequence()
     record: dict[str, Any] = {}
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         if step in (Step.probe, Step.ready):
             continue
         if step != Step.receive:

@@ -1,7 +1,7 @@
 """Suites on real vLLM CPU servers (one server at a time: the machine is shared).
 
 The refit cycle here runs the operator's own step code (steps.execute_step over
-podflow.STEPS, the API's default sequence) through its WorkerClient against one real server:
+sequences.STEPS, the API's default sequence) through its WorkerClient against one real server:
 pause and drain, sleep, wake weights, preflight, load, wake KV cache, reset prefix cache and
 resume, stamp and read back the version; then the probe (reference + scoring of every
 reference prompt, judged by refit_operator.core.probe.evaluate, which must say Pass).
@@ -28,9 +28,9 @@ import blake3
 import httpx
 import psutil
 from refit_operator.controller import steps
-from refit_operator.core import podflow, probe
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api import Sequence, Thresholds
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import checkpoint, contract
@@ -80,7 +80,7 @@ async def refit_cycle(
     lap = Laps()
     # The operator's own step code (steps.execute_step), by default the API's default sequence.
     progress = podflow.start("bench", "bench", version, path, time.time())
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         if step in (Step.probe, Step.ready):
             continue
         if step == Step.drain:
@@ -547,7 +547,7 @@ async def staged_refit(
     staged: Callable[[], Awaitable[None]] | None = None,
     batch: bool = True,
 ) -> dict[str, float]:
-    """A refit as the operator now runs it (steps.execute_step over podflow.STEPS): the stage
+    """A refit as the operator now runs it (steps.execute_step over sequences.STEPS): the stage
     while the pod serves, then the window out of traffic (drain .. stamp, then the probe's
     scoring of every prompt in one request; one per prompt with ``batch=False``, as for a pod
     that runs LoRA). Seconds: stage, window, reload (the load RPC's own reload time), probe.
@@ -560,7 +560,7 @@ async def staged_refit(
         await staged()
     t1 = time.perf_counter()
     reload = 0.0
-    for step in podflow.STEPS[1:]:
+    for step in sequences.STEPS[1:]:
         if step in (Step.probe, Step.ready):
             continue
         if step == Step.load:  # the step's own call, for the reload time it reports

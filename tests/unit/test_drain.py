@@ -16,9 +16,9 @@ from dataclasses import replace
 import pytest
 from refit_operator.controller import steps
 from refit_operator.controller.pass_context import StepFailed
-from refit_operator.core import podflow
+from refit_operator.core import podflow, sequences
 from refit_operator.core.api import Sequence
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session
 
@@ -98,7 +98,7 @@ async def test_abort_and_wait_trust_the_pause_not_the_stale_metrics(
 
 def test_a_kept_drain_is_said_on_the_readiness_condition() -> None:
     p = progress()
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         p = podflow.step_done(p, step, 0.1, time.time())
     assert podflow.readiness(p) == podflow.Readiness(True, "ProbePassed", "weights B probed")
     kept = podflow.readiness(replace(p, drained="2 requests kept in flight, to finish on B"))

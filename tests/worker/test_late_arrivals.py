@@ -22,7 +22,7 @@ import pytest
 from refit_operator.controller import steps
 from refit_operator.core import podflow
 from refit_operator.core.api import Sequence
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges.worker_client import WorkerClient, session
 
 from testbed.vllm_server import VllmServer

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 from refit_operator.controller import pod_pass, steps
-from refit_operator.core import podflow, probe
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api import Sequence, Thresholds
-from refit_operator.core.podflow import Progress, RunStep, Step
+from refit_operator.core.podflow import Progress, RunStep
+from refit_operator.core.sequences import Step
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
@@ -99,7 +100,7 @@ async def run_pass(
                     progress = podflow.step_done(progress, step, 0.0, time.time())
                     if step == Step.probeStaged and after_staged_probe is not None:
                         await after_staged_probe()  # type: ignore[operator]
-            elif step == podflow.RESTORE:
+            elif step == sequences.RESTORE:
                 await steps.restore_adapter(worker, SEQ, progress)
                 progress = podflow.restored(progress, time.time())
             else:

@@ -13,13 +13,15 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from ..core import podflow, times
+from ..core import podflow, sequences, times
 from ..core.admission import admission_problem, joins_layout, reach_problem
+from ..core.claim import Claim, claim_fence
 from ..core.decision import PodStart
 from ..core.gate import loaded, pass_readiness
-from ..core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
+from ..core.podflow import Finished, Progress, RunStep, WaitUntil, base_key
 from ..core.podview import PodView
 from ..core.reasons import Problem, Reason, pass_event, step_timeout
+from ..core.sequences import Step
 from ..edges import metrics
 from ..edges.cluster import ClaimedPod, ClaimLost
 from ..edges.worker_client import WorkerClient, WorkerError
@@ -60,7 +62,7 @@ def _now(ctx: PassContext, pod: str, progress: Progress) -> None:
 
 async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     # The claim's write is conditional on the pod's resourceVersion as listed: the token.
-    fence = podflow.claim_fence(pod.resource_version) or ctx.next_fence()
+    fence = claim_fence(pod.resource_version) or ctx.next_fence()
     claim = Claim(ctx.refit_name, ctx.refit_uid, fence, ctx.cluster.identity, ctx.lease,
                   ctx.lease_seconds)  # fmt: skip
     worker = ctx.client(pod, claim.fence)
@@ -137,7 +139,7 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             await handle.record(progress, pass_readiness(pod, progress) if leaves else None)
 
 
-def _source(ctx: PassContext, start: PodStart) -> podflow.Source:
+def _source(ctx: PassContext, start: PodStart) -> sequences.Source:
     """Where this pass's weights come from. A rollback loads a directory (start.path): the
     previous checkpoint, or the previous adapter for an adapter refit."""
     if ctx.spec.adapter is not None:

@@ -28,8 +28,8 @@ from ..core.api import (
 )
 from ..core.decision import Decision, Observed, RefitView
 from ..core.index import Known, RefitIndex
-from ..core.podflow import STEPS, Step
 from ..core.podview import PodView
+from ..core.sequences import STEPS, Step
 from ..core.status import pod_phases
 from ..edges import metrics
 from ..edges.cluster import ClaimLost, Kube, PodBusy

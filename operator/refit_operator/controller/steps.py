@@ -1,4 +1,4 @@
-"""The code of each step of a pod's pass, one table from ``podflow.Step`` to the coroutine that
+"""The code of each step of a pod's pass, one table from ``sequences.Step`` to the coroutine that
 runs it (``STEP_CODE``; ``ADAPTER_STEP_CODE`` where an adapter pass differs): the stage, the
 drain in its mode, sleep and wakes, the load or the broadcast's receive, the cache reset, the
 version stamp, the read-back, the probe, the vouch, the restore. Each step is one try: its
@@ -12,12 +12,13 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from ..core import checksums, podflow, probe, times
+from ..core import checksums, podflow, probe, sequences, times
 from ..core.api import Broadcast, Sequence, Thresholds
 from ..core.gate import gate, served
-from ..core.podflow import Progress, Step
+from ..core.podflow import Progress
 from ..core.podview import PodView
 from ..core.reasons import Reason
+from ..core.sequences import Step
 from ..edges import metrics
 from ..edges.cluster import ClaimLost
 from ..edges.worker_client import WorkerClient, WorkerError
@@ -34,7 +35,7 @@ async def run_step_code(run: StepRun, step: Step) -> str | Progress:
     """Run ``step``'s code (STEP_CODE; an adapter pass's own from ADAPTER_STEP_CODE), or
     nothing where the step does not apply at this sleep level and weight source."""
     source = run.progress.source
-    if step != Step.restore and not podflow.step_applies(step, run.seq.sleep_level, source):
+    if step != Step.restore and not sequences.step_applies(step, run.seq.sleep_level, source):
         return ""
     own = ADAPTER_STEP_CODE.get(step) if source == "adapter" else None
     return await (own or STEP_CODE[step])(run)
@@ -135,7 +136,7 @@ async def _reset_cache(run: StepRun) -> str:
     # the reset while they do, so they are preempted and recompute on the new.
     keep = run.seq.drain_mode == "keep"
     await run.worker.reset_prefix_cache(reset_running=keep, timeout=run.t_step)
-    if not podflow.step_applies(Step.wakeKV, run.seq.sleep_level, run.progress.source):
+    if not sequences.step_applies(Step.wakeKV, run.seq.sleep_level, run.progress.source):
         await _abort_late_arrivals(run)  # this resume is the first
     # Unpause so the probe can be served; the pod is still out of Service endpoints.
     await run.worker.resume(timeout=run.t_step)
@@ -253,7 +254,7 @@ async def _restore_adapter_step(run: StepRun) -> str:
     return ""
 
 
-# Every step and the code that runs it (podflow.STEPS and ADAPTER_STEPS give their order).
+# Every step and the code that runs it (sequences.STEPS and ADAPTER_STEPS give their order).
 STEP_CODE: dict[Step, StepCode] = {
     Step.stage: _stage,
     Step.drain: _drain_weights,

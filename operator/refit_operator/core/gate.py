@@ -25,9 +25,10 @@ docs/concepts.md, "One gate over many tracks", has the table ``tests/unit/test_g
 
 from __future__ import annotations
 
-from .podflow import ADAPTER_IN_TRAFFIC_STEPS, RESTORE, Progress, Readiness, base_key, readiness
+from .podflow import Progress, Readiness, base_key, readiness
 from .podview import PodView
 from .reasons import Reason
+from .sequences import ADAPTER_IN_TRAFFIC_STEPS, RESTORE
 
 
 def gate(unit: PodView, focus: str | None = None) -> Readiness:

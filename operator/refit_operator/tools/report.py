@@ -32,7 +32,8 @@ from typing import Any, Final
 from refit_worker.contract import API_GROUP
 
 from ..core import api, times, traffic
-from ..core.podflow import STEPS, Progress
+from ..core.podflow import Progress
+from ..core.sequences import STEPS
 from ..core.views import pod_views, seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
