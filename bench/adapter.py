@@ -4,7 +4,7 @@ One real vLLM CPU server with runtime LoRA updating, serving the bench's wide mo
 checkpoint W, about 480 MB: the tiny model's 3 MB reload is below the probe's own cost) and
 the test bed's adapters built on W (testbed/tiny_adapter.py, rank 8 on q_proj and v_proj),
 refitted alternately as the operator runs each pass with its own step code
-(steps.execute_step):
+(sources.execute_step):
 - the full weights (vllm_suites.staged_refit of checkpoint W): the stage while the pod
   serves, then drain .. stamp and the probe's scoring, out of traffic;
 - the adapter (sequences.ADAPTER_STEPS, v1 and v2 in turn): the adapter's check, its load under
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from refit_operator.controller import steps
+from refit_operator.controller import sources
 from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api import Sequence, Thresholds
 from refit_operator.core.sequences import Step
@@ -83,7 +83,7 @@ async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -
             if step == Step.probe:
                 probed = time.perf_counter() - t
             continue
-        await steps.execute_step(w, seq, progress, step, resumed=False)
+        await sources.execute_step(w, seq, progress, step, resumed=False)
     end = time.perf_counter()
     return {"window": end - left, "probe": probed, "total": end - began}
 

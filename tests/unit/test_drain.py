@@ -1,4 +1,4 @@
-"""The drain step (steps.execute_step "drain") per drain mode, against the simulated worker:
+"""The drain step (sources.execute_step "drain") per drain mode, against the simulated worker:
 ``wait`` is bounded by drainTimeoutSeconds (vLLM's /pause?mode=wait answers only once the
 requests in flight finished, so its wait is the drain), ``keep`` never waits for the requests
 it froze and says how many it kept, ``abort`` and ``wait`` end with the pause (never on
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from refit_operator.controller import steps
+from refit_operator.controller import sources
 from refit_operator.controller.pass_context import StepFailed
 from refit_operator.core import podflow, sequences
 from refit_operator.core.api import Sequence
@@ -41,7 +41,7 @@ async def drain(
 ) -> str:
     async with session() as http:
         worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN, before_call=before_call)
-        return await steps.execute_step(
+        return await sources.execute_step(
             worker, Sequence.model_validate(seq), record or progress(), step, False
         )
 

@@ -34,6 +34,7 @@ from .api_crd import (
     object_name_rule,
     rule,
 )
+from .sequences import Source
 
 VERSION = "v1alpha1"
 PLURAL = "weightrefits"
@@ -547,6 +548,14 @@ class WeightRefitSpec(_Model):
             return self.adapter.version
         assert self.checkpoint is not None, "a WeightRefit names a weight source"
         return self.checkpoint.version
+
+    @property
+    def source(self) -> Source:
+        """Where the weights come from: the one source the CRD lets a refit name (what the
+        controller dispatches on once: controller/sources/)."""
+        if self.broadcast is not None:
+            return "broadcast"
+        return "adapter" if self.adapter is not None else "checkpoint"
 
     @property
     def path(self) -> str:

@@ -13,6 +13,7 @@ from . import history, plan, times
 from .api import TERMINAL_PHASES, Phase, Previous, WeightRefitSpec
 from .podview import PodView
 from .reasons import Reason
+from .sequences import FLOWS
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class RefitIndex:
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
-                             k.spec.broadcast is None, k.moved_on,
+                             FLOWS[k.spec.source].loads_again, k.moved_on,
                              frozenset(p.name for p in pods
                                        if k.spec.fleet.selector.matches(p.labels)),
                              k.spec.track)

@@ -120,6 +120,13 @@ class Flow:
     # nothing served was touched. (A weights pass restores only a load refused untouched.)
     restores_while_serving: bool
     staged_probe: Step | None  # a probe of what is staged beside what serves
+    # The pass reloads the base weights: the reload-safety admission applies (core/admission).
+    reloads: bool
+    # Rolling stages the next batch's weights while the current batch is out of traffic.
+    stages_ahead: bool
+    # A finished refit can load its version again into a pod that joins or restarts later
+    # (a broadcast's tensors are gone once sent: such a pod waits for the next refit).
+    loads_again: bool
     # What the readiness condition calls what the pass brings, and its reason once restored.
     what: str
     restored_reason: Reason
@@ -128,16 +135,21 @@ class Flow:
 _WEIGHTS = Flow(
     steps=STEPS, skipped=frozenset({Step.receive}), serving_steps=frozenset({STEPS[0]}),
     last_serving_step=STEPS[0], serves_beside=False, restores_while_serving=False,
-    staged_probe=None, what="weights", restored_reason=Reason.PreviousWeights,
+    staged_probe=None, reloads=True, stages_ahead=True, loads_again=True, what="weights",
+    restored_reason=Reason.PreviousWeights,
 )  # fmt: skip
-FLOWS: dict[str, Flow] = {
+FLOWS: dict[Source, Flow] = {
     "checkpoint": _WEIGHTS,
     # A broadcast stages and loads nothing: its weights arrive in the receive.
-    "broadcast": replace(_WEIGHTS, skipped=frozenset({Step.stage, Step.load})),
+    "broadcast": replace(
+        _WEIGHTS, skipped=frozenset({Step.stage, Step.load}), stages_ahead=False,
+        loads_again=False,
+    ),
     "adapter": Flow(
         steps=ADAPTER_STEPS, skipped=frozenset(), serving_steps=ADAPTER_IN_TRAFFIC_STEPS,
         last_serving_step=Step.probeStaged, serves_beside=True, restores_while_serving=True,
-        staged_probe=Step.probeStaged, what="adapter",
+        staged_probe=Step.probeStaged, reloads=False, stages_ahead=False, loads_again=True,
+        what="adapter",
         restored_reason=Reason.PreviousAdapter,
     ),
 }  # fmt: skip
