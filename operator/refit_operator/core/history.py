@@ -80,7 +80,7 @@ class Finished:
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,
-            checkpoint="broadcast" not in spec,
+            checkpoint="broadcast" not in spec,  # a broadcast's tensors cannot be loaded again
             track=str((spec.get("adapter") or {}).get("name", "")),
         )
 
