@@ -4,10 +4,10 @@ One real vLLM CPU server with runtime LoRA updating, serving the bench's wide mo
 checkpoint W, about 480 MB: the tiny model's 3 MB reload is below the probe's own cost) and
 the test bed's adapters built on W (testbed/tiny_adapter.py, rank 8 on q_proj and v_proj),
 refitted alternately as the operator runs each pass with its own step code
-(steps.execute_step):
+(sources.execute_step):
 - the full weights (vllm_suites.staged_refit of checkpoint W): the stage while the pod
   serves, then drain .. stamp and the probe's scoring, out of traffic;
-- the adapter (podflow.ADAPTER_STEPS, v1 and v2 in turn): the adapter's check, its load under
+- the adapter (sequences.ADAPTER_STEPS, v1 and v2 in turn): the adapter's check, its load under
   the staged name and the probe through it while the pod serves, then drain, swap, reset and
   the probe through the served name, out of traffic.
 Per rep: the time out of traffic, and the whole pass. Both probes score one prompt per request
@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from refit_operator.controller import steps
-from refit_operator.core import podflow, probe
+from refit_operator.controller import sources
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api_spec import Sequence, Thresholds
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges.worker_client import WorkerClient
 
 from bench.results import Metric
@@ -46,7 +46,7 @@ SERVED = "policy"
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 # The window out of traffic starts at the drain: what runs before it, the pod serves through.
-IN_TRAFFIC = podflow.ADAPTER_IN_TRAFFIC_STEPS
+IN_TRAFFIC = sequences.ADAPTER_IN_TRAFFIC_STEPS
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Reps:
 
 
 async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -> dict[str, float]:
-    """One adapter pass (podflow.ADAPTER_STEPS with the operator's step code); the probes
+    """One adapter pass (sequences.ADAPTER_STEPS with the operator's step code); the probes
     score through the staged and the served name and must pass. Seconds: window, probe (the
     served probe's scoring, within the window), total."""
     seq = Sequence()
@@ -69,7 +69,7 @@ async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -
     began = time.perf_counter()
     left = began
     probed = 0.0
-    for step in podflow.ADAPTER_STEPS:
+    for step in sequences.ADAPTER_STEPS:
         if step == Step.drain:
             left = time.perf_counter()
         if step in (Step.probeStaged, Step.probe):
@@ -83,7 +83,7 @@ async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -
             if step == Step.probe:
                 probed = time.perf_counter() - t
             continue
-        await steps.execute_step(w, seq, progress, step, resumed=False)
+        await sources.execute_step(w, seq, progress, step, resumed=False)
     end = time.perf_counter()
     return {"window": end - left, "probe": probed, "total": end - began}
 

@@ -3,7 +3,7 @@
 1. One real vLLM CPU server with the refit-gloo engine, the tiny model, in one run: the
    operator's own step code for a checkpoint refit (vllm_suites.refit_cycle: stage, drain,
    sleep, wake, load, wake KV, reset, stamp, probe) and for a broadcast refit (the same steps
-   with ``receive`` instead of stage and load: steps.receive_broadcast while this process
+   with ``receive`` instead of stage and load: broadcast_source.receive_broadcast while this process
    sends as the trainer), alternating, timed per step. The pod's time out of traffic is the
    cycle minus the stage.
 2. The transport alone, two processes on loopback: the trainer's Sender and one receiver that
@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from refit_operator.controller import steps
-from refit_operator.core import podflow, probe
+from refit_operator.controller import sources
+from refit_operator.controller.sources import broadcast as broadcast_source
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api_spec import Broadcast, Sequence, Thresholds
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import broadcast as wire
@@ -65,16 +66,16 @@ async def broadcast_cycle(
     progress = podflow.start("bench", "bench", version, "", time.time(), source="broadcast")
     seq = Sequence()
     record: dict[str, Any] = {}
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         if step in (Step.probe, Step.ready):
             continue
         if step != Step.receive:
-            await steps.execute_step(w, seq, progress, step, resumed=False)
+            await sources.execute_step(w, seq, progress, step, resumed=False)
         else:
             sent: dict[str, Any] = {}
             trainer = threading.Thread(target=_send, args=(port, tensors, sent))
             trainer.start()
-            record = await steps.receive_broadcast(
+            record = await broadcast_source.receive_broadcast(
                 w, spec, manifest.to_json_dict(), 1, 2, version, float(seq.step_timeout_seconds)
             )
             await asyncio.to_thread(trainer.join)

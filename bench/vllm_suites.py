@@ -1,7 +1,7 @@
 """Suites on real vLLM CPU servers (one server at a time: the machine is shared).
 
-The refit cycle here runs the operator's own step code (steps.execute_step over
-podflow.STEPS, the API's default sequence) through its WorkerClient against one real server:
+The refit cycle here runs the operator's own step code (sources.execute_step over
+sequences.STEPS, the API's default sequence) through its WorkerClient against one real server:
 pause and drain, sleep, wake weights, preflight, load, wake KV cache, reset prefix cache and
 resume, stamp and read back the version; then the probe (reference + scoring of every
 reference prompt, judged by refit_operator.core.probe.evaluate, which must say Pass).
@@ -27,10 +27,10 @@ import aiohttp
 import blake3
 import httpx
 import psutil
-from refit_operator.controller import steps
-from refit_operator.core import podflow, probe
+from refit_operator.controller import sources
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api_spec import Sequence, Thresholds
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient
 from refit_worker import checkpoint, contract
@@ -78,9 +78,9 @@ async def refit_cycle(
     ``traffic(False)`` before the drain and ``traffic(True)`` after a passed probe: what the
     readiness condition does to the pod's endpoints (bench/under_load.py routes load by it)."""
     lap = Laps()
-    # The operator's own step code (steps.execute_step), by default the API's default sequence.
+    # The operator's own step code (sources.execute_step), by default the API's default sequence.
     progress = podflow.start("bench", "bench", version, path, time.time())
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         if step in (Step.probe, Step.ready):
             continue
         if step == Step.drain:
@@ -89,7 +89,7 @@ async def refit_cycle(
             progress = replace(progress, left_traffic=time.time())
             if traffic is not None:
                 traffic(False)
-        await steps.execute_step(w, seq or Sequence(), progress, step, resumed=False)
+        await sources.execute_step(w, seq or Sequence(), progress, step, resumed=False)
         lap(step)
     # The operator fetches a reference once per refit and path, not per pod: timed apart.
     reference = await w.probe_reference(path)
@@ -547,7 +547,7 @@ async def staged_refit(
     staged: Callable[[], Awaitable[None]] | None = None,
     batch: bool = True,
 ) -> dict[str, float]:
-    """A refit as the operator now runs it (steps.execute_step over podflow.STEPS): the stage
+    """A refit as the operator now runs it (sources.execute_step over sequences.STEPS): the stage
     while the pod serves, then the window out of traffic (drain .. stamp, then the probe's
     scoring of every prompt in one request; one per prompt with ``batch=False``, as for a pod
     that runs LoRA). Seconds: stage, window, reload (the load RPC's own reload time), probe.
@@ -555,18 +555,18 @@ async def staged_refit(
     seq = Sequence()
     progress = podflow.start("bench", "bench", version, path, time.time())
     t0 = time.perf_counter()
-    await steps.execute_step(w, seq, progress, Step.stage, resumed=False)
+    await sources.execute_step(w, seq, progress, Step.stage, resumed=False)
     if staged is not None:
         await staged()
     t1 = time.perf_counter()
     reload = 0.0
-    for step in podflow.STEPS[1:]:
+    for step in sequences.STEPS[1:]:
         if step in (Step.probe, Step.ready):
             continue
         if step == Step.load:  # the step's own call, for the reload time it reports
             reload = float((await w.load(path, version, timeout=600))["loadSeconds"])
         else:
-            await steps.execute_step(w, seq, progress, step, resumed=False)
+            await sources.execute_step(w, seq, progress, step, resumed=False)
     t2 = time.perf_counter()
     await w.score_prompts(prompts, batch=batch)
     t3 = time.perf_counter()

@@ -29,7 +29,8 @@ from typing import Any, Final
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from refit_operator.core import api, times, traffic
-from refit_operator.core.podflow import STEPS, Progress
+from refit_operator.core.podflow import Progress
+from refit_operator.core.sequences import STEPS
 from refit_worker.contract import API_GROUP
 
 from .kubeconfig import load_api_client

@@ -31,7 +31,8 @@ from typing import Any
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api_spec import LabelSelector
-from refit_operator.core.podflow import CLAIM_ANNOTATION, PROGRESS_ANNOTATION, Claim, Progress
+from refit_operator.core.claim import CLAIM_ANNOTATION, Claim
+from refit_operator.core.podflow import PROGRESS_ANNOTATION, Progress
 from refit_operator.core.reasons import Reason
 from refit_worker.contract import READINESS_GATE
 

@@ -18,7 +18,7 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_operator.core import api, podflow
-from refit_operator.core.podflow import CLAIM_ANNOTATION, Claim
+from refit_operator.core.claim import CLAIM_ANNOTATION, Claim
 from refit_operator.edges import cluster
 from refit_operator.edges.cluster import (
     FINALIZER,

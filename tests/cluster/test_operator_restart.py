@@ -8,7 +8,7 @@ import time
 
 import pytest
 from kubernetes import client as k8s
-from refit_operator.core.podflow import STEPS
+from refit_operator.core.sequences import STEPS
 
 from testbed.fleet import make_checkpoints, start_fleet
 

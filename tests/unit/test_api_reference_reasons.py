@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from refit_operator.core import api_status, podflow
+from refit_operator.core import api_status, sequences
 from refit_operator.core.reasons import Reason, step_timeout
 from refit_worker import contract
 
@@ -47,7 +47,7 @@ def test_each_name_is_its_value():
 def test_the_catalogue_holds_the_worker_codes_and_every_step_timeout():
     assert set(contract.REJECTION_CODES) <= set(Reason)
     # Every step a pass can stand at, an adapter pass's own and the restore included.
-    for step in podflow.Step:
+    for step in sequences.Step:
         assert step_timeout(step) in Reason
 
 

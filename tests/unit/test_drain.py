@@ -1,4 +1,4 @@
-"""The drain step (steps.execute_step "drain") per drain mode, against the simulated worker:
+"""The drain step (sources.execute_step "drain") per drain mode, against the simulated worker:
 ``wait`` is bounded by drainTimeoutSeconds (vLLM's /pause?mode=wait answers only once the
 requests in flight finished, so its wait is the drain), ``keep`` never waits for the requests
 it froze and says how many it kept, ``abort`` and ``wait`` end with the pause (never on
@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from refit_operator.controller import steps
+from refit_operator.controller import sources
 from refit_operator.controller.pass_context import StepFailed
-from refit_operator.core import podflow
+from refit_operator.core import podflow, sequences
 from refit_operator.core.api_spec import Sequence
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session
 
@@ -41,7 +41,7 @@ async def drain(
 ) -> str:
     async with session() as http:
         worker = WorkerClient(pod.base_url, http=http, admin_token=ADMIN, before_call=before_call)
-        return await steps.execute_step(
+        return await sources.execute_step(
             worker, Sequence.model_validate(seq), record or progress(), step, False
         )
 
@@ -98,7 +98,7 @@ async def test_abort_and_wait_trust_the_pause_not_the_stale_metrics(
 
 def test_a_kept_drain_is_said_on_the_readiness_condition() -> None:
     p = progress()
-    for step in podflow.STEPS:
+    for step in sequences.STEPS:
         p = podflow.step_done(p, step, 0.1, time.time())
     assert podflow.readiness(p) == podflow.Readiness(True, "ProbePassed", "weights B probed")
     kept = podflow.readiness(replace(p, drained="2 requests kept in flight, to finish on B"))

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from refit_operator.core import podflow
 from refit_operator.core.gate import gate, pass_readiness
-from refit_operator.core.podflow import Progress, Step, base_key
+from refit_operator.core.podflow import Progress, base_key
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Problem, Reason
+from refit_operator.core.sequences import Step
 
 from tests.fixtures.refits import NOW, done, pod
 

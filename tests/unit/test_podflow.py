@@ -2,10 +2,11 @@ import json
 from dataclasses import replace
 
 import pytest
-from refit_operator.core import podflow, times
-from refit_operator.core.podflow import STEPS, Finished, Progress, RunStep, Step, WaitUntil
+from refit_operator.core import claim, podflow, sequences, times
+from refit_operator.core.podflow import Finished, Progress, RunStep, WaitUntil
 from refit_operator.core.podview import PodView
 from refit_operator.core.probe import ProbeOutcome
+from refit_operator.core.sequences import STEPS, Step
 from refit_worker.fence import MAX_FENCE, format_fence
 
 
@@ -37,8 +38,8 @@ def test_steps_in_the_documented_order():
 def test_a_step_is_the_word_in_status_metrics_and_the_annotation():
     """Step members are named by their values, and serialize as the plain words."""
     assert all(step.name == step.value for step in Step)
-    assert {*STEPS, *podflow.ADAPTER_STEPS, podflow.RESTORE} == set(Step)
-    assert podflow.RESTORE == "restore"
+    assert {*STEPS, *sequences.ADAPTER_STEPS, sequences.RESTORE} == set(Step)
+    assert sequences.RESTORE == "restore"
     p = replace(fresh(), step=Step.wakeWeights)
     assert json.loads(p.to_annotation())["step"] == "wakeWeights"
     back = Progress.from_annotation(p.to_annotation())
@@ -129,26 +130,26 @@ def test_backoff_is_bounded():
 
 def test_sleep_level_zero_skips_sleep_and_wakes():
     for source in ("checkpoint", "broadcast"):
-        at_one = [s for s in STEPS if podflow.step_applies(s, 1, source)]
-        at_zero = [s for s in STEPS if podflow.step_applies(s, 0, source)]
+        at_one = [s for s in STEPS if sequences.step_applies(s, 1, source)]
+        at_zero = [s for s in STEPS if sequences.step_applies(s, 0, source)]
         assert [s for s in at_one if s not in at_zero] == [
             Step.sleep,
             Step.wakeWeights,
             Step.wakeKV,
         ]
-        assert podflow.step_applies(Step.sleep, 2, source)
+        assert sequences.step_applies(Step.sleep, 2, source)
 
 
 def test_a_checkpoint_loads_and_a_broadcast_receives():
     # The default source is a checkpoint: every step but the broadcast's receive.
-    assert [s for s in STEPS if not podflow.step_applies(s, 1)] == [Step.receive]
-    assert [s for s in STEPS if not podflow.step_applies(s, 1, "checkpoint")] == [Step.receive]
+    assert [s for s in STEPS if not sequences.step_applies(s, 1)] == [Step.receive]
+    assert [s for s in STEPS if not sequences.step_applies(s, 1, "checkpoint")] == [Step.receive]
     # A broadcast has no directory to stage or load: it receives instead, and runs the rest.
-    assert [s for s in STEPS if not podflow.step_applies(s, 1, "broadcast")] == [
+    assert [s for s in STEPS if not sequences.step_applies(s, 1, "broadcast")] == [
         Step.stage,
         Step.load,
     ]
-    assert [s for s in STEPS if not podflow.step_applies(s, 0, "broadcast")] == [
+    assert [s for s in STEPS if not sequences.step_applies(s, 0, "broadcast")] == [
         Step.stage, Step.sleep, Step.wakeWeights, Step.load, Step.wakeKV,
     ]  # fmt: skip
     # The receive follows the wake of the weights and precedes the KV cache's, as the load.
@@ -204,8 +205,8 @@ def test_readiness_follows_the_pass():
 
 
 def test_claim_round_trips_and_unreadable_is_none():
-    c = podflow.Claim(refit="wr", uid="u", fence=(3 << 32) | 5, holder="op0-1")
-    assert podflow.Claim.from_annotation(c.to_annotation()) == c
+    c = claim.Claim(refit="wr", uid="u", fence=(3 << 32) | 5, holder="op0-1")
+    assert claim.Claim.from_annotation(c.to_annotation()) == c
     for bad in (
         None,
         "",
@@ -213,15 +214,15 @@ def test_claim_round_trips_and_unreadable_is_none():
         '{"refit": "wr"}',
         '{"refit":"a","uid":"u","fence":"x","holder":"h"}',
     ):
-        assert podflow.Claim.from_annotation(bad) is None
+        assert claim.Claim.from_annotation(bad) is None
 
 
 def test_claim_names_its_holders_lease_and_an_older_claim_still_reads():
-    c = podflow.Claim("wr", "u", 9, "op-a", lease="refit-a/refit-operator", lease_seconds=15)
-    assert podflow.Claim.from_annotation(c.to_annotation()) == c
+    c = claim.Claim("wr", "u", 9, "op-a", lease="refit-a/refit-operator", lease_seconds=15)
+    assert claim.Claim.from_annotation(c.to_annotation()) == c
     old = '{"fence":7,"holder":"op0-1","refit":"wr","uid":"u"}'  # before claims named it
-    assert podflow.Claim.from_annotation(old) == podflow.Claim("wr", "u", 7, "op0-1", "", 0)
-    assert podflow.Claim.from_annotation("[1, 2]") is None
+    assert claim.Claim.from_annotation(old) == claim.Claim("wr", "u", 7, "op0-1", "", 0)
+    assert claim.Claim.from_annotation("[1, 2]") is None
 
 
 def test_claim_fence_grows_with_every_claim_of_a_pod_and_tops_the_lease_scheme():
@@ -230,16 +231,16 @@ def test_claim_fence_grows_with_every_claim_of_a_pod_and_tops_the_lease_scheme()
     Lease-epoch scheme (leaseTransitions << 32 | pass) a pod may remember from an older
     operator stay below all of them, and every token fits the pods' 64 bits."""
     given = ("1", "41", "42", "1000000", str(2**63 - 1))
-    tokens = [t for t in map(podflow.claim_fence, given) if t is not None]
+    tokens = [t for t in map(claim.claim_fence, given) if t is not None]
     assert len(tokens) == len(given) and tokens == sorted(set(tokens))
-    assert tokens[0] == podflow.FENCE_BASE + 1
+    assert tokens[0] == claim.FENCE_BASE + 1
     lease_scheme = ((2**31 - 1) << 32) | (2**32 - 1)  # the largest epoch and pass
-    assert lease_scheme < podflow.FENCE_BASE + 1
+    assert lease_scheme < claim.FENCE_BASE + 1
     assert tokens[-1] == MAX_FENCE
     assert format_fence(tokens[-1]) == str(MAX_FENCE)
     # Not etcd's integers: the pass takes the Lease-epoch token instead.
     for odd in ("", "abc", "12a", "-1", "+5", "١٢", str(2**63), "1" * 30):
-        assert podflow.claim_fence(odd) is None, odd
+        assert claim.claim_fence(odd) is None, odd
 
 
 def test_newer_than_breaks_timestamp_ties_by_name():
@@ -306,9 +307,9 @@ def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
         p, Step.load, "CheckpointChanged", "shard rewritten", 111.0, retries=3
     )
     assert (
-        back.step == podflow.RESTORE and back.outcome == "" and back.reason == "CheckpointChanged"
+        back.step == sequences.RESTORE and back.outcome == "" and back.reason == "CheckpointChanged"
     )
-    assert podflow.next_action(back, 111.0) == RunStep(podflow.RESTORE)
+    assert podflow.next_action(back, 111.0) == RunStep(sequences.RESTORE)
     assert readiness_of(back).ready is False  # out of traffic until restored
     done = podflow.restored(back, 112.0)
     assert done.outcome == "Failed" and done.restored and done.in_traffic
@@ -317,7 +318,7 @@ def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
     assert "serving v1 again" in ready.message and "CheckpointChanged" in ready.message
     assert podflow.out_of_traffic_seconds(done) == pytest.approx(2.0)
     # A restore that fails ends the pass with the pod out of traffic (fail closed).
-    lost = podflow.step_failed(back, podflow.RESTORE, "CheckpointChanged", "x", 112.0, retries=3,
+    lost = podflow.step_failed(back, sequences.RESTORE, "CheckpointChanged", "x", 112.0, retries=3,
                                final=True)  # fmt: skip
     assert lost.outcome == "Failed" and not lost.restored and readiness_of(lost).ready is False
 
@@ -391,7 +392,7 @@ def test_a_receive_refused_before_the_model_was_touched_restores_the_pod():
                    "TensorMismatch"):  # fmt: skip
         back = podflow.step_failed(broadcast_pass(), Step.receive, reason, "x", 111.0, retries=3,
                                    final=True)  # fmt: skip
-        assert back.step == podflow.RESTORE and back.outcome == "", reason
+        assert back.step == sequences.RESTORE and back.outcome == "", reason
         done = podflow.restored(back, 112.0)
         assert done.restored and readiness_of(done).reason == "PreviousWeights", reason
 
@@ -418,7 +419,7 @@ def test_a_broadcast_pass_is_recorded_where_a_checkpoint_pass_is():
 
 # Load refusals the worker raises before it touches the model, and failures after which the
 # model may have been touched (the worker may have begun, or still be running, the load).
-UNTOUCHED = sorted(podflow.UNTOUCHED_LOAD_CODES)
+UNTOUCHED = sorted(sequences.UNTOUCHED_LOAD_CODES)
 TOUCHING = ["LoadFailed", "LoadTimeout", "PodUnreachable", "WorkerHttpError",
             "WorkerProtocolError"]  # fmt: skip
 
@@ -429,10 +430,10 @@ def _tries(p: Progress, reasons: list[str], *, retries: int, restart: bool) -> P
     annotation between tries and, with ``restart``, taken up by a new operator each time."""
     for i, reason in enumerate(reasons):
         assert p.step == Step.load and not p.finished_pass, (reasons, i, p)
-        final = reason in podflow.UNTOUCHED_LOAD_CODES
+        final = reason in sequences.UNTOUCHED_LOAD_CODES
         p = podflow.step_failed(p, Step.load, reason, f"try {i}", 111.0 + i, retries=retries,
                                 final=final)  # fmt: skip
-        if p.finished_pass or p.step == podflow.RESTORE:
+        if p.finished_pass or p.step == sequences.RESTORE:
             break
         assert podflow.must_record(_at_load(serving_pass()), p)  # the fact is on the pod
         p = parsed(p.to_annotation())
@@ -453,7 +454,7 @@ def test_a_refusal_after_a_try_that_may_have_touched_the_model_never_restores(
     ready = podflow.readiness(p)
     assert ready is not None and ready.ready is False and ready.reason == last
     with pytest.raises(ValueError):
-        podflow.restored(replace(p, step=podflow.RESTORE, outcome=""), 120.0)
+        podflow.restored(replace(p, step=sequences.RESTORE, outcome=""), 120.0)
 
 
 def test_every_order_of_load_failures_keeps_an_untouched_restore_only():
@@ -468,10 +469,10 @@ def test_every_order_of_load_failures_keeps_an_untouched_restore_only():
             for reasons in itertools.product(TOUCHING[:2] + UNTOUCHED[:2], repeat=n):
                 p = _tries(_at_load(serving_pass()), list(reasons), retries=2, restart=restart)
                 if reasons[0] in UNTOUCHED:
-                    assert p.step == podflow.RESTORE and not p.touched, reasons
+                    assert p.step == sequences.RESTORE and not p.touched, reasons
                     assert readiness_of(podflow.restored(p, 120.0)).ready
                 else:
-                    assert p.touched and p.step != podflow.RESTORE, reasons
+                    assert p.touched and p.step != sequences.RESTORE, reasons
                     assert readiness_of(p).ready is False, reasons
 
 
@@ -509,7 +510,7 @@ def test_a_receive_after_a_try_that_may_have_touched_the_model_never_restores():
 
 
 def _at_ready(p: Progress) -> Progress:
-    for step in podflow.STEPS[: podflow.STEPS.index(Step.ready)]:
+    for step in sequences.STEPS[: sequences.STEPS.index(Step.ready)]:
         p = podflow.step_done(p, step, 0.1, 110.0)
     return p
 

@@ -5,10 +5,11 @@ staged name and keeps the pod in traffic on the old adapter; after the swap it f
 from __future__ import annotations
 
 import pytest
-from refit_operator.core import podflow
-from refit_operator.core.podflow import ADAPTER_STEPS, RESTORE, Progress, RunStep, Step
+from refit_operator.core import podflow, sequences
+from refit_operator.core.podflow import Progress, RunStep
 from refit_operator.core.podview import PodView
 from refit_operator.core.probe import ProbeOutcome
+from refit_operator.core.sequences import ADAPTER_STEPS, RESTORE, Step
 
 
 def adapter_pass(serving: str = "v1") -> Progress:
@@ -32,8 +33,8 @@ def test_adapter_steps_need_no_sleep_wake_or_reload():
         ADAPTER_STEPS
     )
     for step in ADAPTER_STEPS:
-        assert podflow.step_applies(step, 2, "adapter")
-    assert not podflow.step_applies(Step.sleep, 1, "adapter")
+        assert sequences.step_applies(step, 2, "adapter")
+    assert not sequences.step_applies(Step.sleep, 1, "adapter")
 
 
 def test_walk_to_success_leaves_traffic_only_for_the_swap():

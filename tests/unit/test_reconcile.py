@@ -3,7 +3,7 @@
 from dataclasses import replace
 from typing import Any
 
-from refit_operator.core import podflow
+from refit_operator.core import claim, podflow, sequences
 from refit_operator.core.admission import (
     PreflightResult,
     admitted_spec,
@@ -251,7 +251,7 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
     assert list(d.withdraw) == ["p1"] and d.start == []
     assert d.withdraw["p1"].reason == "ContainerRestarted"
     # A pod another pass holds is that pass's to take out (its claim write does).
-    held = replace(restarted, claim=podflow.Claim("other", "u2", 7, "op"))
+    held = replace(restarted, claim=claim.Claim("other", "u2", 7, "op"))
     d = decide(observe(r, [pod("p0", prog), held], fleet=fleet))
     assert not d.withdraw
     # Withdrawn (gate False): not again; it waits for its containers, then gets a pass.
@@ -357,8 +357,8 @@ def test_success_with_tolerated_failures_is_ready_and_degraded():
 
 
 # ---- one driver per pod: claims, overlapping refits, pods that moved on
-def _claimed(by: str, uid: str) -> podflow.Claim:
-    return podflow.Claim(refit=by, uid=uid, fence=7, holder="op-1")
+def _claimed(by: str, uid: str) -> claim.Claim:
+    return claim.Claim(refit=by, uid=uid, fence=7, holder="op-1")
 
 
 def test_pod_held_by_another_live_refit_is_blocked_not_started():
@@ -498,7 +498,7 @@ def test_queued_refit_names_the_refit_it_waits_for():
 # ---- status that scales: status.pods lists only pods that need attention, capped
 def _record(i: int, outcome: str = "Succeeded", **over: object) -> podflow.Progress:
     """A realistic finished (or running) pass of pod i: every step timed, a probe."""
-    steps = {s: 0.5 + 0.01 * (i % 7) for s in podflow.STEPS}
+    steps = {s: 0.5 + 0.01 * (i % 7) for s in sequences.STEPS}
     verdict = {"Succeeded": "Pass", "Failed": "Fail", "Inconclusive": "Inconclusive"}
     base = dict(
         refit="wr", uid="uid", version="v2", path="/ckpt/v2", created=CREATED, step="",

@@ -5,7 +5,7 @@
   (``UnsafeSleepLevel``) from refit_info.kv_cache_scales and the spec's sleepLevel.
 - Level 2 without a full reload (#29341) and the prefix cache a reload never touches
   (#49789): every sleep level runs a full reload after the weights wake and resets the
-  prefix cache before the probe (podflow.STEPS); tests/worker/test_reload_hazards.py shows
+  prefix cache before the probe (sequences.STEPS); tests/worker/test_reload_hazards.py shows
   the stale cache on a real engine.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 import json
 
 import pytest
-from refit_operator.core import podflow
+from refit_operator.core import sequences
 from refit_operator.core.admission import PreflightResult, admission_problem
 from refit_operator.core.api_status import WeightRefitStatus
 from refit_operator.core.decision import decide
@@ -72,7 +72,7 @@ def test_every_level_reloads_in_full_after_the_wake_and_resets_the_cache(level: 
     prefix cache): the load (vLLM's layerwise reload of every tensor the model loads, which
     preflight checks the checkpoint holds) follows the weights' wake, and the prefix cache
     is reset before the probe, at every level."""
-    steps = [s for s in podflow.STEPS if podflow.step_applies(s, level)]
+    steps = [s for s in sequences.STEPS if sequences.step_applies(s, level)]
     order = ["load", "resetCache", "probe", "ready"]
     if level:
         order = ["sleep", "wakeWeights", "load", "wakeKV", "resetCache", "probe", "ready"]
@@ -94,4 +94,4 @@ def test_an_older_workers_refit_info_has_no_drafter():
 def test_a_missing_drafter_leaves_the_pod_on_its_weights():
     # The worker refuses DrafterMissing before touching either model: final, and the pod
     # goes back to serving what it held.
-    assert "DrafterMissing" in podflow.UNTOUCHED_LOAD_CODES
+    assert "DrafterMissing" in sequences.UNTOUCHED_LOAD_CODES

@@ -8,6 +8,7 @@ from dataclasses import replace
 from refit_operator.core import podflow
 from refit_operator.core.api_spec import LabelSelector, WeightRefitSpec
 from refit_operator.core.api_status import Condition, Phase, PodProbe, Previous, WeightRefitStatus
+from refit_operator.core.claim import Claim
 from refit_operator.core.decision import Observed, RefitView, decide, foreign, rollback_targets
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView
@@ -106,7 +107,7 @@ def test_a_pod_relabelled_mid_pass_is_left_to_the_pass_that_holds_it():
     """The newer refit's pass in flight when the labels changed: its claim holds the pod, and
     the pass decides the pod's readiness; the target waits for it."""
     running = replace(passed(POLICY), step="load", outcome="", finished=0.0)
-    claim = podflow.Claim("policy", POLICY.uid, 7, "op")
+    claim = Claim("policy", POLICY.uid, 7, "op")
     p = pod("gen-3", running, REFERENCE, claim=claim, ready=False)
     d = decide(observe(BASE, [p], [ref(BASE)], [BASE, POLICY]))
     assert d.start == [] and not d.withdraw

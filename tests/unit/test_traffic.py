@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refit_operator.core import api_status, podflow, traffic
-from refit_operator.core.podflow import STEPS, Progress
+from refit_operator.core.podflow import Progress
+from refit_operator.core.sequences import STEPS
 
 
 def passed(left: float, back: float, *, serving: str = "") -> Progress:

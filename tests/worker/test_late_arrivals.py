@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator.controller import steps
+from refit_operator.controller import sources
 from refit_operator.core import podflow
 from refit_operator.core.api_spec import Sequence
-from refit_operator.core.podflow import Step
+from refit_operator.core.sequences import Step
 from refit_operator.edges.worker_client import WorkerClient, session
 
 from testbed.vllm_server import VllmServer
@@ -51,7 +51,7 @@ async def drain_with_a_late_arrival(server: VllmServer, mode: str) -> dict[str, 
             return str(r.json()["choices"][0]["finish_reason"])
 
         async def step(s: Step) -> None:
-            await steps.execute_step(worker, seq, progress, s, False)
+            await sources.execute_step(worker, seq, progress, s, False)
 
         busy = [asyncio.create_task(complete(BUSY_TOKENS)) for _ in range(BUSY)]
         await asyncio.sleep(0.3)  # scheduled and running

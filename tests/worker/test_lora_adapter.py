@@ -1,14 +1,14 @@
-"""LoRA adapter passes on a real vLLM CPU server (runtime LoRA updating on, base checkpoint A)
-with the tiny adapters the test bed builds (testbed/tiny_adapter.py).
+"""LoRA adapter passes on a real vLLM CPU server (runtime LoRA updating on, base checkpoint A) with
+the tiny adapters the test bed builds (testbed/tiny_adapter.py).
 
 The pass is walked by the pure core (podflow, source "adapter") and each step runs the
-operator's own step code (steps.execute_step, steps.restore_adapter) through the operator's
-client under a fencing token; the probes score through the staged and the served adapter name
-against the trainer's reference (base + adapter merged, scored by HF transformers). What this
-module holds to real vLLM: the old adapter serves until the new one passed its probe; a refused
-or failing adapter leaves the old one serving (restored) and the staged name unloaded; a stale
-fence and a missing admin token are refused on vLLM's adapter routes; the base model is never
-slept or reloaded (its weight version and its probe stay those of checkpoint A)."""
+operator's own step code (sources.execute_step, adapter_source.restore_adapter) through the
+operator's client under a fencing token; the probes score through the staged and the served
+adapter name against the trainer's reference (base + adapter merged, scored by HF transformers).
+What this module holds to real vLLM: the old adapter serves until the new one passed its probe;
+a refused or failing adapter leaves the old one serving (restored) and the staged name unloaded;
+a stale fence and a missing admin token are refused on vLLM's adapter routes; the base model is
+never slept or reloaded (its weight version and its probe stay those of checkpoint A)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from refit_operator.controller import pod_pass, steps
-from refit_operator.core import podflow, probe
+from refit_operator.controller import pod_pass, sources
+from refit_operator.controller.sources import adapter as adapter_source
+from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api_spec import Sequence, Thresholds
-from refit_operator.core.podflow import Progress, RunStep, Step
+from refit_operator.core.podflow import Progress, RunStep
+from refit_operator.core.sequences import Step
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
@@ -99,11 +101,11 @@ async def run_pass(
                     progress = podflow.step_done(progress, step, 0.0, time.time())
                     if step == Step.probeStaged and after_staged_probe is not None:
                         await after_staged_probe()  # type: ignore[operator]
-            elif step == podflow.RESTORE:
-                await steps.restore_adapter(worker, SEQ, progress)
+            elif step == sequences.RESTORE:
+                await adapter_source.restore_adapter(worker, SEQ, progress)
                 progress = podflow.restored(progress, time.time())
             else:
-                await steps.execute_step(worker, SEQ, progress, step, False)
+                await sources.execute_step(worker, SEQ, progress, step, False)
                 progress = podflow.step_done(progress, step, time.monotonic() - began, time.time())
         except WorkerError as e:
             reason, final = pod_pass.worker_error_reason(e, step)

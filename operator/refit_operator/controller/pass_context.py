@@ -11,9 +11,10 @@ from refit_worker.contract import ProbeReference
 
 from ..core import checksums
 from ..core.api_spec import Broadcast, Sequence, WeightRefitSpec
-from ..core.podflow import Progress, Step
+from ..core.podflow import Progress
 from ..core.podview import PodView
 from ..core.reasons import Problem
+from ..core.sequences import Step
 from ..edges.cluster import Kube
 from ..edges.worker_client import WorkerClient
 from .rounds import Rounds
@@ -52,7 +53,7 @@ class PassContext:
     fleet: str
     spec: WeightRefitSpec
     client: Callable[[PodView, int | None], WorkerClient]  # (pod, fencing token)
-    next_fence: Callable[[], int]  # the fallback token (podflow.claim_fence)
+    next_fence: Callable[[], int]  # the fallback token (claim.claim_fence)
     reference: Callable[[str, WorkerClient], Awaitable[ProbeReference]]
     peer_nlls: Callable[[str], list[float]]
     # The pods' read-backs (as listed, and of the passes in flight, which put theirs as they

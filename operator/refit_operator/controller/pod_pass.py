@@ -15,17 +15,18 @@ from refit_worker import contract
 
 from ..core import podflow, times
 from ..core.admission import admission_problem, joins_layout, reach_problem
+from ..core.claim import Claim, claim_fence
 from ..core.decision import PodStart
-from ..core.gate import loaded, pass_readiness
-from ..core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
+from ..core.gate import pass_readiness
+from ..core.podflow import Finished, Progress, RunStep, WaitUntil
 from ..core.podview import PodView
 from ..core.reasons import Problem, Reason, pass_event, step_timeout
+from ..core.sequences import Step
 from ..edges import metrics
 from ..edges.cluster import ClaimedPod, ClaimLost
 from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepFailed, StepRun
-from .preflight import adapter_admission
-from .steps import run_step_code
+from .sources import SOURCES, run_step_code, source_for
 
 
 def worker_error_reason(e: WorkerError, step: str) -> tuple[str, bool]:
@@ -60,7 +61,7 @@ def _now(ctx: PassContext, pod: str, progress: Progress) -> None:
 
 async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress:
     # The claim's write is conditional on the pod's resourceVersion as listed: the token.
-    fence = podflow.claim_fence(pod.resource_version) or ctx.next_fence()
+    fence = claim_fence(pod.resource_version) or ctx.next_fence()
     claim = Claim(ctx.refit_name, ctx.refit_uid, fence, ctx.cluster.identity, ctx.lease,
                   ctx.lease_seconds)  # fmt: skip
     worker = ctx.client(pod, claim.fence)
@@ -74,22 +75,16 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
             incarnation=pod.incarnation,
-            serving=serving, serving_path=pod.serving_path, source=_source(ctx, start),
-            adapter=ctx.spec.track,
+            serving=serving, serving_path=pod.serving_path,
+            source=source_for(ctx.spec).pass_kind(start), adapter=ctx.spec.track,
         )  # fmt: skip
-        base = pod.records.get("")
-        if progress.source == "adapter" and base is not None:
-            # The base this adapter is probed on: the gate serves it on that base only.
-            progress = replace(progress, base_version=loaded(base), base_pass=base_key(base))
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
         # A pass that receives cannot run without the broadcast's source; a rollback loads
         # the previous checkpoint (start.path) and needs none.
         unsourced = ctx.source_problem if not start.path else None
         refused = unsourced or await _admission(ctx, pod, ctx.client(pod, None))
-        progress = replace(progress, lora=pod.name in ctx.lora)
-        if progress.source != "adapter":  # an adapter's probe scores no drafter
-            progress = replace(progress, drafter=ctx.drafters.get(pod.name, ""))
+        progress = SOURCES[progress.source].begin(ctx, pod, progress)  # after the admission
         if refused is not None:
             # A pod that joined after the fleet preflight gets the same checks; refused,
             # it is left exactly as it was and the refusal is recorded.
@@ -137,14 +132,6 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             await handle.record(progress, pass_readiness(pod, progress) if leaves else None)
 
 
-def _source(ctx: PassContext, start: PodStart) -> podflow.Source:
-    """Where this pass's weights come from. A rollback loads a directory (start.path): the
-    previous checkpoint, or the previous adapter for an adapter refit."""
-    if ctx.spec.adapter is not None:
-        return "adapter"
-    return "checkpoint" if start.path else "broadcast"
-
-
 async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Problem | None:
     if pod.group_problem is not None:  # a pod group without its leader, or a pod of none
         return pod.group_problem
@@ -158,8 +145,9 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
     except WorkerError:
         return None  # transient or not: the first step meets it again, with retries
     spec = ctx.spec
+    source = source_for(spec)
     problem = admission_problem(info, spec.allow_unsafe_backends, spec.sequence.sleep_level,
-                                adapter=spec.adapter is not None)  # fmt: skip
+                                adapter=not source.flow.reloads)  # fmt: skip
     if problem is None:
         problem = joins_layout(ctx.layout, info)
     if info.max_lora_rank > 0:
@@ -172,12 +160,7 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         size: int | str = await worker.world_size(timeout=t_step)
     except WorkerError as e:  # it answered refit_info: no pass without the count
         size = f"get_world_size failed ({e.kind}): {e.message}"
-    problem = reach_problem(info, size)
-    if problem is None and spec.adapter is not None:
-        # The adapter, as the fleet preflight checked it on the others: before the claim
-        # takes the pod out of traffic.
-        problem = await adapter_admission(worker, spec, pod, t_step, unreachable=False)
-    return problem
+    return reach_problem(info, size) or await source.admit(ctx, pod, worker, t_step)
 
 
 async def _run_step(

@@ -13,57 +13,21 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
+from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
 from ..core import admission, probe
 from ..core.admission import PreflightResult
-from ..core.api_spec import WeightRefitSpec
 from ..core.podview import PodView
 from ..core.reasons import Problem, Reason
 from ..edges.cluster import AccessDenied, Kube
 from ..edges.worker_client import WorkerClient, WorkerError
-from .pass_context import BroadcastSource
+from .inputs import read_key
 from .refit_state import Tick
-from .rounds import Rounds
+from .sources import source_for
 
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
-
-
-async def adapter_admission(
-    client: WorkerClient,
-    spec: WeightRefitSpec,
-    pod: PodView,
-    t_step: float,
-    *,
-    unreachable: bool = True,
-) -> Problem | None:
-    """Whether ``pod`` may take the refit's adapter, asked before it leaves traffic: the
-    worker's refit_adapter_check (path rules, manifest and digests, a PEFT LoRA config vLLM
-    serves, a rank within --max-lora-rank, target modules the served model has, matrices of its
-    sizes), then the name against the models the pod serves (admission.adapter_name_problem).
-    A refusal is the pod's problem, named; a pod that does not answer is PodUnreachable
-    (``unreachable``; else None: the pass meets it again in its first step, with retries)."""
-    adapter = spec.adapter
-    assert adapter is not None
-    try:
-        await client.adapter_check(adapter.path, timeout=t_step)
-        served = await client.served_models(timeout=t_step)
-    except WorkerError as e:
-        if e.kind == "rejected" and e.code:
-            return Problem(e.code, f"pod {pod.name}: adapter {adapter.path}: {e.message}")
-        if not unreachable:
-            return None
-        return Problem(
-            Reason.PodUnreachable, f"pod {pod.name}: checking the adapter failed: {e.message}"
-        )
-    problem = admission.adapter_name_problem(
-        adapter.name, served, ours=adapter.name in pod.adapter_records
-    )
-    if problem is not None:
-        return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
-    return None
 
 
 class Preflight:
@@ -104,8 +68,9 @@ class Preflight:
         )
         identity = {p.name: (p.uid, p.restarts) for p in reachable}
         passes = t.state.passes
+        source = source_for(spec)
         unsafe, level, adapter = (
-            spec.allow_unsafe_backends, spec.sequence.sleep_level, spec.adapter is not None
+            spec.allow_unsafe_backends, spec.sequence.sleep_level, not source.flow.reloads
         )  # fmt: skip
         passes.admitted = {
             name: identity[name]
@@ -117,32 +82,18 @@ class Preflight:
         passes.lora = {name for name, info in known.items() if info.max_lora_rank > 0}
         passes.drafters = {name: info.drafter for name, info in known.items() if info.drafter}
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
-            if spec.adapter is not None:
-                problem = await self.check_adapter(t, reachable)
+            # What the refit's source reads (an adapter's files, a broadcast's manifest).
+            problem = await source.check(
+                t, reachable, self.cluster, lambda pod: self.client(t, pod)
+            )
             if problem is None:
                 problem = await self.check_reference(t, reachable)
-        if spec.broadcast is not None and problem is None:
-            problem = await self.load_broadcast(t)
         # Every refit: a pod whose workers the calls do not all reach is refused
         # (admission.reach_problem); a broadcast also ranks each pod by this count.
         world_sizes: dict[str, int | str] = await each(
             lambda c: c.world_size(timeout=t_step), "get_world_size"
         )
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
-
-    async def check_adapter(self, t: Tick, pods: list[PodView]) -> Problem | None:
-        """An adapter refit's adapter, checked on every pod before any pod is touched
-        (adapter_admission); the first pod's problem by name, or None. Adapters are small:
-        every pod verifies the files it would load."""
-        sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
-        t_step = float(t.view.spec.sequence.step_timeout_seconds)
-
-        async def one(pod: PodView) -> Problem | None:
-            async with sem:
-                return await adapter_admission(self.client(t, pod), t.view.spec, pod, t_step)
-
-        problems = await asyncio.gather(*map(one, pods))
-        return next((p for p in problems if p is not None), None)
 
     async def check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:
         """Fetch the probe reference and score it on one pod (one request for all prompts): a
@@ -210,34 +161,6 @@ class Preflight:
         references[path] = reference
         return reference
 
-    async def load_broadcast(self, t: Tick) -> Problem | None:
-        """Read the trainer's transfer manifest from its ConfigMap and check it against the
-        spec's digest, before any pod is touched; a problem or None."""
-        view, st = t.view, t.state
-        b = view.spec.broadcast
-        assert b is not None
-        ref = b.manifest.config_map_ref
-        text = await self._read_key(
-            "ConfigMap", view.namespace, ref.name, ref.key,
-            missing=Reason.ManifestMissing, forbidden=Reason.ManifestForbidden,
-        )  # fmt: skip
-        if isinstance(text, Problem):
-            return text
-        try:
-            manifest = TransferManifest.from_json_dict(json.loads(text))
-        except (ValueError, ContractError) as e:
-            return Problem(Reason.ManifestInvalid, f"ConfigMap {ref.name} key {ref.key!r}: {e}")
-        if manifest.digest != b.manifest.digest:
-            return Problem(
-                Reason.ManifestMismatch,
-                f"ConfigMap {ref.name} holds the manifest {manifest.digest}, not "
-                f"spec.broadcast.manifest.digest {b.manifest.digest}",
-            )
-        shown = view.status.broadcast.round if view.status.broadcast is not None else 0
-        rounds = Rounds(shown, st.wake.set)
-        st.broadcast = BroadcastSource(b, manifest.to_json_dict(), rounds)
-        return None
-
     async def load_secrets(self, t: Tick) -> Problem | None:
         """Read the admin token and the /v1 API key the spec names; a problem or None."""
         secrets, fleet = t.state.secrets, t.view.spec.fleet
@@ -245,8 +168,8 @@ class Preflight:
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
-            value = await self._read_key(
-                "Secret", t.namespace, ref.name, ref.key,
+            value = await read_key(
+                self.cluster, "Secret", t.namespace, ref.name, ref.key,
                 missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
             )  # fmt: skip
             if isinstance(value, Problem):
@@ -254,23 +177,3 @@ class Preflight:
             setattr(secrets, attr, value)
         secrets.loaded = True
         return None
-
-    async def _read_key(
-        self,
-        kind: str,
-        namespace: str,
-        name: str,
-        key: str,
-        *,
-        missing: Reason,
-        forbidden: Reason,
-    ) -> str | Problem:
-        """A Secret's or ConfigMap's value, or the problem: ``forbidden`` when RBAC forbids
-        the read, ``missing`` when the object or key is absent."""
-        try:
-            value = await self.cluster.read_key(kind, namespace, name, key)
-        except AccessDenied as e:
-            return Problem(forbidden, str(e))
-        if value is None:
-            return Problem(missing, f"{kind} {name} has no key {key!r}")
-        return value

@@ -28,7 +28,6 @@ from ..core.api import (
 )
 from ..core.decision import Decision, Observed, RefitView
 from ..core.index import Known, RefitIndex
-from ..core.podflow import STEPS, Step
 from ..core.podview import PodView
 from ..core.status import pod_phases
 from ..edges import metrics
@@ -39,6 +38,7 @@ from .pass_context import PassContext
 from .pod_pass import run_pass
 from .preflight import Preflight
 from .refit_state import Listing, Passes, RefitState, Tick
+from .sources import source_for
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +71,6 @@ class WorkerFactory(Protocol):
 def _revision(doc: dict[str, Any]) -> int:
     rv = str(doc["metadata"].get("resourceVersion", ""))
     return int(rv) if rv.isdigit() else 0
-
-
-def _receives(pod: PodView, start: decision.PodStart) -> bool:
-    """Whether this pass of a broadcast refit has its receive ahead (a rollback loads a
-    checkpoint; a resumed pass may be past its receive)."""
-    if start.rollback:
-        return False
-    p = pod.progress
-    if not start.resume or p is None:
-        return True
-    return p.source == "broadcast" and p.step in STEPS[: STEPS.index(Step.receive) + 1]
 
 
 def _replaced(driven: PodView | None, now: PodView) -> bool:
@@ -461,13 +450,14 @@ class Engine:
         view, st, passes = t.view, t.state, t.state.passes
         if not st.secrets.loaded:  # after a restart the preflight that read them is not rerun
             await self.preflight.load_secrets(t)
-        problem = None
-        if view.spec.broadcast is not None and st.broadcast is None:
-            problem = await self.preflight.load_broadcast(t)  # after a restart, as the secrets
-            if problem is not None:  # each pass fails with it: the gate then decides
-                log.error(
-                    "%s: no broadcast source: %s: %s", view.name, problem.reason, problem.message
-                )
+        # After a restart, as the secrets: what the source's passes need (a broadcast's
+        # manifest). A problem fails each pass with it: the gate then decides.
+        source = source_for(view.spec)
+        problem = await source.ready_to_pass(t, self.cluster)
+        if problem is not None:
+            log.error(
+                "%s: no %s source: %s: %s", view.name, source.kind, problem.reason, problem.message
+            )
 
         async def reference(path: str, client: WorkerClient) -> ProbeReference:
             return await self.preflight.reference(t, path, client)
@@ -493,7 +483,7 @@ class Engine:
         if st.broadcast is not None:  # the passes started together receive one send
             st.broadcast.rounds.open(
                 s.pod for s in d.start
-                if s.pod in pods and s.pod not in passes.tasks and _receives(pods[s.pod], s)
+                if s.pod in pods and s.pod not in passes.tasks and source.receives(pods[s.pod], s)
             )  # fmt: skip
         for start in d.start:
             if start.pod in passes.tasks or start.pod not in pods:

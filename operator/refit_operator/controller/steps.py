@@ -1,9 +1,8 @@
-"""The code of each step of a pod's pass, one table from ``podflow.Step`` to the coroutine that
-runs it (``STEP_CODE``; ``ADAPTER_STEP_CODE`` where an adapter pass differs): the stage, the
-drain in its mode, sleep and wakes, the load or the broadcast's receive, the cache reset, the
-version stamp, the read-back, the probe, the vouch, the restore. Each step is one try: its
-retries, records and events are the pass's (pod_pass.py). The bench and the tests run a step
-alone through ``execute_step``."""
+"""The code of the steps the weight sources share (``WEIGHTS_STEP_CODE``: the drain in its mode,
+sleep and wakes, the cache reset, the version stamp, the read-back, the probe, the vouch, the
+restore); how the weights arrive (a checkpoint's stage and load, a broadcast's receive, an
+adapter's load and swap) is each source's own (controller/sources/). Each step is one try: its
+retries, records and events are the pass's (pod_pass.py)."""
 
 from __future__ import annotations
 
@@ -12,17 +11,17 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from ..core import checksums, podflow, probe, times
-from ..core.api import Broadcast, Sequence, Thresholds
+from ..core import checksums, podflow, probe, sequences, times
+from ..core.api import Sequence, Thresholds
 from ..core.gate import gate, served
-from ..core.podflow import Progress, Step
+from ..core.podflow import Progress
 from ..core.podview import PodView
 from ..core.reasons import Reason
+from ..core.sequences import Step
 from ..edges import metrics
 from ..edges.cluster import ClaimLost
 from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepCode, StepFailed, StepRun
-from .rounds import TrainerTimeout, rank_problem
 
 DRAIN_POLL_SECONDS = 0.5
 # A keep drain's count of what it froze: reads of /metrics this far apart, until two agree.
@@ -30,34 +29,7 @@ KEEP_SETTLE_SECONDS = 0.2
 KEEP_SETTLE_READS = 5
 
 
-async def run_step_code(run: StepRun, step: Step) -> str | Progress:
-    """Run ``step``'s code (STEP_CODE; an adapter pass's own from ADAPTER_STEP_CODE), or
-    nothing where the step does not apply at this sleep level and weight source."""
-    source = run.progress.source
-    if step != Step.restore and not podflow.step_applies(step, run.seq.sleep_level, source):
-        return ""
-    own = ADAPTER_STEP_CODE.get(step) if source == "adapter" else None
-    return await (own or STEP_CODE[step])(run)
-
-
-async def execute_step(
-    worker: WorkerClient, seq: Sequence, progress: Progress, step: str, resumed: bool
-) -> str:
-    """Run one step of the pod sequence outside a pass (the bench's refit cycle, the tests):
-    the same code the pass runs, without the pass's peers, rounds or probe reference. Returns
-    the stage step's note (how the worker staged the checkpoint) or the drain's (requests a
-    ``keep`` drain froze), "" otherwise."""
-    done = await run_step_code(StepRun(worker, seq, progress, resumed), Step(step))
-    assert isinstance(done, str), f"step {step!r} judges only within a pass"
-    return done
-
-
-async def _stage(run: StepRun) -> str:
-    staged = await run.worker.stage(run.progress.path, timeout=run.t_load)
-    return str(staged.get("note", ""))[:200]
-
-
-async def _drain_step(run: StepRun) -> str:
+async def drain_step(run: StepRun) -> str:
     if run.ctx is not None and run.pod is not None:
         await _wait_out_of_endpoints(run.ctx, run.pod)
     await _wait_drain_delay(run.seq, run.progress)
@@ -71,7 +43,7 @@ async def _drain_weights(run: StepRun) -> str:
     Their records stay: the gate reads them against the base this pass leaves (core/gate.py:
     on another version the adapter's track needs a refit; on the same, its target loads it
     again)."""
-    note = await _drain_step(run)
+    note = await drain_step(run)
     if run.progress.lora:
         for name in await run.worker.adapters(timeout=run.t_step):
             await run.worker.unload_adapter(name, timeout=run.t_step)
@@ -93,27 +65,6 @@ async def _wake_weights(run: StepRun) -> str:
     return ""
 
 
-async def _load(run: StepRun) -> str:
-    progress = run.progress
-    # Never reload blindly: a load that finished before a restart stamped the version.
-    if podflow.must_read_back(progress, run.resumed):
-        info = await run.worker.refit_info(timeout=run.t_step)
-        if not podflow.load_needed(info.weight_version, progress.version):
-            return ""
-    await run.worker.load(progress.path, progress.version, timeout=run.t_load)
-    return ""
-
-
-async def _receive_step(run: StepRun) -> str:
-    ctx, pod = run.in_pass(Step.receive)
-    try:
-        await _receive(ctx, pod, run.worker, run.progress, run.resumed)
-    finally:
-        if ctx.broadcast is not None:
-            ctx.broadcast.rounds.leave(pod.name)
-    return ""
-
-
 async def _wake_kv(run: StepRun) -> str:
     await _abort_late_arrivals(run)
     await run.worker.wake_up(["kv_cache"], timeout=run.t_step)
@@ -130,12 +81,12 @@ async def _abort_late_arrivals(run: StepRun) -> None:
         await run.worker.pause("abort", timeout=run.t_step)
 
 
-async def _reset_cache(run: StepRun) -> str:
+async def reset_cache_step(run: StepRun) -> str:
     # A keep drain's frozen requests hold KV blocks computed on the old weights: vLLM refuses
     # the reset while they do, so they are preempted and recompute on the new.
     keep = run.seq.drain_mode == "keep"
     await run.worker.reset_prefix_cache(reset_running=keep, timeout=run.t_step)
-    if not podflow.step_applies(Step.wakeKV, run.seq.sleep_level, run.progress.source):
+    if not sequences.step_applies(Step.wakeKV, run.seq.sleep_level, run.progress.source):
         await _abort_late_arrivals(run)  # this resume is the first
     # Unpause so the probe can be served; the pod is still out of Service endpoints.
     await run.worker.resume(timeout=run.t_step)
@@ -169,23 +120,12 @@ async def _checksum(run: StepRun) -> str:
     return ""
 
 
-async def _probe_step(run: StepRun) -> Progress:
+async def probe_step(run: StepRun) -> Progress:
     ctx, pod = run.in_pass(Step(run.progress.step))
     return await _probe(ctx, pod, run.worker, run.progress)
 
 
-async def _probe_staged(run: StepRun) -> Progress:
-    """The staged adapter's probe; once it passed, the staged name is unloaded at once: the
-    swap loads the same files (checked again) under the served name, so nothing staged
-    outlives this step, whatever fails after it (a drain, the swap, the served probe). A
-    verdict that failed goes to the restore, which unloads it too."""
-    judged = await _probe_step(run)
-    if judged.step == Step.drain:
-        await _unload_staged(run)
-    return judged
-
-
-async def _ready(run: StepRun) -> str:
+async def ready_step(run: StepRun) -> str:
     # The probe passed: vouch for this process's weights, so its readiness probe passes
     # (refit_worker.readiness); the pass's last record then sets the condition True. Both
     # only if the gate lets the whole pod in: another track (a failed adapter, one missing)
@@ -215,87 +155,6 @@ async def _restore_step(run: StepRun) -> str:
     return ""
 
 
-# An adapter pass's own steps (the probes score through ``progress.probe_model``). Each is
-# idempotent: a retried or resumed load first unloads the staged name it may already have
-# loaded.
-async def _check_adapter(run: StepRun) -> str:
-    checked = await run.worker.adapter_check(run.progress.path, timeout=run.t_load)
-    return f"adapter rank {checked.get('rank')}, {checked.get('bytes')} bytes verified"
-
-
-async def _load_adapter(run: StepRun) -> str:
-    p = run.progress
-    staged = podflow.staged_adapter_name(p.adapter, p.version)
-    await run.worker.unload_adapter(staged, timeout=run.t_step)
-    await run.worker.load_adapter(staged, p.path, timeout=run.t_load)
-    return ""
-
-
-async def _swap_adapter(run: StepRun) -> str:
-    # The files the staged probe judged, unchanged since (digests again; an adapter is small):
-    # then in place under the served name, new weights loaded before the old go.
-    p = run.progress
-    await run.worker.adapter_check(p.path, timeout=run.t_load)
-    await run.worker.load_adapter(p.adapter, p.path, inplace=True, timeout=run.t_load)
-    return ""
-
-
-async def _unload_staged(run: StepRun) -> str:
-    p = run.progress
-    await run.worker.unload_adapter(
-        podflow.staged_adapter_name(p.adapter, p.version), timeout=run.t_step
-    )
-    return ""
-
-
-async def _restore_adapter_step(run: StepRun) -> str:
-    await restore_adapter(run.worker, run.seq, run.progress)
-    return ""
-
-
-# Every step and the code that runs it (podflow.STEPS and ADAPTER_STEPS give their order).
-STEP_CODE: dict[Step, StepCode] = {
-    Step.stage: _stage,
-    Step.drain: _drain_weights,
-    Step.sleep: _sleep,
-    Step.wakeWeights: _wake_weights,
-    Step.load: _load,
-    Step.receive: _receive_step,
-    Step.wakeKV: _wake_kv,
-    Step.resetCache: _reset_cache,
-    Step.stampVersion: _stamp_version,
-    Step.checksum: _checksum,
-    Step.probe: _probe_step,
-    Step.ready: _ready,
-    Step.restore: _restore_step,
-    # An adapter pass's own steps (drain, resetCache and probe are the weights pass's).
-    Step.loadAdapter: _load_adapter,
-    Step.probeStaged: _probe_staged,
-    Step.swap: _swap_adapter,
-}
-# Where an adapter pass runs a step of the same name differently.
-ADAPTER_STEP_CODE: dict[Step, StepCode] = {
-    Step.stage: _check_adapter,  # verify the adapter's files: nothing to stage
-    Step.drain: _drain_step,  # as for weights, without unloading adapters (it swaps one)
-    Step.restore: _restore_adapter_step,  # unload the staged name
-}
-
-
-async def restore_adapter(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:
-    """Refused before the swap: unload the staged name; the served adapter was never touched,
-    and must still be listed for the pod to go on serving it."""
-    t_step = float(seq.step_timeout_seconds)
-    await worker.unload_adapter(
-        podflow.staged_adapter_name(progress.adapter, progress.version), timeout=t_step
-    )
-    if progress.serving and progress.adapter not in await worker.adapters(timeout=t_step):
-        raise StepFailed(
-            progress.reason,
-            f"{progress.message}; the pod no longer lists adapter {progress.adapter!r}",
-            final=True,
-        )
-
-
 async def read_back(worker: WorkerClient, t_step: float) -> checksums.Readback:
     """What the pod's model holds now: vLLM's per-parameter digests (/weight_checker, through
     the guard with the pass's fencing token) and the extension's per-buffer digests."""
@@ -304,68 +163,6 @@ async def read_back(worker: WorkerClient, t_step: float) -> checksums.Readback:
     if not parameters:
         raise StepFailed(Reason.WorkerProtocolError, "the weight checker read back no parameter")
     return checksums.read_back(dtype, parameters, buffers)
-
-
-async def _receive(
-    ctx: PassContext, pod: PodView, worker: WorkerClient, progress: Progress, resumed: bool
-) -> None:
-    """The broadcast's receive: join the pod's round, and once the trainer announced it,
-    join its transfer at the rank assigned, receive, check and load, finish, read back."""
-    b = ctx.spec.broadcast
-    assert b is not None, "a broadcast pass needs spec.broadcast"
-    t_step = float(ctx.spec.sequence.step_timeout_seconds)
-    digest = b.manifest.digest
-    if podflow.must_read_back(progress, resumed):
-        try:  # a receive that finished before a restart is not received again
-            await worker.received(digest, progress.version, timeout=t_step)
-            return
-        except WorkerError as e:
-            if e.code == contract.STALE_FENCE:
-                raise
-            # Not loaded here: receive it again, in a new round.
-    if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
-        assert ctx.source_problem is not None
-        raise StepFailed(ctx.source_problem.reason, ctx.source_problem.message, final=True)
-    workers = await worker.world_size(timeout=t_step)  # the ranks this pod takes
-    try:
-        rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds), workers)
-    except TrainerTimeout as e:
-        raise StepFailed(Reason.TrainerTimeout, str(e), final=True) from e
-    received = await receive_broadcast(
-        worker, b, ctx.broadcast.manifest, rank, world, progress.version, t_step
-    )
-    problem = rank_problem(received, rank, world)
-    if problem is not None:
-        raise StepFailed(problem.reason, problem.message)
-
-
-async def receive_broadcast(
-    worker: WorkerClient,
-    spec: Broadcast,
-    manifest: dict[str, object],
-    rank: int,
-    world: int,
-    version: str,
-    t_step: float,
-) -> dict[str, object]:
-    """One pod's side of a round, once the trainer announced it (the bench runs the same
-    code): join the transfer at ``rank`` of ``world``, receive, check and load, finish, and
-    read back what was loaded (refit_received); returns that record."""
-    # The pod's own transfer timeout answers first; the HTTP timeout only catches a hung pod.
-    t_transfer = float(spec.timeout_seconds) + t_step
-    init = {
-        "master_address": spec.rendezvous.host,
-        "master_port": spec.rendezvous.port,
-        "rank_offset": rank,
-        "world_size": world,
-        "timeout_seconds": spec.timeout_seconds,
-    }
-    await worker.init_weight_transfer(init, timeout=t_transfer)
-    await worker.start_weight_update(timeout=t_step)
-    await worker.update_weights({"manifest": manifest}, timeout=t_transfer)
-    await worker.finish_weight_update(version, timeout=t_step)
-    # Records the version as the worker's and refuses unless it loaded exactly the promise.
-    return await worker.received(spec.manifest.digest, version, timeout=t_step)
 
 
 async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> None:
@@ -586,3 +383,19 @@ async def _probe(
     if outcome.verdict == "Pass":
         return podflow.step_done(progress, progress.step, seconds, times.now())
     return progress
+
+
+# The code of the steps every weights pass runs (a checkpoint's and a broadcast's: their modules
+# in sources/ add how the weights arrive); an adapter pass shares some of them.
+WEIGHTS_STEP_CODE: dict[Step, StepCode] = {
+    Step.drain: _drain_weights,
+    Step.sleep: _sleep,
+    Step.wakeWeights: _wake_weights,
+    Step.wakeKV: _wake_kv,
+    Step.resetCache: reset_cache_step,
+    Step.stampVersion: _stamp_version,
+    Step.checksum: _checksum,
+    Step.probe: probe_step,
+    Step.ready: ready_step,
+    Step.restore: _restore_step,
+}

@@ -27,6 +27,7 @@ from .api_crd import (
     object_name_rule,
     rule,
 )
+from .sequences import Source
 
 
 class LabelSelectorRequirement(ApiModel):
@@ -495,6 +496,14 @@ class WeightRefitSpec(ApiModel):
             return self.adapter.version
         assert self.checkpoint is not None, "a WeightRefit names a weight source"
         return self.checkpoint.version
+
+    @property
+    def source(self) -> Source:
+        """Where the weights come from: the one source the CRD lets a refit name (what the
+        controller dispatches on once: controller/sources/)."""
+        if self.broadcast is not None:
+            return "broadcast"
+        return "adapter" if self.adapter is not None else "checkpoint"
 
     @property
     def path(self) -> str:

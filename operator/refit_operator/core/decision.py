@@ -25,6 +25,7 @@ from .api import (
 from .gate import adapter_missing, base_moved_on, gate
 from .podview import PodView
 from .reasons import Problem, Reason
+from .sequences import FLOWS
 from .status import conditions, from_records, receivers
 from .times import rfc3339
 
@@ -224,7 +225,7 @@ def decide(obs: Observed) -> Decision:
                 f"whose weights ({p.progress.version}) it serves; out of traffic until a pass "
                 "of its fleet's refit"))  # fmt: skip
     refit = obs.refit
-    if refit.spec.broadcast is not None:
+    if refit.spec.broadcast is not None:  # a broadcast's own status: its rounds' receivers
         receivers(
             d.status, refit.spec.broadcast, obs.broadcast, refit.status.conditions, obs.now,
             refit.generation,
@@ -319,7 +320,7 @@ def _decide(obs: Observed) -> Decision:
             return d
         problem = preflight_problem(
             obs.pods, obs.preflight, spec.allow_unsafe_backends, spec.sequence.sleep_level,
-            adapter=spec.adapter is not None,
+            adapter=not FLOWS[spec.source].reloads,
         )  # fmt: skip
         st.target_pods = len(obs.pods)
         if problem is not None:
@@ -440,7 +441,7 @@ def _progress(
             return
         # A broadcast left nothing to load its version from: a pod that joins later waits
         # (out of traffic) for the next refit.
-        fresh = [] if spec.broadcast is not None else targets
+        fresh = targets if FLOWS[spec.source].loads_again else []
         ready = _startable(obs)
         moved = _foreign(obs)
         d.start = resumes + [
@@ -463,7 +464,7 @@ def _progress(
         ready = _startable(obs)
         moved = _foreign(obs)
         d.start = resumes + [_fresh(n, spec, n not in moved) for n in starts if n in ready]
-        if spec.checkpoint is not None:  # a broadcast has nothing to stage
+        if FLOWS[spec.source].stages_ahead:
             vetted = {p.name for p in obs.pods if p.vetted}  # staging sends the admin token
             d.stage_ahead = [
                 n for n in plan.stage_ahead(states, spec.strategy, starts) if n in vetted

@@ -25,9 +25,10 @@ docs/concepts.md, "One gate over many tracks", has the table ``tests/unit/test_g
 
 from __future__ import annotations
 
-from .podflow import ADAPTER_IN_TRAFFIC_STEPS, RESTORE, Progress, Readiness, base_key, readiness
+from .podflow import Progress, Readiness, base_key, readiness
 from .podview import PodView
 from .reasons import Reason
+from .sequences import ADAPTER_IN_TRAFFIC_STEPS, RESTORE
 
 
 def gate(unit: PodView, focus: str | None = None) -> Readiness:
@@ -63,7 +64,7 @@ def base_moved_on(unit: PodView, record: Progress | None) -> bool:
     ``record`` was probed on: a base pass unloaded that adapter, and its refit no longer
     answers for the pod (the track needs a refit for the new base)."""
     base = unit.records.get("")
-    if record is None or record.source != "adapter" or not record.base_version or base is None:
+    if record is None or not record.adapter or not record.base_version or base is None:
         return False
     version = served(base)
     return bool(version) and version != record.base_version
@@ -73,7 +74,7 @@ def adapter_missing(unit: PodView, record: Progress | None) -> bool:
     """Whether the adapter a Succeeded (or restored) record says the pod serves on its base is
     not loaded in this process: lost to a restart, or unloaded by a base pass that reloaded
     the same version (its refit converges the pod: its probe reference still holds)."""
-    if record is None or record.source != "adapter" or not record.finished_pass:
+    if record is None or not record.adapter or not record.finished_pass:
         return False
     if record.outcome != "Succeeded" and not (record.restored and record.serving):
         return False

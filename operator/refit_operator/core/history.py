@@ -57,7 +57,9 @@ class Finished:
     completed: float | None  # status.completionTime as Unix seconds; None if unknown
     ttl: int | None  # spec.ttlSecondsAfterFinished; None: no TTL
     fleet: str  # selector text: refits with equal texts are one fleet
-    checkpoint: bool = True  # loaded a checkpoint (False: a broadcast, spec.broadcast)
+    # Its weights can be loaded again (a checkpoint or adapter directory; not a broadcast's
+    # tensors): a rollback target.
+    checkpoint: bool = True
     moved_on: bool = False  # Superseded because its pods moved on (the fleet served it)
     pods: frozenset[str] = frozenset()  # the pods its selector selects now
     # The weights it refits (WeightRefitSpec.track): refits of other weights on the same pods
@@ -78,7 +80,7 @@ class Finished:
             completed=times.epoch(status.get("completionTime")),
             ttl=ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None,
             fleet=fleet,
-            checkpoint="broadcast" not in spec,
+            checkpoint="broadcast" not in spec,  # a broadcast's tensors cannot be loaded again
             track=str((spec.get("adapter") or {}).get("name", "")),
         )
 

@@ -14,6 +14,7 @@ from .api_spec import WeightRefitSpec
 from .api_status import TERMINAL_PHASES, Phase, Previous
 from .podview import PodView
 from .reasons import Reason
+from .sequences import FLOWS
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class RefitIndex:
         finished = [
             history.Finished(k.name, k.created, k.phase, k.completed,
                              k.spec.ttl_seconds_after_finished, k.spec.fleet.selector.canonical(),
-                             k.spec.broadcast is None, k.moved_on,
+                             FLOWS[k.spec.source].loads_again, k.moved_on,
                              frozenset(p.name for p in pods
                                        if k.spec.fleet.selector.matches(p.labels)),
                              k.spec.track)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
 from typing import Literal
 
 from refit_worker.contract import API_GROUP
@@ -23,10 +22,22 @@ from . import times
 from .api import PodProbe
 from .probe import ProbeOutcome
 from .reasons import Reason
+from .sequences import (
+    CHECKPOINT_STEPS,
+    FINAL_CODES,
+    FLOWS,
+    LOAD_STEPS,
+    RESTORE,
+    STEPS,
+    UNTOUCHED_LOAD_CODES,
+    Source,
+    Step,
+    last_step_in_traffic,
+    steps_of,
+)
 
 # Where a pod's record lives on the pod (docs/operator.md).
 PROGRESS_ANNOTATION = f"{API_GROUP}/progress"
-CLAIM_ANNOTATION = f"{API_GROUP}/claim"
 # A LoRA adapter's record (spec.adapter), one per adapter name beside the base weights' own:
 # an adapter pass never overwrites the record that the base weights' rollback and
 # convergence read. The pod's claim stays one: one pass at a time, whatever it refits.
@@ -39,97 +50,10 @@ def progress_annotation(track: str) -> str:
     return f"{ADAPTER_PROGRESS_PREFIX}{track}" if track else PROGRESS_ANNOTATION
 
 
-class Step(StrEnum):
-    """Every step a pod's pass can stand at: the word in ``status.pods[].step``, the progress
-    annotation and the step metrics (snake_case there). A member's name is its value, as for
-    ``Reason``; ``steps.STEP_CODE`` holds the code that runs each."""
-
-    # While the pod still serves: verify the checkpoint (manifest, digests, the model's
-    # tensors) and stage its bytes in the worker's memory, so the time out of traffic holds
-    # only the swap (docs/concepts.md, "Time out of traffic").
-    stage = "stage"
-    drain = "drain"  # condition False, drainDelaySeconds, /pause and a bounded wait for in-flight
-    sleep = "sleep"
-    wakeWeights = "wakeWeights"
-    load = "load"  # from the staged bytes, after a cheap check that no file changed since staging
-    # A broadcast's load (instead of stage and load): wait until the batch's pods are ready
-    # and the trainer announces its send, join its transfer with the rank the operator
-    # assigned, receive, check against the manifest, load, finish (docs/broadcast.md).
-    receive = "receive"
-    wakeKV = "wakeKV"
-    resetCache = "resetCache"
-    stampVersion = "stampVersion"  # stamp (refit_load already does) and read back the version
-    # Read back what the model holds (vLLM's /weight_checker and the buffers' digests) and
-    # compare with the pods of the same layout at this version (checksums.py).
-    checksum = "checksum"
-    probe = "probe"
-    ready = "ready"  # vouch for the weights (the pod's readiness probe), then condition True
-    # An adapter pass's own (ADAPTER_STEPS).
-    loadAdapter = "loadAdapter"  # load the new adapter under its staged name
-    probeStaged = "probeStaged"  # probe through the staged name, the pod still serving
-    swap = "swap"  # load the verified files in place under the served name
-    # Not in any sequence: after a load refused before the model was touched, wake the KV
-    # cache and unpause, so the pod serves the weights it had (``Progress.restored``).
-    restore = "restore"
-
-
-# A weights pass (from a checkpoint, or a broadcast's receive).
-STEPS: tuple[Step, ...] = (
-    Step.stage, Step.drain, Step.sleep, Step.wakeWeights, Step.load, Step.receive, Step.wakeKV,
-    Step.resetCache, Step.stampVersion, Step.checksum, Step.probe, Step.ready,
-)  # fmt: skip
-# A LoRA adapter's pass (spec.adapter; docs/concepts.md, "LoRA adapters"). The base weights
-# are never touched: no sleep, wake or reload. While the pod serves the old adapter the new one
-# is verified ("stage", the checkpoint's manifest and digest checks), loaded under its staged
-# name (``staged_adapter_name``) and probed through that name ("probeStaged"); only then does
-# the pod leave traffic, for the swap: "drain" as for weights, "swap" loads the verified files
-# in place under the name clients send (vLLM loads the new weights before dropping the old),
-# "resetCache" drops prefix blocks computed with the old adapter and resumes, "probe" scores
-# through the served name, "ready" vouches and unloads the staged name.
-ADAPTER_STEPS: tuple[Step, ...] = (
-    Step.stage, Step.loadAdapter, Step.probeStaged, Step.drain, Step.swap, Step.resetCache,
-    Step.probe, Step.ready,
-)  # fmt: skip
-# Before the swap the served adapter is untouched and the pod stays in traffic: a failure
-# there unloads the staged name and the old adapter serves on (``Progress.restored``).
-ADAPTER_IN_TRAFFIC_STEPS = frozenset({Step.stage, Step.loadAdapter, Step.probeStaged})
-# Steps after which the progress is recorded on the pod (besides start, failures and the end):
-# the end of staging (of the staged probe, for an adapter) is the write that takes the pod out
-# of traffic; a restart past it resumes at the drain, and the load's read-back keeps it from
-# loading twice.
-CHECKPOINT_STEPS = frozenset({Step.stage, Step.probeStaged})
-# Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
-_FINAL_CODES: frozenset[str] = frozenset(
-    {
-        Reason.PathNotAllowed,
-        Reason.CheckpointMissing,
-        Reason.ManifestInvalid,
-        Reason.ManifestMismatch,
-        Reason.TensorMismatch,
-        Reason.ProbeReferenceInvalid,
-        Reason.CheckpointChanged,
-        Reason.AdapterInvalid,
-        Reason.DrafterMissing,
-        Reason.WeightChecksumMismatch,  # checksums.judge
-    }
-)
-# Refusals of the load that the worker raises before it touches the model (contract.py): the
-# pod still holds the weights it served, so it can go back to serving them.
-UNTOUCHED_LOAD_CODES = (_FINAL_CODES - {Reason.ProbeReferenceInvalid}) | {
-    # A broadcast refused before its load (refit_worker.broadcast.gloo_engine), or never sent.
-    Reason.TransferMismatch,
-    Reason.TransferFailed,
-    Reason.TrainerTimeout,
-}
-# The steps that change the weights: a refusal of theirs before the model was touched lets
-# the pod go back to what it served.
-LOAD_STEPS = frozenset({Step.load, Step.receive})
-Source = Literal["checkpoint", "broadcast", "adapter"]
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
 Outcome = Literal["", "Succeeded", "Failed", "Inconclusive"]
-RESTORE = Step.restore  # not in STEPS (Step.restore)
 
 
 @dataclass(frozen=True)
@@ -206,12 +130,12 @@ class Progress:
     @property
     def track(self) -> str:
         """The weights this pass refits (WeightRefitSpec.track): where its record lives."""
-        return self.adapter if self.source == "adapter" else ""
+        return self.adapter
 
     @property
     def probe_model(self) -> str | None:
         """The model name the pending probe scores through (None: the served base model)."""
-        if self.source != "adapter":
+        if not self.adapter:
             return None
         if self.step == Step.probeStaged:
             return staged_adapter_name(self.adapter, self.version)
@@ -232,12 +156,13 @@ class Progress:
         restored."""
         if self.restored:
             return True
-        if self.source == "adapter":
+        flow = FLOWS[self.source]
+        if flow.serves_beside:
             # Before the swap the base weights (and the old adapter, if any) serve on: an
             # adapter's restore only unloads the staged name.
-            steps = {*ADAPTER_IN_TRAFFIC_STEPS, RESTORE}
+            steps = {*flow.serving_steps, RESTORE}
             return self.step in steps and not self.left_traffic
-        return bool(self.serving) and self.step == STEPS[0] and not self.left_traffic
+        return bool(self.serving) and self.step in flow.serving_steps and not self.left_traffic
 
     def to_annotation(self) -> str:
         # The probe in the camelCase shape of status.pods[].probe, as records have always held it.
@@ -297,7 +222,7 @@ def start(
         serving=serving,
         serving_path=serving_path if serving else "",
         # An adapter pass leaves the base weights serving until its swap, adapter or not.
-        left_traffic=0.0 if serving or source == "adapter" else now,
+        left_traffic=0.0 if serving or FLOWS[source].serves_beside else now,
         adapter=adapter,
     )
 
@@ -305,67 +230,6 @@ def start(
 def base_key(progress: Progress) -> str:
     """One base-weights pass, as adapter records name the base they were probed on."""
     return f"{progress.uid}@{progress.started}"
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who drives a pod now: one refit pass of one operator replica, with its fencing token.
-
-    Stored on the pod (annotation ``refit.rollout.dev/claim``, JSON) from the pass's first
-    write, which takes it with optimistic concurrency (the pod's resourceVersion), to its last
-    write, which removes it. Every write of the pass in between is conditional on the claim
-    still being this one; every worker call carries ``fence`` (:func:`claim_fence`).
-
-    ``lease`` and ``lease_seconds`` name the Lease the holder leads on (``namespace/name``):
-    another operator process, of this installation or another, judges from that Lease
-    whether the holder may still act, and takes the pod over only once it cannot. A claim
-    written before these fields existed has them empty: judged by the reader's own Lease."""
-
-    refit: str
-    uid: str
-    fence: int
-    holder: str  # the operator replica's identity
-    lease: str = ""
-    lease_seconds: int = 0
-
-    def to_annotation(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_annotation(cls, text: str | None) -> Claim | None:
-        if not text:
-            return None
-        try:
-            doc = json.loads(text)
-            return cls(
-                str(doc["refit"]), str(doc["uid"]), int(doc["fence"]), str(doc["holder"]),
-                str(doc.get("lease", "")), int(doc.get("lease_seconds", 0)),
-            )  # fmt: skip
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-
-
-# A pass's fencing token is FENCE_BASE + the resourceVersion of the pod its claim's write was
-# conditional on. The API server takes one claim per resourceVersion of a pod, and every later
-# claim is conditional on a version written after it (the earlier claim's own write at least),
-# so each claim of a pod carries a higher token than every earlier one, whichever operator
-# process, Lease or installation took it: no two drivers ever hold equal tokens, and no Lease
-# (re-created or not) restarts them. It relies on resourceVersion being etcd's revision, an
-# integer that grows across the cluster, which the API calls opaque (docs/operator.md, "Fencing
-# tokens"). FENCE_BASE puts these tokens above every token of the Lease-epoch scheme
-# (leaseTransitions << 32 | pass; Lease.next_fence), which a pod may remember from an older
-# operator, and an int64 revision below 2**63 keeps them within the pods' 64 bits.
-FENCE_BASE = 1 << 63
-
-
-def claim_fence(resource_version: str) -> int | None:
-    """The fencing token of a claim written conditional on the pod's ``resource_version``;
-    None when that is not a decimal integer below 2**63 (then the pass takes the Lease-epoch
-    token instead)."""
-    rv = resource_version
-    if not (rv.isascii() and rv.isdigit()) or int(rv) >= FENCE_BASE:
-        return None
-    return FENCE_BASE + int(rv)
 
 
 @dataclass(frozen=True)
@@ -392,16 +256,6 @@ def next_action(progress: Progress, now: float) -> Action:
     if progress.not_before > now:
         return WaitUntil(progress.not_before)
     return RunStep(Step(progress.step))
-
-
-def steps_of(source: Source) -> tuple[Step, ...]:
-    """The ordered steps of a pass with this weight source."""
-    return ADAPTER_STEPS if source == "adapter" else STEPS
-
-
-def last_step_in_traffic(source: Source) -> Step:
-    """The step whose end takes a serving pod out of traffic (the next record drains)."""
-    return Step.probeStaged if source == "adapter" else STEPS[0]
 
 
 def staged_adapter_name(name: str, version: str) -> str:
@@ -463,8 +317,9 @@ def step_failed(
     """Record a failed try: retry with exponential backoff up to ``retries`` times, then end
     the pass with ``outcome`` (the pod stays out of traffic with this reason)."""
     attempts = progress.attempts + 1
-    ends = final or reason in _FINAL_CODES or attempts > retries
-    if ends and progress.source == "adapter" and step in ADAPTER_IN_TRAFFIC_STEPS:
+    ends = final or reason in FINAL_CODES or attempts > retries
+    flow = FLOWS[progress.source]
+    if ends and flow.restores_while_serving and step in flow.serving_steps:
         # The served adapter was never touched: unload the staged one, serve the old on.
         return replace(
             progress, step=RESTORE, attempts=0, reason=reason, message=message, not_before=0.0
@@ -510,7 +365,8 @@ def resumed(progress: Progress) -> Progress:
     restores the pod unprobed."""
     if progress.finished_pass or progress.step == STEPS[0]:
         return progress
-    if progress.source == "adapter" and progress.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE):
+    flow = FLOWS[progress.source]
+    if flow.restores_while_serving and progress.step in (*flow.serving_steps, RESTORE):
         return progress  # the served adapter is untouched before the swap
     if progress.step == Step.ready and not progress.process:
         # Probed, but the record does not say which process was (a record written before
@@ -545,7 +401,7 @@ def probe_judged(progress: Progress, outcome: ProbeOutcome, now: float) -> Progr
     verdict, reason, message = outcome.verdict, outcome.reason, outcome.message
     if verdict == "Pass":
         return progress
-    if progress.source == "adapter" and progress.step == Step.probeStaged:
+    if progress.step == FLOWS[progress.source].staged_probe:
         # Judged through the staged name: the served adapter is untouched, restore it.
         return replace(progress, step=RESTORE, attempts=0, reason=reason, message=message)
     ended: Outcome = "Failed" if verdict == "Fail" else "Inconclusive"
@@ -584,23 +440,25 @@ def readiness(progress: Progress) -> Readiness | None:
     back in traffic only once it Succeeded, which requires a passed probe, or once a refused
     load left the weights it served untouched. None: leave the condition as it is (a pod
     that serves while the checkpoint stages, or whose staging was refused)."""
+    flow = FLOWS[progress.source]
+    # "weights", or "adapter <name>": what the pass brings, as the condition names it.
+    what = " ".join(w for w in (flow.what, progress.adapter) if w)
     if progress.outcome == "Succeeded":
         kept = f"; {progress.drained}" if progress.drained else ""
-        what = f"adapter {progress.adapter}" if progress.source == "adapter" else "weights"
         return Readiness(True, Reason.ProbePassed, f"{what} {progress.version} probed{kept}")
-    if progress.restored and progress.source == "adapter" and not progress.serving:
+    if progress.restored and flow.serves_beside and not progress.serving:
         return Readiness(
             True,
-            Reason.PreviousAdapter,
-            f"adapter {progress.adapter} {progress.version} refused ({progress.reason}: "
-            f"{progress.message}); the pod serves no adapter {progress.adapter}",
+            flow.restored_reason,
+            f"{what} {progress.version} refused ({progress.reason}: {progress.message}); the "
+            f"pod serves no {what}",
         )
     if progress.restored:
-        what = "adapter " if progress.source == "adapter" else ""
+        served = f"{flow.what} " if flow.serves_beside else ""
         return Readiness(
             True,
-            Reason.PreviousAdapter if progress.source == "adapter" else Reason.PreviousWeights,
-            f"serving {what}{progress.serving} again: {progress.version} refused "
+            flow.restored_reason,
+            f"serving {served}{progress.serving} again: {progress.version} refused "
             f"({progress.reason}: {progress.message})",
         )
     if progress.in_traffic:
@@ -617,15 +475,3 @@ def load_needed(read_back_version: str | None, target: str) -> bool:
     """Before a (re)load: the pod already reporting the target version means the load we
     recorded as started finished before a restart; loading again would only repeat risk."""
     return read_back_version != target
-
-
-def step_applies(step: str, sleep_level: int, source: Source = "checkpoint") -> bool:
-    """Whether ``step`` does anything at this sleep level (level 0 skips sleep and wakes) for
-    this weight source (a broadcast has nothing to stage or read: it receives instead)."""
-    if source == "adapter":
-        return step in ADAPTER_STEPS
-    if sleep_level == 0 and step in (Step.sleep, Step.wakeWeights, Step.wakeKV):
-        return False
-    if source == "broadcast":
-        return step not in (Step.stage, Step.load)
-    return step != Step.receive

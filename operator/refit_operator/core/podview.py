@@ -1,6 +1,6 @@
 """A pod as the operator sees it (PodView), parsed from the Pod object the API server returns:
 its address, containers, readiness condition, restarts, and the pass records it carries
-(podflow.Progress, podflow.Claim). What the decisions need of a pod, and nothing they decide.
+(podflow.Progress, claim.Claim). What the decisions need of a pod, and nothing they decide.
 """
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ from typing import Any
 
 from refit_worker.contract import READINESS_GATE, READY_PATH
 
-from .podflow import (
-    ADAPTER_PROGRESS_PREFIX,
-    CLAIM_ANNOTATION,
-    PROGRESS_ANNOTATION,
-    Claim,
-    Progress,
-)
+from .claim import CLAIM_ANNOTATION, Claim
+from .podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION, Progress
 from .reasons import Problem
 
 

@@ -105,7 +105,7 @@ class Reason(StrEnum):
     ProbeTimeout = "ProbeTimeout"  # also the probe's own scoring request
     ReadyTimeout = "ReadyTimeout"
     RestoreTimeout = "RestoreTimeout"
-    # A LoRA adapter pass's own steps (podflow.ADAPTER_STEPS).
+    # A LoRA adapter pass's own steps (sequences.ADAPTER_STEPS).
     LoadAdapterTimeout = "LoadAdapterTimeout"
     ProbeStagedTimeout = "ProbeStagedTimeout"
     SwapTimeout = "SwapTimeout"

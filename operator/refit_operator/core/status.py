@@ -24,9 +24,10 @@ from .api_status import (
     ProbeSummary,
     WeightRefitStatus,
 )
-from .podflow import Progress, Step
+from .podflow import Progress
 from .podview import PodView
 from .reasons import Reason
+from .sequences import Step
 from .times import rfc3339
 
 

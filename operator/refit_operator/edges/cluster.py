@@ -22,13 +22,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from ..core import api, times
-from ..core.podflow import (
-    CLAIM_ANNOTATION,
-    Claim,
-    Progress,
-    Readiness,
-    progress_annotation,
-)
+from ..core.claim import CLAIM_ANNOTATION, Claim
+from ..core.podflow import Progress, Readiness, progress_annotation
 from ..core.podview import PodView
 from ..core.times import rfc3339
 from . import metrics

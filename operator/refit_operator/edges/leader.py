@@ -24,7 +24,7 @@ leader also keeps a local monotonic deadline, two thirds of a lease duration aft
 renewal it sent, and ``check()`` (called before every API write and every worker call) raises
 :class:`LeadershipLost` once it has passed.
 
-Fencing tokens come from the pods' own resourceVersions (podflow.claim_fence), which hold
+Fencing tokens come from the pods' own resourceVersions (claim.claim_fence), which hold
 across Leases and installations. Only where the API server's resourceVersions are not
 integers does a pass take ``next_fence()``: the Lease's ``leaseTransitions`` (counted up on
 every acquisition, even by the same identity) as the epoch, then the pass sequence.
@@ -157,7 +157,7 @@ class Lease:
             )
 
     def next_fence(self) -> int:
-        """The fallback fencing token (podflow.claim_fence): higher than any earlier pass of
+        """The fallback fencing token (claim.claim_fence): higher than any earlier pass of
         any leader of this Lease, while the Lease is not re-created."""
         self._passes += 1
         return (self.epoch << FENCE_SHIFT) | self._passes

@@ -29,7 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from ..core import podflow
+from ..core import sequences
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,12 @@ def _snake(value: str) -> str:
     return _CAMEL.sub(r"_\1", value.strip()).replace("-", "_").lower()
 
 
-# The per-pod sequence (podflow.STEPS, snake_case): their series exist from a fleet's first call.
-PIPELINE_STEPS: Final = tuple(_snake(s) for s in podflow.STEPS)
-# Also accepted: every other step (podflow.Step: an adapter pass's own, and restore, which
+# The per-pod sequence (sequences.STEPS, snake_case): their series exist from a fleet's first call.
+PIPELINE_STEPS: Final = tuple(_snake(s) for s in sequences.STEPS)
+# Also accepted: every other step (sequences.Step: an adapter pass's own, and restore, which
 # puts a pod whose load was refused back to serving its earlier weights), and resume and
 # rollback.
-STEPS: Final = frozenset({*(_snake(s) for s in podflow.Step), "resume", "rollback"})
+STEPS: Final = frozenset({*(_snake(s) for s in sequences.Step), "resume", "rollback"})
 STEP_RESULTS: Final = frozenset({"success", "failure", "timeout"})
 VERDICTS: Final = ("pass", "fail", "inconclusive")
 REFIT_RESULTS: Final = frozenset(
