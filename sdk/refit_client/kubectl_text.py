@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from refit_operator.core import api, decision, groups, plan, times, traffic
+from refit_operator.core import api, decision, groups, plan, pod_state, times, traffic
 from refit_operator.core.podflow import Progress
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Problem
@@ -244,12 +244,12 @@ REFIT_HEADERS = ("NAME", "VERSION", "PHASE", "UPDATED", "FAILED", "WORST|Δ|", "
 
 # ----------------------------------------------------------------------------------- plan
 def plan_batches(
-    refit: decision.RefitView, pods: Sequence[decision.PodView]
+    refit: pod_state.RefitView, pods: Sequence[decision.PodView]
 ) -> tuple[list[str], list[list[str]], list[str]]:
     """(pods in flight now, batches still to start in order, pods already at the version),
     from the operator's own decisions, assuming every pod passes its probe."""
     version = refit.spec.version
-    states = {p.name: decision.pod_state(p, refit, version, rollback=False) for p in pods}
+    states = {p.name: pod_state.pod_state(p, refit, version, rollback=False) for p in pods}
     states = {n: s for n, s in states.items() if s != "dropped"}
     done = sorted(n for n, s in states.items() if s == "passed")
     active = sorted(n for n, s in states.items() if s == "active")
@@ -272,7 +272,7 @@ def plan_report(
     meta = doc["metadata"]
     spec = api.WeightRefitSpec.model_validate(doc["spec"])
     status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
-    view = decision.RefitView(
+    view = pod_state.RefitView(
         name=meta.get("name", ""), uid=meta.get("uid", ""), generation=1,
         created=times.order_of(meta) or "9999", spec=spec, status=status,
     )  # fmt: skip

@@ -17,7 +17,7 @@ from refit_client.kubectl_text import (
     track_of,
 )
 from refit_operator.core import api_spec, api_status
-from refit_operator.core.decision import RefitView
+from refit_operator.core.pod_state import RefitView
 from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
 from refit_worker.contract import READINESS_GATE
 

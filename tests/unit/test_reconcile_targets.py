@@ -9,8 +9,9 @@ from refit_operator.core import podflow
 from refit_operator.core.api_spec import LabelSelector, WeightRefitSpec
 from refit_operator.core.api_status import Condition, Phase, PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.claim import Claim
-from refit_operator.core.decision import Observed, RefitView, decide, foreign, rollback_targets
+from refit_operator.core.decision import Observed, decide, rollback_targets
 from refit_operator.core.plan import RefitRef
+from refit_operator.core.pod_state import RefitView, foreign
 from refit_operator.core.podview import PodView
 
 NOW = 1_800_000_000.0

@@ -26,8 +26,9 @@ from ..core.api import (
     WeightRefitSpec,
     WeightRefitStatus,
 )
-from ..core.decision import Decision, Observed, RefitView
+from ..core.decision import Decision, Observed
 from ..core.index import Known, RefitIndex
+from ..core.pod_state import RefitView
 from ..core.podview import PodView
 from ..core.status import pod_phases
 from ..edges import metrics

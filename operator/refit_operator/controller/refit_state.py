@@ -12,7 +12,7 @@ from typing import Any
 from refit_worker.contract import ProbeReference
 
 from ..core import checksums
-from ..core.decision import RefitView
+from ..core.pod_state import RefitView
 from ..core.podflow import Progress
 from ..core.podview import PodView
 from ..core.status import peer_nlls
