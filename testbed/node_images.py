@@ -82,6 +82,7 @@ OPERATOR_INPUTS = [
     "README.md",
     "operator",
     "worker_image/refit_worker",
+    "sdk/refit_client",
 ]
 
 
