@@ -300,15 +300,18 @@ def test_a_pod_that_joins_later_is_refused_before_its_claim(harness, sim_fleet, 
     """A pod that joins the fleet after the preflight (here: after the adapter refit
     Succeeded, whose target it then is) gets the same adapter check before its pass claims
     it: a pod whose vLLM takes rank 4 is refused AdapterRankTooHigh and never loads the
-    adapter. (No refit of the base weights here: the new pod's base pass, racing the adapter's
-    refusal, would put it in traffic beside a failed adapter record, which is the gate's
-    business, issue 41's first item, not this check's.)"""
+    adapter. The refusal changes nothing the pod serves: its base weights, which the base
+    refit (its target too) loaded and probed, keep it in traffic (core/gate.py: a refused
+    first adapter holds nothing out), and clients asking it for the adapter get vLLM's 404."""
     fleet, op = harness
     sims = sim_fleet(2, allowed_root=tmp_path, **LORA)
     fleet.add_pod("vllm-0", sims[0])
     sims[1].set_state(max_lora_rank=4)
+    ckpt = make_checkpoints(tmp_path, "v1")
     lora = adapters(tmp_path, "s1")
     op.start()
+    fleet.apply_refit("base-v1", "v1", ckpt["v1"], sims[0].port)
+    assert fleet.wait_phase("base-v1", END, 120, op)["status"]["phase"] == "Succeeded"
     st = adapter_refit(fleet, op, "policy-s1", "policy", "s1", lora["s1"], sims[0].port)
     assert st["phase"] == "Succeeded", st
 
@@ -317,19 +320,21 @@ def test_a_pod_that_joins_later_is_refused_before_its_claim(harness, sim_fleet, 
         lambda: (
             (fleet.adapter_progress(fleet.pod("vllm-1")).get("policy") or {}).get("outcome")
             == "Failed"
+            and fleet.ready(fleet.pod("vllm-1")) is True
         ),
         90,
-        "vllm-1's adapter pass refused",
+        "vllm-1's adapter pass refused, the pod in traffic on its base weights",
     )
     record = fleet.adapter_progress(fleet.pod("vllm-1"))["policy"]
     assert record["reason"] == "AdapterRankTooHigh", record
     assert "--max-lora-rank 4" in record["message"], record
+    assert record["restored"] and not record["left_traffic"], record  # it never left traffic
     # refused by the admission (its message names the pod), not by a pass's stage step
     assert record["message"].startswith("pod vllm-1: adapter "), record
     counts = sims[1].counts()
     assert counts["refit_adapter_check"] and not counts.get("load_lora_adapter"), counts
     assert served(sims[1]) == {} and served(sims[0]) == {"policy": "s1"}
-    assert fleet.ready(fleet.pod("vllm-0")) is True and not fleet.ready(fleet.pod("vllm-1"))
+    assert fleet.ready(fleet.pod("vllm-0")) is True
 
 
 def test_two_refits_of_one_adapter_created_at_once_queue(harness, sim_fleet, tmp_path):

@@ -113,6 +113,8 @@ CASES: list[tuple[str, PodView, bool, str]] = [
      Reason.AdapterMissing),
     ("adapter record from before records named their base", unit(B, {"policy": adapter()}),
      True, Reason.ProbePassed),
+    ("adapter probed before any base pass, one since", unit(B, {"policy": replace(
+        adapter(), base_pass=podflow.NO_BASE)}), False, Reason.AdapterMissing),
     # issue 41, 5: a group serves only as a whole
     ("group, every member in the run recorded", unit(grouped(B), **GROUP), True,
      Reason.ProbePassed),

@@ -38,15 +38,15 @@ async def drain_step(run: StepRun) -> str:
 
 
 async def _drain_weights(run: StepRun) -> str:
-    """A weights pass's drain, which also unloads every LoRA adapter the pod serves: an
+    """A weights pass's drain, which also unloads every LoRA adapter the pod's records name: an
     adapter was probed on the base it serves now, and vLLM keeps adapters across a reload.
     Their records stay: the gate reads them against the base this pass leaves (core/gate.py:
     on another version the adapter's track needs a refit; on the same, its target loads it
-    again)."""
+    again). An adapter someone else loaded (no record of its name) is theirs, left as it is."""
     note = await drain_step(run)
-    if run.progress.lora:
-        for name in await run.worker.adapters(timeout=run.t_step):
-            await run.worker.unload_adapter(name, timeout=run.t_step)
+    if run.progress.lora and run.pod is not None:
+        for name in sorted(run.pod.adapter_records):
+            await run.worker.unload_adapter(name, timeout=run.t_step)  # not loaded: fine
     return note
 
 

@@ -227,6 +227,11 @@ def start(
     )
 
 
+# An adapter record's base_pass when no pass of the base weights was recorded on the pod: any
+# base pass that takes the pod out of traffic since unloaded the adapter.
+NO_BASE = "-"
+
+
 def base_key(progress: Progress) -> str:
     """One base-weights pass, as adapter records name the base they were probed on."""
     return f"{progress.uid}@{progress.started}"

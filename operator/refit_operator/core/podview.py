@@ -120,18 +120,17 @@ class PodView:
 
     @property
     def may_be_paused(self) -> bool:
-        """A pass took the pod out of traffic in the container that runs now and neither
-        succeeded nor put it back: vLLM may still be paused or asleep (a DrainTimeout fails
+        """A pass of any track took the pod out of traffic in the container that runs now and
+        neither succeeded nor put it back: vLLM may still be paused or asleep (a DrainTimeout fails
         closed with the pod paused, a failed load leaves it asleep), so a completion sent to
         it queues until something resumes it. A container restarted since is a new process,
         not paused."""
-        p = self.progress
-        return (
-            p is not None
-            and bool(p.left_traffic)
+        return any(
+            bool(p.left_traffic)
             and p.outcome != "Succeeded"
             and not p.restored
             and self.same_run(p)
+            for p in self.records.values()  # whichever track's pass left it so
         )
 
     @property

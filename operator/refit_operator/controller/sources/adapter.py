@@ -14,7 +14,7 @@ from typing import ClassVar
 from ...core import admission, podflow
 from ...core.api import Sequence, WeightRefitSpec
 from ...core.gate import loaded
-from ...core.podflow import Progress, base_key
+from ...core.podflow import NO_BASE, Progress, base_key
 from ...core.podview import PodView
 from ...core.reasons import Problem, Reason
 from ...core.sequences import Source, Step
@@ -144,8 +144,8 @@ class FromAdapter(WeightSource):
         """The base this adapter is probed on: the gate serves it on that base only."""
         progress = super().begin(ctx, pod, progress)
         base = pod.records.get("")
-        if base is None:
-            return progress
+        if base is None:  # probed on weights no pass loaded: the first base pass unloads it
+            return replace(progress, base_pass=NO_BASE)
         return replace(progress, base_version=loaded(base), base_pass=base_key(base))
 
     async def check(
