@@ -216,6 +216,9 @@ class SimServer(VllmRoutes, ExtensionRoutes):
     async def _serve(
         self, request: web.Request, pod: PodState, step: str, body: Any
     ) -> web.StreamResponse:
+        """An admitted call: the step's fault (the kinds any step takes act here), then its
+        route, ``on_<step>`` of VllmRoutes or ExtensionRoutes (an RPC method without one
+        fails as vLLM's worker does)."""
         fault = pod.faults.get(step)
         if fault is not None and fault.times is not None:
             fault.times -= 1
