@@ -52,8 +52,8 @@ from testbed.controlplane import ControlPlane
 from testbed.lease_watch import LeaseRenewals, max_renewal_gap
 from testbed.operator_process import OperatorError, OperatorProcess
 from testbed.pods import register_pod
-from testbed.simfleet import SimFleet
 from testbed.simworker import make_sim_checkpoint
+from testbed.simworker.fleet import SimFleet
 
 PY_SPY = Path(sys.executable).with_name("py-spy")
 LABELS = {"app": "bench"}

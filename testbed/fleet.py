@@ -26,8 +26,8 @@ from refit_worker.contract import READINESS_GATE
 from testbed.controlplane import ControlPlane
 from testbed.operator_process import Operators
 from testbed.pods import register_pod
-from testbed.simfleet import SimPod
 from testbed.simworker import make_sim_checkpoint
+from testbed.simworker.fleet import SimPod
 
 if TYPE_CHECKING:
     from testbed.vllm_server import VllmServer

@@ -1,4 +1,4 @@
-"""Simulated workers in process: testbed/simworker.py's SimServer (the HTTP double that
+"""Simulated workers in process: testbed/simworker's SimServer (the HTTP double that
 tests/worker/test_contract.py holds to real vLLM), served without sockets.
 
 The operator's real WorkerClient talks to them through :class:`InProcessSession`, which

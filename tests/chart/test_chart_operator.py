@@ -20,8 +20,8 @@ import yaml
 
 from testbed.controlplane import ControlPlane, free_port
 from testbed.operator_process import OperatorProcess
-from testbed.simfleet import SimPod
 from testbed.simworker import make_sim_checkpoint
+from testbed.simworker.fleet import SimPod
 from tests.chart.chartkit import CHART, FLEET, Helm, fleet_docs, one
 
 pytestmark = pytest.mark.cluster

@@ -1,5 +1,5 @@
 """spec.adapter on the real API server with simulated workers that take LoRA adapters at
-runtime (testbed/simworker.py, held to vLLM 0.32 by tests/worker/test_contract.py): adapter
+runtime (testbed/simworker/, held to vLLM 0.32 by tests/worker/test_contract.py): adapter
 refits beside refits of the base weights on the same pods, as a hostile user would drive them.
 
 What it holds: an adapter refit never sleeps or reloads the base weights and leaves their

@@ -22,7 +22,7 @@ from refit_operator.core.sequences import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session
 
-from testbed.simfleet import SimPod
+from testbed.simworker.fleet import SimPod
 
 ADMIN = "admin"
 

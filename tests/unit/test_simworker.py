@@ -13,14 +13,13 @@ from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract, fence
 
-from testbed.simfleet import SimFleet, SimPod
 from testbed.simworker import (
     SIM_VOCAB,
-    loopback_ips,
     make_sim_adapter,
     make_sim_checkpoint,
     sim_logprobs,
 )
+from testbed.simworker.fleet import SimFleet, SimPod, loopback_ips
 
 Fleet = Callable[..., list[SimPod]]
 

@@ -17,8 +17,8 @@ from refit_worker.checkpoint import digests, staging
 from refit_worker.contract import MANIFEST_FILE
 from safetensors.numpy import load
 
-from testbed.simfleet import SimPod
 from testbed.simworker import SIM_WEIGHTS_FILE, make_sim_checkpoint
+from testbed.simworker.fleet import SimPod
 from tests.fixtures.checkpoints import SHARDS, make_checkpoint, rejected
 
 Fleet = Callable[..., list[SimPod]]

@@ -18,8 +18,8 @@ from refit_operator.edges import worker_client
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 
-from testbed.simfleet import SimFleet, SimPod
 from testbed.simworker import SIM_VOCAB, make_sim_checkpoint
+from testbed.simworker.fleet import SimFleet, SimPod
 
 ADMIN = "admin-secret"
 API_KEY = "api-secret"

@@ -25,8 +25,8 @@ refusals (the path rules, the manifest, a PEFT LoRA config, and whether the adap
 engine: its rank, its modules and their sizes, which the real check reads from vLLM's LoRA
 manager and the simulator from SIM_LORA_MODULES); without runtime updating (the shared
 server) both routes are FastAPI's 404. The last test checks that every route the simulator
-serves was compared. What a CPU server cannot show is listed in testbed/simworker.py's
-SIM_UNSHOWN instead.
+serves was compared. What a CPU server cannot show is listed in
+testbed/simworker/model.py's SIM_UNSHOWN instead.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
 from refit_worker.checkpoint import write_manifest
 
-from testbed.simfleet import SimFleet
 from testbed.simworker import (
     HTTP_STEPS,
     PAUSE_MODES,
@@ -56,6 +55,7 @@ from testbed.simworker import (
     make_sim_adapter,
     make_sim_checkpoint,
 )
+from testbed.simworker.fleet import SimFleet
 from testbed.tiny_adapter import ensure_tiny_adapters
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server

@@ -9,7 +9,7 @@ pass that has since been superseded, e.g. an operator leader frozen past its lea
 resumed, while a newer pass already drives the pod.
 
 The rules (the admin guard applies them after the admin token is checked; the simulated
-worker in testbed/simworker.py applies the same ones with this module):
+worker in testbed/simworker/ applies the same ones with this module):
 
 - Only state-changing methods are fenced (anything but GET, HEAD and OPTIONS; in vLLM's
   admin API that is POST). Reads are never refused and never move the mark.

@@ -33,7 +33,7 @@ ContainersReady to begin that pass; with this probe it waits for the container t
 (docs/operator.md, "Pod requirements").
 
 Pure and dependency-free: the admin guard (refit_worker.guard) serves it in vLLM's API server,
-the simulated worker (testbed/simworker.py) with the same class.
+the simulated worker (testbed/simworker/) with the same class.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from refit_worker.checkpoint.staging import (
 )
 
 # Not the checkpoint's: what a model expects of any tensors (refit_worker.model_tensors).
-# Re-exported because testbed/simworker.py imports them from here.
+# Re-exported because the simulated worker (testbed/simworker/) imports them from here.
 from refit_worker.model_tensors import ExpectedParam, verify_params
 
 __all__ = [

@@ -1,7 +1,29 @@
-"""Handles on simulated vLLM worker fleets (testbed/simworker.py): :class:`SimFleet` starts
-one simulator subprocess serving n loopback addresses and drives its control API;
-:class:`SimPod` is one of its pods. The module docstring of testbed.simworker describes the
-simulated model, fencing, the steps and the faults these handles set.
+"""The test side's handles on simulated fleets: :class:`SimFleet` starts one simulator
+subprocess (``python -m testbed.simworker``) serving n loopback addresses and drives its
+control API; :class:`SimPod` is one of its pods. Kept apart from the rest of the package
+(testbed.simworker does not import it): the subprocess starts faster without the client
+side's imports.
+
+Use (the tests' ``sim_fleet`` fixture starts a :class:`SimFleet` like this and closes it when
+the test ends)
+    async def test_x(sim_fleet):
+        pods = sim_fleet(3, admin_token="t")  # SimFleet(3, admin_token="t").pods
+        pods[1].set_fault("refit_load", "error", code="LoadFailed", times=1)
+        async with refit_operator.edges.worker_client.session() as http:
+            ... WorkerClient(pods[1].base_url, http=http, admin_token="t") ...
+        assert pods[1].calls() == ["pause", "sleep", ...]
+
+    ``set_fault(step, kind, value)`` sets a fault (the steps and kinds:
+    testbed.simworker.pod). Besides faults: ``crash()``/``restart()`` a pod by hand;
+    ``set_state(...)`` sets ``running``/``waiting`` (what /metrics reports),
+    ``weight_version``, ``capabilities``, ``unsafe_reasons``, ``world_size``,
+    ``tensor_parallel_size``, ``staging_budget``, ``max_lora_rank``,
+    ``runtime_lora_updating``; ``calls()`` lists the steps a pod served, in order
+    (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
+    ``Authorization`` header came (``auth``) and status codes; ``counts()`` per step);
+    ``state()`` shows a pod's state (``staged``: the path and mode refit_stage holds, or
+    None; ``adapters``: name -> path). The same methods on ``pods[0].fleet`` (the SimFleet)
+    take ``pods=[...]`` and act on every pod when it is None.
 """
 
 from __future__ import annotations
@@ -19,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from testbed.simworker import SIM_VOCAB, loopback_ips
+from testbed.simworker.model import SIM_VOCAB
 
 
 @dataclass(frozen=True)
@@ -104,7 +126,7 @@ class SimFleet:
             "max_lora_rank": max_lora_rank,
             "runtime_lora_updating": runtime_lora_updating,
         }
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "worker_image")])}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "testbed.simworker"],
@@ -145,7 +167,7 @@ class SimFleet:
         times: int | None = None,
         pods: list[SimPod] | None = None,
     ) -> None:
-        """Inject a fault on `step` of `pods` (all when None); see the module docstring."""
+        """Inject a fault on `step` of `pods` (all when None); see testbed.simworker.pod."""
         self._post("fault", pods, step=step, kind=kind, value=value, code=code, times=times)
 
     def clear_faults(self, step: str | None = None, *, pods: list[SimPod] | None = None) -> None:
@@ -185,6 +207,19 @@ class SimFleet:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def loopback_ips(n: int, start: str = "127.1.0.1") -> list[str]:
+    """n loopback addresses from `start` on, skipping .0 and .255 host parts."""
+    ips: list[str] = []
+    addr = ipaddress.IPv4Address(start)
+    while len(ips) < n:
+        if addr not in ipaddress.IPv4Network("127.0.0.0/8"):
+            raise ValueError(f"ran out of loopback addresses after {len(ips)}")
+        if addr.packed[3] not in (0, 255):
+            ips.append(str(addr))
+        addr += 1
+    return ips
 
 
 _ip_cursor = 0
