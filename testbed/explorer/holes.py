@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .explore import CLASSES, Config, Result, run_schedule
+from .explore import ADAPTER_CLASSES, CLASSES, GROUP_CLASSES, Config, Result, run_schedule
 from .invariants import Violation
 
 
@@ -32,9 +32,12 @@ class Hole:
     # What the violation says (a regular expression): with ``excludes`` only the seed's
     # check reads it; otherwise CI tolerates a violation that matches it
     signature: str = ""
+    # Invariants the seed's schedule does not hold (Config.ignore): a hole that another
+    # known hole would otherwise hide
+    ignore: frozenset[str] = frozenset()
 
     def config(self) -> Config:
-        return Config(self.seed, self.classes, steps=self.steps, pods=self.pods)
+        return Config(self.seed, self.classes, steps=self.steps, pods=self.pods, ignore=self.ignore)
 
     def matches(self, v: Violation) -> bool:
         return bool(self.signature) and re.search(self.signature, str(v)) is not None
@@ -64,6 +67,100 @@ KNOWN_HOLES: dict[str, Hole] = {
         excludes=False,
         signature=r"^\[creation-order\]",
     ),
+    # Issue 41: where adapters, pod groups and the base weights meet, one traffic gate per
+    # pod is missing (each pass sets the pod's weights-ready condition from its own track;
+    # withdrawal reads only the refit's own track; a group's readiness is derived only while
+    # a pass runs). Each entry: a short schedule that finds it on main before the fix
+    # (ef374ed). When the fix merges, each seed's test fails: move the entry to REGRESSIONS,
+    # and FEATURES into HOLDING's mixes.
+    "adapter_readmits_failed_base": Hole(
+        1,
+        frozenset({"weights_skew"}),
+        "issue 41 (1): a base refit fails on pod-1 at its read-back (WeightChecksumMismatch: "
+        "its weights differ from its peers', a failure the probe alone can miss): the pod "
+        "is out of traffic, its record Failed; the next adapter refit's pass probes the adapter on "
+        "that pod and sets the condition True ('adapter policy s1 probed') while the pod's "
+        "base record still says Failed",
+        "an adapter pass re-admits a pod whose base weights failed",
+        steps=10,
+        pods=2,
+        excludes=False,
+        signature=r"^\[failed-out\] .*condition ProbePassed 'adapter .*base weights record",
+    ),
+    "failed_adapter_readmitted_by_base": Hole(
+        35,
+        frozenset({"adapter_refits", "adapter_fail"}),
+        "issue 41 (2): adapter critic s1 is swapped in on pod-1 and fails its probe there "
+        "(ProbeGarbage: the swap loaded it wrong); the pod is out, the record Failed; then "
+        "the base weights' target converges the pod and sets the condition True ('weights "
+        "v1 probed'): clients asking for critic get the weights whose probe failed "
+        "(adapter-held is not held: issue 41 (4) would end the schedule first)",
+        "a base refit re-admits a pod whose adapter failed its probe after the swap",
+        steps=20,
+        pods=2,
+        excludes=False,
+        signature=r"^\[failed-out\] .*'weights \S+ probed'.*adapter \S+ record is|"
+        r"^\[ready-probed\] .*serves adapter",
+        ignore=frozenset({"adapter-held"}),
+    ),
+    "failed_adapter_readmitted_by_adapter": Hole(
+        48,
+        frozenset({"adapter_refits", "adapter_fail"}),
+        "issue 41 (2), the second adapter: critic s1 fails its probe after the swap on "
+        "pod-1; the refit of adapter policy then passes on that pod and sets the condition "
+        "True ('adapter policy s1 probed') with critic's record Failed",
+        "a second adapter's refit re-admits a pod whose adapter failed after the swap",
+        steps=20,
+        pods=2,
+        excludes=False,
+        signature=r"^\[failed-out\] .*'adapter \S+ \S+ probed'.*adapter \S+ record is",
+        ignore=frozenset({"adapter-held"}),
+    ),
+    "bad_first_adapter_strands_fleet": Hole(
+        2,
+        frozenset({"adapter_bad"}),
+        "issue 41 (3): on a fleet serving only base v1, an adapter refit whose directory "
+        "has no adapter_config.json is refused (AdapterInvalid at the adapter check, before "
+        "any swap) and takes the pods out of traffic; nothing puts them back (liveness: "
+        "pod-0 serves v1, its target, not Ready). The same for a first adapter whose staged "
+        "probe fails (adapter_fail), and for a first adapter refit with onFailure Rollback "
+        "that fails after a swap: every pod withdrawn NoRollbackTarget, though each serves "
+        "its base weights",
+        "a bad first adapter strands the fleet out of traffic",
+        steps=10,
+        pods=2,
+        excludes=False,
+        signature=r"^\[liveness\] .*(refused before its swap|Ready=False, NoRollbackTarget)",
+    ),
+    "adapter_staged_name_leaks": Hole(
+        211,
+        frozenset({"adapter_refits", "adapter_fail"}),
+        "issue 41 (4): adapter policy s2 (onFailure Rollback, after s1) is swapped in on "
+        "pod-0 and fails its probe; its pass ends without unloading the staged name, so "
+        "pod-0 holds 'policy@s2', which no record names (found as the pass ends; left to "
+        "run, the refit ends RolledBack with pod-0 back in traffic on s1 and policy@s2 "
+        "still loaded; one more per such failure)",
+        "a failed adapter pass leaves its staged name name@version loaded",
+        steps=46,
+        pods=2,
+        excludes=False,
+        signature=r"^\[adapter-held\] .*holds adapter '[^']*@",
+    ),
+    "group_half_in_traffic": Hole(
+        15,
+        frozenset({"group_member_pending"}),
+        "issue 41 (5): after wr-001 Succeeded on group g0 (pod-0 leads pod-1), pod-1 is "
+        "deleted and created again Pending: pod-0 stays Ready and no tick withdraws it "
+        "(reconcile.decide withdraws a restarted unit only while the unit is Ready, and a "
+        "group is Ready only when every member is). The same for a follower restarted, "
+        "replaced or deleted, and a leader replaced mid-pass (followers stay Ready under a "
+        "leader with no record, or one recorded GroupLeaderMissing)",
+        "a pod group stays half in traffic",
+        steps=8,
+        pods=2,
+        excludes=False,
+        signature=r"^\[group-withdrawn\]|^\[failed-out\] .*GroupLeader",
+    ),
 }
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
 REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
@@ -90,7 +187,11 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
     ),
 }
 EXCLUDED = frozenset(name for name, h in KNOWN_HOLES.items() if h.excludes)
-HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED)
+# Issue 41's classes (adapters, pod groups): tests/explorer runs them on their own, with the
+# known holes above tolerated by signature; out of HOLDING (so out of CI's mixes, whose
+# schedules stay as they were) until the one-gate fix turns those holes into regressions.
+FEATURES = tuple(c for c in CLASSES if c in ADAPTER_CLASSES | GROUP_CLASSES)
+HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED and c not in FEATURES)
 
 
 def known(v: Violation) -> str | None:
@@ -99,13 +200,14 @@ def known(v: Violation) -> str | None:
     return next((name for name, h in KNOWN_HOLES.items() if not h.excludes and h.matches(v)), None)
 
 
-def mixed(seed: int) -> frozenset[str]:
-    """The classes of a batch's schedule: every holding class on for one seed in three, else
-    one to three of them (a fault among many is rarely the one that matters)."""
+def mixed(seed: int, pool: tuple[str, ...] = HOLDING) -> frozenset[str]:
+    """The classes of a batch's schedule: every class of the pool (the holding ones) on for
+    one seed in three, else one to three of them (a fault among many is rarely the one that
+    matters)."""
     if seed % 3 == 0:
-        return frozenset(HOLDING)
+        return frozenset(pool)
     r = random.Random(seed)
-    return frozenset(r.sample(HOLDING, r.randint(1, 3)))
+    return frozenset(r.sample(pool, r.randint(1, 3)))
 
 
 @dataclass
@@ -142,12 +244,14 @@ class Batch:
         )
 
 
-def run_batch(seeds: Iterable[int], *, steps: int = 20, pods: int = 2) -> Batch:
-    """Short schedules over small fleets, classes mixed by seed: CI's many schedules, the
-    bench's long mode."""
+def run_batch(
+    seeds: Iterable[int], *, steps: int = 20, pods: int = 2, pool: tuple[str, ...] = HOLDING
+) -> Batch:
+    """Short schedules over small fleets, classes of ``pool`` mixed by seed: CI's many
+    schedules, the bench's long mode."""
     batch = Batch()
     began = time.perf_counter()
     for seed in seeds:
-        batch.add(run_schedule(Config(seed, mixed(seed), steps=steps, pods=pods)))
+        batch.add(run_schedule(Config(seed, mixed(seed, pool), steps=steps, pods=pods)))
     batch.seconds = time.perf_counter() - began
     return batch

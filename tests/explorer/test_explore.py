@@ -4,7 +4,9 @@ CI runs every fault class whose invariants hold on the current code: a few hundr
 schedules (40 steps, 3 pods) and a couple of thousand short ones (20 steps, 2 pods, classes
 mixed by seed). testbed/explorer/holes.py's KNOWN_HOLES lists what the explorer still finds,
 each with a seed that shows it: a class switched off, or a violation tolerated by its
-signature. REFIT_EXPLORER_SCHEDULES scales the number of schedules (``make bench`` runs the
+signature. Issue 41's classes (holes.FEATURES: LoRA adapters beside the base weights, pod
+groups) run in tests of their own, alone and with the holding classes, tolerating their known
+holes by signature. REFIT_EXPLORER_SCHEDULES scales the number of schedules (``make bench`` runs the
 long mode: ``python -m bench --only explorer``)."""
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import os
 import pytest
 
 from testbed.explorer import Config, run_schedule
-from testbed.explorer.holes import HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
+from testbed.explorer.explore import ADAPTER_CLASSES
+from testbed.explorer.holes import FEATURES, HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
 
 SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
 
@@ -47,6 +50,20 @@ def test_each_class_alone_keeps_the_invariants(fault: str) -> None:
 
 def test_every_holding_class_at_once_keeps_the_invariants() -> None:
     _run(range(2000, 2000 + 100 * SCALE), frozenset(HOLDING))
+
+
+@pytest.mark.parametrize("fault", FEATURES)
+def test_each_feature_class_alone_keeps_the_invariants_but_its_known_holes(fault: str) -> None:
+    _run(range(3000, 3000 + 8 * SCALE), frozenset({fault}))
+
+
+def test_feature_classes_with_the_holding_ones_keep_the_invariants_but_known_holes() -> None:
+    """Adapters among every holding class, pod groups among them, and every feature class
+    at once (a pod group's hole ends most of those early)."""
+    adapters = frozenset(ADAPTER_CLASSES) | frozenset(HOLDING)
+    assert _run(range(4000, 4000 + 30 * SCALE), adapters) > 0
+    assert _run(range(4000, 4000 + 30 * SCALE), frozenset({"pod_groups", *HOLDING})) > 0
+    assert _run(range(4000, 4000 + 20 * SCALE), frozenset(FEATURES)) > 0
 
 
 def test_many_short_schedules_keep_the_invariants() -> None:
