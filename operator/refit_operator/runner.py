@@ -15,7 +15,8 @@ from refit_worker import contract
 
 from .core import podflow, times
 from .core.admission import admission_problem, joins_layout, reach_problem
-from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil
+from .core.gate import loaded, pass_readiness
+from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
 from .core.podview import PodView
 from .core.reasons import Problem, Reason, pass_event, step_timeout
 from .core.reconcile import PodStart
@@ -75,6 +76,10 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             serving=serving, serving_path=pod.serving_path, source=_source(ctx, start),
             adapter=ctx.spec.track,
         )  # fmt: skip
+        base = pod.records.get("")
+        if progress.source == "adapter" and base is not None:
+            # The base this adapter is probed on: the gate serves it on that base only.
+            progress = replace(progress, base_version=loaded(base), base_pass=base_key(base))
         # Asked before the claim is taken, so without the pass's fencing token: a token the
         # pod has seen must belong to the pass that holds it.
         # A pass that receives cannot run without the broadcast's source; a rollback loads
@@ -98,12 +103,12 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             )
             handle = await ctx.cluster.claim(ctx.namespace, pod, claim, progress, None)
             _now(ctx, pod.name, progress)
-            await _finish(ctx, handle, progress)
+            await _finish(ctx, handle, pod, progress)
             return progress
         # A pod that serves a probed version keeps serving while the checkpoint stages; any
         # other pod leaves traffic in the same write that claims it and records the new pass.
         handle = await ctx.cluster.claim(
-            ctx.namespace, pod, claim, progress, podflow.readiness(progress)
+            ctx.namespace, pod, claim, progress, pass_readiness(pod, progress)
         )
     else:
         # Resumed after an operator restart (or a takeover from a frozen leader): the claim
@@ -124,11 +129,11 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
         _now(ctx, pod.name, progress)
         if progress.finished_pass:
-            await _finish(ctx, handle, progress)
+            await _finish(ctx, handle, pod, progress)
         elif podflow.must_record(before, progress):
             # Staged: this record takes the pod out of traffic, before the drain pauses it.
             leaves = before.in_traffic and not progress.in_traffic
-            await handle.record(progress, podflow.readiness(progress) if leaves else None)
+            await handle.record(progress, pass_readiness(pod, progress) if leaves else None)
 
 
 def _source(ctx: PassContext, start: PodStart) -> podflow.Source:
@@ -219,13 +224,14 @@ async def _run_step(
     return podflow.step_done(progress, step, seconds, times.now())
 
 
-async def _finish(ctx: PassContext, pod: ClaimedPod, progress: Progress) -> None:
-    """The pass's last record: progress and readiness condition in one write (True only for a
-    pass that Succeeded; otherwise the pod stays out of traffic and the condition says why)
-    that also releases the claim; then, for a pass that did not succeed, the pod's Event.
+async def _finish(ctx: PassContext, pod: ClaimedPod, unit: PodView, progress: Progress) -> None:
+    """The pass's last record: progress and readiness condition in one write (the gate over
+    everything the unit serves with this record: True only when every track serves probed
+    weights; otherwise the pod stays out of traffic and the condition says which track holds
+    it) that also releases the claim; then, for a pass that did not succeed, the pod's Event.
     A pod that succeeded gets none: its condition and record say so, and the refit's own
     Succeeded Event counts them (10,000 such Events would bury the ones that need a look)."""
-    await pod.record(progress, podflow.readiness(progress), release=True)
+    await pod.record(progress, pass_readiness(unit, progress), release=True)
     seconds = podflow.out_of_traffic_seconds(progress)
     if seconds is not None:  # back in traffic
         metrics.pod_out_of_traffic(ctx.namespace, ctx.fleet, seconds)

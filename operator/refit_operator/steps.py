@@ -14,6 +14,7 @@ from refit_worker import contract
 
 from .core import checksums, podflow, probe, times
 from .core.api import Broadcast, Sequence, Thresholds
+from .core.gate import gate, served
 from .core.podflow import Progress, Step
 from .core.podview import PodView
 from .core.reasons import Reason
@@ -62,6 +63,19 @@ async def _drain_step(run: StepRun) -> str:
     await _wait_drain_delay(run.seq, run.progress)
     # The record before it set the readiness condition False.
     return await _drain(run.worker, run.seq, run.progress.version)
+
+
+async def _drain_weights(run: StepRun) -> str:
+    """A weights pass's drain, which also unloads every LoRA adapter the pod serves: an
+    adapter was probed on the base it serves now, and vLLM keeps adapters across a reload.
+    Their records stay: the gate reads them against the base this pass leaves (core/gate.py:
+    on another version the adapter's track needs a refit; on the same, its target loads it
+    again)."""
+    note = await _drain_step(run)
+    if run.progress.lora:
+        for name in await run.worker.adapters(timeout=run.t_step):
+            await run.worker.unload_adapter(name, timeout=run.t_step)
+    return note
 
 
 async def _sleep(run: StepRun) -> str:
@@ -160,15 +174,44 @@ async def _probe_step(run: StepRun) -> Progress:
     return await _probe(ctx, pod, run.worker, run.progress)
 
 
+async def _probe_staged(run: StepRun) -> Progress:
+    """The staged adapter's probe; once it passed, the staged name is unloaded at once: the
+    swap loads the same files (checked again) under the served name, so nothing staged
+    outlives this step, whatever fails after it (a drain, the swap, the served probe). A
+    verdict that failed goes to the restore, which unloads it too."""
+    judged = await _probe_step(run)
+    if judged.step == Step.drain:
+        await _unload_staged(run)
+    return judged
+
+
 async def _ready(run: StepRun) -> str:
     # The probe passed: vouch for this process's weights, so its readiness probe passes
-    # (refit_worker.readiness); the pass's last record then sets the condition True.
-    await mark_ready(run.worker, run.progress.version, run.t_step, run.progress.process or None)
+    # (refit_worker.readiness); the pass's last record then sets the condition True. Both
+    # only if the gate lets the whole pod in: another track (a failed adapter, one missing)
+    # may hold it out, and then nothing vouches.
+    done = podflow.step_done(run.progress, Step.ready, 0.0, times.now())
+    await _vouch(run, done, run.progress.process or None)
     return ""
+
+
+async def _vouch(run: StepRun, record: Progress, process: str | None) -> None:
+    """Vouch for the process's weights when the gate over the pod with ``record`` (the pass's
+    last) lets it in; the version vouched for is the base weights' it serves."""
+    if run.pod is None:  # a step run alone (the bench): no pod to judge, as before
+        await mark_ready(run.worker, record.version, run.t_step, process)
+        return
+    unit = run.pod.with_record(record)
+    if gate(unit, focus=record.track).ready:
+        version = served(unit.records[""])
+        await mark_ready(run.worker, version, run.t_step, process)
 
 
 async def _restore_step(run: StepRun) -> str:
     await _restore(run.worker, run.seq, run.progress)
+    # Probed in this process by an earlier pass (no restart since), so vouched for already;
+    # again, so that the condition's True never waits on a readiness probe that fails.
+    await _vouch(run, podflow.restored(run.progress, times.now()), None)
     return ""
 
 
@@ -213,7 +256,7 @@ async def _restore_adapter_step(run: StepRun) -> str:
 # Every step and the code that runs it (podflow.STEPS and ADAPTER_STEPS give their order).
 STEP_CODE: dict[Step, StepCode] = {
     Step.stage: _stage,
-    Step.drain: _drain_step,
+    Step.drain: _drain_weights,
     Step.sleep: _sleep,
     Step.wakeWeights: _wake_weights,
     Step.load: _load,
@@ -227,13 +270,13 @@ STEP_CODE: dict[Step, StepCode] = {
     Step.restore: _restore_step,
     # An adapter pass's own steps (drain, resetCache and probe are the weights pass's).
     Step.loadAdapter: _load_adapter,
-    Step.probeStaged: _probe_step,
+    Step.probeStaged: _probe_staged,
     Step.swap: _swap_adapter,
 }
 # Where an adapter pass runs a step of the same name differently.
 ADAPTER_STEP_CODE: dict[Step, StepCode] = {
     Step.stage: _check_adapter,  # verify the adapter's files: nothing to stage
-    Step.ready: _unload_staged,  # unload the staged name (no vouch of base weights)
+    Step.drain: _drain_step,  # as for weights, without unloading adapters (it swaps one)
     Step.restore: _restore_adapter_step,  # unload the staged name
 }
 
@@ -346,9 +389,6 @@ async def _restore(worker: WorkerClient, seq: Sequence, progress: Progress) -> N
             f"{progress.message}; the pod reports {got!r}, not {progress.serving!r}",
             final=True,
         )
-    # Probed in this process by an earlier pass (no restart since), so vouched for already;
-    # again, so that the condition's True never waits on a readiness probe that fails.
-    await mark_ready(worker, progress.serving, t_step)
 
 
 async def mark_ready(

@@ -90,7 +90,8 @@ def test_a_restart_withdraws_a_pod_whose_adapter_it_lost() -> None:
     back in traffic without its adapter leaves it until the adapter refit converges it."""
     ran = done(podflow.start("wr", "uid", "s2", "/ckpt/lora/s2", NOW, source="adapter",
                              adapter="policy"))  # fmt: skip
-    p0 = pod("p0", None, restarts=1, adapter_records={"policy": ran})
+    base = done(podflow.start("wr-base", "u-base", "v2", "/ckpt/v2", NOW))
+    p0 = pod("p0", base, restarts=1, adapter_records={"policy": ran})
     st = decide(observe(refit(adapter_spec()), [p0.on_track("policy")])).status
     st.phase = "Succeeded"
     d = decide(observe(refit(adapter_spec(), st), [p0.on_track("policy")]))

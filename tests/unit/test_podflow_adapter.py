@@ -105,15 +105,19 @@ def test_a_failed_swap_fails_closed():
     assert p.outcome == "Failed" and not p.restored and not p.in_traffic
 
 
-def test_a_pod_without_a_probed_adapter_stays_out_after_a_refusal():
+def test_a_first_adapter_refused_leaves_the_base_weights_serving():
+    """A pod that serves no adapter of this name still serves its base weights: the first
+    adapter's pass stages beside them, and refused, the pod never left traffic (issue 41: a
+    bad first adapter stranded the fleet)."""
     p = adapter_pass(serving="")
-    assert not p.in_traffic and p.left_traffic == 100.0
+    assert p.in_traffic and p.left_traffic == 0.0
     p = podflow.step_failed(p, Step.stage, "ManifestMismatch", "x", 101.0, retries=0)
-    assert p.step == RESTORE  # the staged name is still unloaded
+    assert p.step == RESTORE and p.in_traffic  # the staged name is still unloaded
     p = podflow.restored(p, 102.0)
-    assert p.outcome == "Failed" and not p.restored
+    assert p.outcome == "Failed" and p.restored and p.in_traffic
     ready = podflow.readiness(p)
-    assert ready is not None and not ready.ready
+    assert ready is not None and ready.ready and ready.reason == "PreviousAdapter"
+    assert "serves no adapter" in ready.message
 
 
 def test_resumed_before_the_swap_is_untouched_and_after_it_touched():

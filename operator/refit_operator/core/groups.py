@@ -63,7 +63,12 @@ def _unit(key: str, group: list[PodView], groups: Groups) -> PodView:
             f"group {key} ({', '.join(p.name for p in group)}) has no single leader "
             f"({groups.index_label}={LEADER_INDEX}: {found}): no pod of it is refitted",
         )
-        return replace(group[0], members=tuple(p.name for p in group[1:]), group_problem=problem)
+        return replace(
+            group[0],
+            members=tuple(p.name for p in group[1:]),
+            group_problem=problem,
+            some_ready=any(p.ready for p in group),
+        )
     leader = leaders[0]
     return replace(
         leader,
@@ -71,6 +76,7 @@ def _unit(key: str, group: list[PodView], groups: Groups) -> PodView:
         deleting=any(p.deleting for p in group),
         has_gate=all(p.has_gate for p in group),
         ready=all(p.ready for p in group),
+        some_ready=any(p.ready for p in group),
         restarts=sum(p.restarts for p in group),
         containers_up=all(p.containers_up for p in group),
         members=followers,

@@ -197,6 +197,11 @@ class Progress:
     # request, as a batch of prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU
     # engine. Recorded, so a pass resumed after a restart (no preflight) does not batch.
     lora: bool = False
+    # An adapter pass: the base weights it was probed on, as the pod's base record named them
+    # when the pass began (``base_pass``: that record's pass, base_key). The gate serves an
+    # adapter only on exactly that base: a base pass that left traffic since unloaded it.
+    base_version: str = ""
+    base_pass: str = ""
 
     @property
     def track(self) -> str:
@@ -227,10 +232,12 @@ class Progress:
         restored."""
         if self.restored:
             return True
-        # An adapter's restore only unloads the staged name: the old one serves throughout.
-        adapter = self.source == "adapter"
-        serves_while = {*ADAPTER_IN_TRAFFIC_STEPS, RESTORE} if adapter else {STEPS[0]}
-        return bool(self.serving) and self.step in serves_while and not self.left_traffic
+        if self.source == "adapter":
+            # Before the swap the base weights (and the old adapter, if any) serve on: an
+            # adapter's restore only unloads the staged name.
+            steps = {*ADAPTER_IN_TRAFFIC_STEPS, RESTORE}
+            return self.step in steps and not self.left_traffic
+        return bool(self.serving) and self.step == STEPS[0] and not self.left_traffic
 
     def to_annotation(self) -> str:
         # The probe in the camelCase shape of status.pods[].probe, as records have always held it.
@@ -289,9 +296,15 @@ def start(
         incarnation=incarnation,
         serving=serving,
         serving_path=serving_path if serving else "",
-        left_traffic=0.0 if serving else now,
+        # An adapter pass leaves the base weights serving until its swap, adapter or not.
+        left_traffic=0.0 if serving or source == "adapter" else now,
         adapter=adapter,
     )
+
+
+def base_key(progress: Progress) -> str:
+    """One base-weights pass, as adapter records name the base they were probed on."""
+    return f"{progress.uid}@{progress.started}"
 
 
 @dataclass(frozen=True)
@@ -509,13 +522,12 @@ def resumed(progress: Progress) -> Progress:
 def restored(progress: Progress, now: float) -> Progress:
     """The restore step worked: the pass ends Failed (with the load's refusal as its reason),
     and the pod serves ``serving`` again (an adapter pass: the staged adapter is unloaded, and
-    a pod that served no probed adapter stays as it was, out of traffic)."""
+    the pod serves what it served, the base weights alone if no adapter)."""
     if progress.step != RESTORE:
         raise ValueError(f"step {progress.step!r} is not {RESTORE!r}")
     if progress.touched:
         raise ValueError("a pass whose load may have changed the model is never restored")
-    back = bool(progress.serving) or progress.source != "adapter"
-    return replace(progress, outcome="Failed", restored=back, finished=now, not_before=0.0)
+    return replace(progress, outcome="Failed", restored=True, finished=now, not_before=0.0)
 
 
 def out_of_traffic_seconds(progress: Progress) -> float | None:
@@ -576,6 +588,13 @@ def readiness(progress: Progress) -> Readiness | None:
         kept = f"; {progress.drained}" if progress.drained else ""
         what = f"adapter {progress.adapter}" if progress.source == "adapter" else "weights"
         return Readiness(True, Reason.ProbePassed, f"{what} {progress.version} probed{kept}")
+    if progress.restored and progress.source == "adapter" and not progress.serving:
+        return Readiness(
+            True,
+            Reason.PreviousAdapter,
+            f"adapter {progress.adapter} {progress.version} refused ({progress.reason}: "
+            f"{progress.message}); the pod serves no adapter {progress.adapter}",
+        )
     if progress.restored:
         what = "adapter " if progress.source == "adapter" else ""
         return Readiness(

@@ -48,13 +48,49 @@ class PodView:
     # The records of the LoRA adapters' passes, by adapter name (podflow.progress_annotation);
     # ``progress`` is the base weights' record, or an adapter's in a view ``on_track``.
     adapter_records: Mapping[str, Progress] = field(default_factory=dict)
+    # The track ``progress`` is the record of ("" the base weights), and in a view on an
+    # adapter's track the base weights' record, which the gate reads whatever the track.
+    track: str = ""
+    base_record: Progress | None = None
+    # Some pod of the unit has its weights-ready condition True (``ready`` is all of them):
+    # a group half in traffic is withdrawn whole (core/gate.py).
+    some_ready: bool | None = None
 
     def on_track(self, track: str) -> PodView:
         """The pod as a refit of ``track`` (WeightRefitSpec.track) sees it: that track's
         record as ``progress``, so that every decision reads the record its passes write."""
-        if not track:
+        if track == self.track:
             return self
-        return replace(self, progress=self.adapter_records.get(track))
+        records = self.records
+        return replace(self, progress=records.get(track), track=track, base_record=records.get(""))
+
+    @property
+    def records(self) -> dict[str, Progress]:
+        """Every track's record on the pod, by track ("" the base weights): what the gate
+        decides from (core/gate.py)."""
+        base = self.progress if not self.track else self.base_record
+        out = {k: v for k, v in self.adapter_records.items() if k}
+        if self.track and self.progress is not None:
+            out[self.track] = self.progress
+        elif self.track:
+            out.pop(self.track, None)
+        if base is not None:
+            out[""] = base
+        return out
+
+    def with_record(self, progress: Progress) -> PodView:
+        """The pod with ``progress`` as the record of its track (a pass's next write)."""
+        track = progress.track
+        if track == self.track:
+            return replace(self, progress=progress)
+        if not track:
+            return replace(self, base_record=progress)
+        return replace(self, adapter_records={**self.adapter_records, track: progress})
+
+    @property
+    def any_ready(self) -> bool:
+        """Some pod of the unit is in traffic (for a pod alone: ``ready``)."""
+        return self.ready if self.some_ready is None else self.some_ready
 
     def same_run(self, p: Progress) -> bool:
         """``p`` was recorded in the container run that runs now: no container restarted

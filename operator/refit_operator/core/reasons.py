@@ -118,6 +118,13 @@ class Reason(StrEnum):
     PreviousAdapter = "PreviousAdapter"  # the old LoRA adapter serves on after a refused pass
     RefitFailed = "RefitFailed"  # out of traffic after a failed pass without a reason of its own
     Refitting = "Refitting"  # out of traffic while its pass runs
+    # --- the one gate over everything a pod serves (core/gate.py)
+    NotProbed = "NotProbed"  # no pass has probed the pod's base weights
+    AdapterMissing = "AdapterMissing"  # an adapter its records say it serves is not loaded
+    MemberNotRunning = "MemberNotRunning"  # a pod of the group is not running (Pending, gone)
+    MemberReplaced = "MemberReplaced"  # a pod of the group is not the one the record names
+    # An adapter refit whose pods' base weights moved on to another version: unloaded there
+    BaseChanged = "BaseChanged"
     # --- Events of a pod's pass
     PodStepRetry = "PodStepRetry"  # a step failed and will be tried again
     PodStepFailed = "PodStepFailed"  # a step failed for good

@@ -21,6 +21,7 @@ from .api import (
     WeightRefitSpec,
     WeightRefitStatus,
 )
+from .gate import adapter_missing, base_moved_on, gate
 from .podview import PodView
 from .reasons import Problem, Reason
 from .status import conditions, from_records, receivers
@@ -179,11 +180,15 @@ def pod_state(
         return "superseded"
     if holder(pod, refit, refits or {}, elsewhere):
         return "blocked"
+    if p is not None and p.uid == refit.uid and base_moved_on(pod, p):
+        return "superseded"  # an adapter its pod's new base weights unloaded (core/gate.py)
     mine = p is not None and p.uid == refit.uid and p.rollback == rollback and p.version == version
     if not mine or p is None:
         return "passed" if pod.verified(version) and not rollback else "todo"
     if p.outcome == "Succeeded":
-        return "passed" if pod.same_run(p) else "todo"
+        # An adapter the pod lost (a restart, or the base reloaded at the same version) is
+        # this refit's to load again.
+        return "passed" if pod.same_run(p) and not adapter_missing(pod, p) else "todo"
     if p.outcome in ("Failed", "Inconclusive") and not pod.same_run(p):
         # The container restarted since the pass began: whatever the pass judged, the new
         # process holds none of it (its boot weights), so it is a pod to refit like any
@@ -200,10 +205,15 @@ def decide(obs: Observed) -> Decision:
     d = _decide(obs)
     starting = {s.pod for s in d.start}
     for p in obs.pods:
-        if not p.ready or p.progress is None or p.name in obs.in_flight or p.claim is not None:
+        if not p.any_ready or p.name in obs.in_flight or p.claim is not None:
             continue  # a claimed pod is its pass's
-        if not p.same_run(p.progress):
-            d.withdraw[p.name] = Problem(Reason.ContainerRestarted, _RESTARTED)
+        # Withdrawal waits for no pass: whatever any track's record or any member of a group
+        # says, a unit in traffic that the gate holds out leaves traffic now.
+        held = gate(p)
+        if not held.ready:
+            d.withdraw[p.name] = Problem(held.reason, held.message)
+        elif p.progress is None:
+            continue
         elif p.name not in starting and foreign(p, obs.fleet, obs.refits):
             # A pass starting now takes it out in its first write.
             d.withdraw[p.name] = Problem(Reason.FleetChanged, (
@@ -217,12 +227,6 @@ def decide(obs: Observed) -> Decision:
             refit.generation,
         )  # fmt: skip
     return d
-
-
-_RESTARTED = (
-    "the container restarted and lost the weights its pass loaded; out of traffic until a "
-    "pass brings it back"
-)
 
 
 def _decide(obs: Observed) -> Decision:
@@ -386,6 +390,15 @@ def _progress(
     states = {n: s for n, s in states.items() if s not in ("dropped", "superseded")}
     _count(st, states)
     newest = _newest_driver(obs, moved_on) if moved_on else ""
+    rebased = [n for n in moved_on if base_moved_on(_pod(obs, n), _pod(obs, n).progress)]
+    if not states and not obs.in_flight and rebased and len(rebased) == len(moved_on):
+        base = _pod(obs, rebased[0]).records[""]
+        transition("Superseded", Reason.BaseChanged, (
+            f"the base weights of every pod moved on ({_names(rebased)}; {base.refit} serves "
+            f"{base.version}) from the base this adapter was probed on: each unloaded it; "
+            "refit the adapter for the new base"))  # fmt: skip
+        d.idle = True
+        return
     if (
         not states
         and not obs.in_flight
@@ -468,6 +481,10 @@ def _progress(
     msg = f"{g.message}; rolling each pod back to the checkpoint it served"
     transition("RollingBack", g.reason, msg, "Warning")
     _rollback(obs, d, transition)
+
+
+def _pod(obs: Observed, name: str) -> PodView:
+    return next(p for p in obs.pods if p.name == name)
 
 
 def _succeeded_message(st: WeightRefitStatus, spec: WeightRefitSpec, moved_on: list[str]) -> str:
