@@ -457,7 +457,7 @@ class Explorer:
         if d is None:
             replica.daemons.pop(name, None)  # the daemon ends: the object is gone
             return
-        if self.grouped and not deleting:
+        if not deleting:
             self.checker.after_tick(self.store.peek("WeightRefit", NS, name), began)
         # When kopf's daemon (handlers.refit_daemon) would tick again unless woken.
         interval = DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL

@@ -67,99 +67,23 @@ KNOWN_HOLES: dict[str, Hole] = {
         excludes=False,
         signature=r"^\[creation-order\]",
     ),
-    # Issue 41: where adapters, pod groups and the base weights meet, one traffic gate per
-    # pod is missing (each pass sets the pod's weights-ready condition from its own track;
-    # withdrawal reads only the refit's own track; a group's readiness is derived only while
-    # a pass runs). Each entry: a short schedule that finds it on main before the fix
-    # (ef374ed). When the fix merges, each seed's test fails: move the entry to REGRESSIONS,
-    # and FEATURES into HOLDING's mixes.
-    "adapter_readmits_failed_base": Hole(
+    "adapter_on_unprobed_base": Hole(
         1,
-        frozenset({"weights_skew"}),
-        "issue 41 (1): a base refit fails on pod-1 at its read-back (WeightChecksumMismatch: "
-        "its weights differ from its peers', a failure the probe alone can miss): the pod "
-        "is out of traffic, its record Failed; the next adapter refit's pass probes the adapter on "
-        "that pod and sets the condition True ('adapter policy s1 probed') while the pod's "
-        "base record still says Failed",
-        "an adapter pass re-admits a pod whose base weights failed",
+        frozenset({"adapter_refits"}),
+        "after the one-gate fix (b58e782): an adapter refit's pass runs on pod-1 before any "
+        "base pass has probed its base weights (its record's base_version is ''); the base "
+        "refit's pass then unloads every adapter at its drain, and the adapter refit turns "
+        "Succeeded counting pod-1, which holds no adapter: gate.base_moved_on never calls a "
+        "record without a base version moved on, and gate.adapter_missing does not hold the "
+        "pod out either. Also as liveness: the pod stays Ready, its adapter target never "
+        "loads the adapter again (the refit says 'N/N pods', or '1/1 ...; 2 moved on')",
+        "an adapter probed on no base version is counted (and targeted) after a base pass "
+        "unloaded it",
         steps=10,
         pods=2,
         excludes=False,
-        signature=r"^\[failed-out\] .*condition ProbePassed 'adapter .*base weights record",
-    ),
-    "failed_adapter_readmitted_by_base": Hole(
-        35,
-        frozenset({"adapter_refits", "adapter_fail"}),
-        "issue 41 (2): adapter critic s1 is swapped in on pod-1 and fails its probe there "
-        "(ProbeGarbage: the swap loaded it wrong); the pod is out, the record Failed; then "
-        "the base weights' target converges the pod and sets the condition True ('weights "
-        "v1 probed'): clients asking for critic get the weights whose probe failed "
-        "(adapter-held is not held: issue 41 (4) would end the schedule first)",
-        "a base refit re-admits a pod whose adapter failed its probe after the swap",
-        steps=20,
-        pods=2,
-        excludes=False,
-        signature=r"^\[failed-out\] .*'weights \S+ probed'.*adapter \S+ record is|"
-        r"^\[ready-probed\] .*serves adapter",
-        ignore=frozenset({"adapter-held"}),
-    ),
-    "failed_adapter_readmitted_by_adapter": Hole(
-        48,
-        frozenset({"adapter_refits", "adapter_fail"}),
-        "issue 41 (2), the second adapter: critic s1 fails its probe after the swap on "
-        "pod-1; the refit of adapter policy then passes on that pod and sets the condition "
-        "True ('adapter policy s1 probed') with critic's record Failed",
-        "a second adapter's refit re-admits a pod whose adapter failed after the swap",
-        steps=20,
-        pods=2,
-        excludes=False,
-        signature=r"^\[failed-out\] .*'adapter \S+ \S+ probed'.*adapter \S+ record is",
-        ignore=frozenset({"adapter-held"}),
-    ),
-    "bad_first_adapter_strands_fleet": Hole(
-        2,
-        frozenset({"adapter_bad"}),
-        "issue 41 (3): on a fleet serving only base v1, an adapter refit whose directory "
-        "has no adapter_config.json is refused (AdapterInvalid at the adapter check, before "
-        "any swap) and takes the pods out of traffic; nothing puts them back (liveness: "
-        "pod-0 serves v1, its target, not Ready). The same for a first adapter whose staged "
-        "probe fails (adapter_fail), and for a first adapter refit with onFailure Rollback "
-        "that fails after a swap: every pod withdrawn NoRollbackTarget, though each serves "
-        "its base weights",
-        "a bad first adapter strands the fleet out of traffic",
-        steps=10,
-        pods=2,
-        excludes=False,
-        signature=r"^\[liveness\] .*(refused before its swap|Ready=False, NoRollbackTarget)",
-    ),
-    "adapter_staged_name_leaks": Hole(
-        211,
-        frozenset({"adapter_refits", "adapter_fail"}),
-        "issue 41 (4): adapter policy s2 (onFailure Rollback, after s1) is swapped in on "
-        "pod-0 and fails its probe; its pass ends without unloading the staged name, so "
-        "pod-0 holds 'policy@s2', which no record names (found as the pass ends; left to "
-        "run, the refit ends RolledBack with pod-0 back in traffic on s1 and policy@s2 "
-        "still loaded; one more per such failure)",
-        "a failed adapter pass leaves its staged name name@version loaded",
-        steps=46,
-        pods=2,
-        excludes=False,
-        signature=r"^\[adapter-held\] .*holds adapter '[^']*@",
-    ),
-    "group_half_in_traffic": Hole(
-        15,
-        frozenset({"group_member_pending"}),
-        "issue 41 (5): after wr-001 Succeeded on group g0 (pod-0 leads pod-1), pod-1 is "
-        "deleted and created again Pending: pod-0 stays Ready and no tick withdraws it "
-        "(reconcile.decide withdraws a restarted unit only while the unit is Ready, and a "
-        "group is Ready only when every member is). The same for a follower restarted, "
-        "replaced or deleted, and a leader replaced mid-pass (followers stay Ready under a "
-        "leader with no record, or one recorded GroupLeaderMissing)",
-        "a pod group stays half in traffic",
-        steps=8,
-        pods=2,
-        excludes=False,
-        signature=r"^\[group-withdrawn\]|^\[failed-out\] .*GroupLeader",
+        signature=r"^\[succeeded-serving\] .*under adapter|"
+        r"^\[liveness\] .*serves adapter \S+ at None \(Ready=True",
     ),
 }
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
@@ -186,10 +110,44 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
         (200442, 200016),
     ),
 }
+# Issue 41's five breaks of one traffic gate per pod, fixed by the one gate (core/gate.py,
+# b58e782): the schedules that found them on main before the fix (ef374ed), exactly as found
+# (steps, pods, invariants ignored). (1) an adapter pass re-admitted a pod whose base weights
+# failed (WeightChecksumMismatch); (2) the base weights' target, or another adapter's refit,
+# re-admitted a pod whose adapter failed its probe after the swap; (3) a refused first
+# adapter (no adapter_config.json) left a base-serving fleet out of traffic for good; (4) a
+# failed adapter pass left its staged name (policy@s2) loaded; (5) a group whose follower
+# was recreated Pending stayed half in traffic.
+ISSUE_41: dict[str, tuple[Config, ...]] = {
+    "adapter_readmits_failed_base": (Config(1, frozenset({"weights_skew"}), steps=10, pods=2),),
+    "failed_adapter_readmitted_by_base": (
+        Config(
+            35,
+            frozenset({"adapter_refits", "adapter_fail"}),
+            steps=20,
+            pods=2,
+            ignore=frozenset({"adapter-held"}),
+        ),
+    ),
+    "failed_adapter_readmitted_by_adapter": (
+        Config(
+            48,
+            frozenset({"adapter_refits", "adapter_fail"}),
+            steps=20,
+            pods=2,
+            ignore=frozenset({"adapter-held"}),
+        ),
+    ),
+    "bad_first_adapter_strands_fleet": (Config(2, frozenset({"adapter_bad"}), steps=10, pods=2),),
+    "adapter_staged_name_leaks": (
+        Config(211, frozenset({"adapter_refits", "adapter_fail"}), steps=46, pods=2),
+    ),
+    "group_half_in_traffic": (Config(15, frozenset({"group_member_pending"}), steps=8, pods=2),),
+}
 EXCLUDED = frozenset(name for name, h in KNOWN_HOLES.items() if h.excludes)
 # Issue 41's classes (adapters, pod groups): tests/explorer runs them on their own, with the
-# known holes above tolerated by signature; out of HOLDING (so out of CI's mixes, whose
-# schedules stay as they were) until the one-gate fix turns those holes into regressions.
+# known holes above tolerated by signature; out of HOLDING, so CI's mixes (holes.mixed, the
+# 1,800 short schedules) keep the schedules they had. The bench's explorer suite mixes them in.
 FEATURES = tuple(c for c in CLASSES if c in ADAPTER_CLASSES | GROUP_CLASSES)
 HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED and c not in FEATURES)
 

@@ -26,6 +26,10 @@ explorer").
   and members (a member missing, not running, or in another run than the leader's base
   record names): within one tick, every completed tick of a refit that selects the group
   (a tick that began after the group turned so) leaves none Ready;
+- gate-held: a pod whose weights-ready condition is True belongs to a unit (the pod, or its
+  group) that the one traffic gate (core/gate.py, over every track's record and every member)
+  lets in, with the same grace of one tick: a completed tick of a refit that selects the
+  unit, begun after the gate turned False, leaves no member Ready unless a pass holds it;
 - lease-stop: an operator process sends nothing (API write, pod call) once its lease may
   have expired (explore.py checks it as each request leaves);
 - liveness: once faults stop, every pod reaches its target (the newest Succeeded refit, by
@@ -48,6 +52,7 @@ from refit_operator.core.api import (
     Groups,
     LabelSelector,
 )
+from refit_operator.core.gate import base_moved_on, gate
 from refit_operator.core.podflow import (
     ADAPTER_IN_TRAFFIC_STEPS,
     ADAPTER_PROGRESS_PREFIX,
@@ -167,6 +172,13 @@ def _restarts(doc: dict[str, Any]) -> int:
     return sum(c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or [])
 
 
+def _in_traffic_unclaimed(members: list[dict[str, Any]]) -> bool:
+    """Some pod of a unit is Ready and no pass holds the unit (a pass's own writes take it
+    out or put it back)."""
+    claimed = any(CLAIM_ANNOTATION in (m["metadata"].get("annotations") or {}) for m in members)
+    return not claimed and any(_gate(m) for m in members)
+
+
 def _failed(p: Progress) -> bool:
     return p.outcome in ("Failed", "Inconclusive") and not p.restored
 
@@ -195,6 +207,9 @@ class Checker:
         # Pod groups: group key -> the store revision at which the group last turned out of
         # traffic by its members and records (absent while it is not).
         self.out_since: dict[str, int] = {}
+        # Units (a pod, or a group by its leader's name) -> the store revision at which the
+        # gate last turned False for it, and the gate's reason then.
+        self.gate_out_since: dict[str, tuple[int, str]] = {}
         # pod name -> the store revision at which it last changed in a way a list taken before
         # cannot show (created, deleted, relabelled, restarted, moved to a new IP)
         self.changed: dict[str, int] = {}
@@ -252,7 +267,8 @@ class Checker:
             if not _gate(doc):
                 continue
             self.checks += 1
-            self._check_failed_out(name, doc, units.get(name))
+            if not self.grouped or name in units:  # a follower's records are its leader's
+                self._check_failed_out(name, doc, units.get(name))
             ip = doc["status"].get("podIP", "")
             pod = self.sim.pods.get(ip)
             if pod is None or not pod.up or not pod.ready_mark.ready:
@@ -351,15 +367,77 @@ class Checker:
         return ""
 
     def on_pod_write(self, doc: dict[str, Any]) -> None:
-        """Note the revision at which a group turned out (group-withdrawn's grace)."""
+        """Note the revision at which a group turned half in traffic: some member Ready, no
+        pass holding it, while it is out by its members and records (group-withdrawn's
+        grace runs from there)."""
         key = (doc["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
         if key is None:
             return
         members = self._group_members().get(key, [])
-        if self.group_out(key, members):
+        if _in_traffic_unclaimed(members) and self.group_out(key, members):
             self.out_since.setdefault(key, self.store.revision)
         else:
             self.out_since.pop(key, None)
+
+    # ------------------------------------------------------------------- the gate
+    def _unit_members(self) -> dict[str, list[dict[str, Any]]]:
+        """Each unit's pods by the unit's name: a pod alone, or a group (its leader's name,
+        as groups.units names it)."""
+        pods = [d for (k, _, _), d in sorted(self.store.objects.items()) if k == "Pod"]
+        if not self.grouped:
+            return {d["metadata"]["name"]: [d] for d in pods}
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        out: dict[str, list[dict[str, Any]]] = {}
+        for d in pods:
+            key = (d["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+            if key is None:
+                out[d["metadata"]["name"]] = [d]
+            else:
+                by_key.setdefault(key, []).append(d)
+        for members in by_key.values():
+            leaders = [m for m in members if not _follower(m)]
+            name = (leaders[0] if len(leaders) == 1 else members[0])["metadata"]["name"]
+            out[name] = members
+        return out
+
+    def _gate_of(self, members: list[dict[str, Any]]) -> tuple[bool, str]:
+        views = [PodView.from_pod(m) for m in members]
+        unit = groups.units(views, Groups())[0] if self.grouped else views[0]
+        g = gate(unit)
+        return g.ready, f"{g.reason}: {g.message}"
+
+    def _track_gate(self) -> None:
+        """Note the revision at which each unit turned in traffic against its gate: some
+        member Ready, no pass holding it, the gate False (gate-held's grace runs from
+        there)."""
+        units = self._unit_members()
+        for name, members in units.items():
+            if not _in_traffic_unclaimed(members) or self._gate_of(members)[0]:
+                self.gate_out_since.pop(name, None)
+            elif name not in self.gate_out_since:
+                self.gate_out_since[name] = (self.store.revision, "")
+        for name in set(self.gate_out_since) - set(units):
+            del self.gate_out_since[name]
+
+    def _check_gate(self, refit: dict[str, Any], began: int) -> None:
+        """gate-held, after a completed tick of ``refit`` begun at revision ``began``."""
+        for name, members in sorted(self._unit_members().items()):
+            out = self.gate_out_since.get(name)
+            if out is None or out[0] > began:
+                continue
+            if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
+                continue
+            self.checks += 1
+            ready = [m["metadata"]["name"] for m in members if _gate(m)]
+            held, why = self._gate_of(members)
+            if _in_traffic_unclaimed(members) and not held:
+                self.violate(
+                    "gate-held",
+                    f"unit {name}: {', '.join(ready)} Ready while the gate holds it out "
+                    f"({why}) since revision {out[0]}; a tick of refit "
+                    f"{refit['metadata']['name']} that began at revision {began} left it in "
+                    "traffic",
+                )
 
     def after_tick(self, refit: dict[str, Any] | None, began: int) -> None:
         """group-withdrawn: a completed tick of ``refit`` that began at store revision
@@ -367,6 +445,7 @@ class Checker:
         a pass holds the group: its first write takes it out)."""
         if refit is None or refit["metadata"].get("deletionTimestamp"):
             return
+        self._check_gate(refit, began)
         for key, members in sorted(self._group_members().items()):
             since = self.out_since.get(key)
             if since is None or since > began:
@@ -375,13 +454,11 @@ class Checker:
                 continue
             self.checks += 1
             ready = [m["metadata"]["name"] for m in members if _gate(m)]
-            claimed = any(CLAIM_ANNOTATION in (m["metadata"].get("annotations") or {})
-                          for m in members)  # fmt: skip
             why = self.group_out(key, members)
-            if ready and not claimed and why:
+            if _in_traffic_unclaimed(members) and why:
                 self.violate(
                     "group-withdrawn",
-                    f"group {key}: {', '.join(ready)} Ready although {why} (out since "
+                    f"group {key}: {', '.join(ready)} Ready although {why} (so since "
                     f"revision {since}); a tick of refit {refit['metadata']['name']} that "
                     f"began at revision {began} left it in traffic",
                 )
@@ -395,6 +472,7 @@ class Checker:
             self._handover(old, new)
             if self.grouped:
                 self.on_pod_write(new or old)  # type: ignore[arg-type]
+            self._track_gate()
             return
         if kind != "WeightRefit" or new is None:
             return
@@ -639,7 +717,7 @@ class Checker:
             self.violate(
                 "succeeded-serving",
                 f"refit {name} Succeeded with {updated} pods updated, but {serving} serve "
-                f"{version}",
+                f"{version}{f' under adapter {track}' if track else ''}",
             )
 
     # --------------------------------------------------------------------- liveness
@@ -675,8 +753,13 @@ class Checker:
             if self._held_out(pod, doc, targets):
                 continue
             if _follower(doc) and refit["spec"]["fleet"].get("groups") is not None:
+                leader = self._leader_of(doc)
+                if leader is not None and self._held_out(leader, self._pod(leader), targets):
+                    continue  # out with its leader
                 if not _gate(doc):
                     return f"member {pod} is not Ready ({_reason(doc)})"
+                continue
+            if track and self._not_expected(doc, track, refit):
                 continue
             ip = doc["status"].get("podIP", "")
             want = _version(refit)
@@ -711,6 +794,31 @@ class Checker:
                 continue  # its target's own pass failed: the target tries it again
             if _failed(p) and p.restarts == restarts and not _refused_in_traffic(p):
                 return True
+        return False
+
+    def _pod(self, name: str) -> dict[str, Any]:
+        return next(d for (k, _, n), d in self.store.objects.items() if k == "Pod" and n == name)
+
+    def _leader_of(self, doc: dict[str, Any]) -> str | None:
+        key = (doc["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+        leaders = [m["metadata"]["name"] for m in self._group_members().get(key or "", [])
+                   if not _follower(m) and not m["metadata"].get("deletionTimestamp")]  # fmt: skip
+        return leaders[0] if len(leaders) == 1 else None
+
+    def _not_expected(self, doc: dict[str, Any], track: str, target: dict[str, Any]) -> bool:
+        """An adapter target the pod need not serve (docs/concepts.md, "One gate over many
+        tracks"): its record was probed on another base version than the pod serves now (a
+        base pass unloaded it at its drain: the track needs a refit for the new base), or a
+        newer pass of the track, refused, put back nothing of the target's (it served
+        something else, or nothing, when it began). A pod that never had the track, or lost
+        it to a restart, is its target's to converge."""
+        p = _record(doc, track)
+        if p is None or p.restarts != _restarts(doc):
+            return False
+        if base_moved_on(PodView.from_pod(doc), p):
+            return True
+        if p.uid != target["metadata"]["uid"] and p.outcome != "Succeeded":
+            return not (p.restored and p.serving == _version(target))
         return False
 
     def _refused(self, doc: dict[str, Any]) -> str:

@@ -17,7 +17,15 @@ import pytest
 
 from testbed.explorer import Config, run_schedule
 from testbed.explorer.explore import ADAPTER_CLASSES
-from testbed.explorer.holes import FEATURES, HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
+from testbed.explorer.holes import (
+    FEATURES,
+    HOLDING,
+    ISSUE_41,
+    KNOWN_HOLES,
+    REGRESSIONS,
+    known,
+    run_batch,
+)
 
 SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
 
@@ -86,6 +94,16 @@ def test_the_schedules_that_found_fixed_holes_hold(name: str) -> None:
     classes, seeds = REGRESSIONS[name]
     for seed in seeds:
         result = run_schedule(Config(seed, classes))
+        unknown = [v for v in result.violations if known(v) is None]
+        assert not unknown, result.report()
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_41))
+def test_the_schedules_that_found_issue_41_hold(name: str) -> None:
+    """Each of issue 41's breaks of one traffic gate per pod, found on main before the fix,
+    replayed exactly (its steps, fleet, invariants ignored): nothing but a known hole."""
+    for config in ISSUE_41[name]:
+        result = run_schedule(config)
         unknown = [v for v in result.violations if known(v) is None]
         assert not unknown, result.report()
 
