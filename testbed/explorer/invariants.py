@@ -207,9 +207,9 @@ class Checker:
         # Pod groups: group key -> the store revision at which the group last turned out of
         # traffic by its members and records (absent while it is not).
         self.out_since: dict[str, int] = {}
-        # Units (a pod, or a group by its leader's name) -> the store revision at which the
-        # gate last turned False for it, and the gate's reason then.
-        self.gate_out_since: dict[str, tuple[int, str]] = {}
+        # Units (a pod, or a group by its leader's name) -> the store revision since which
+        # it is in traffic against the gate with no pass holding it.
+        self.gate_out_since: dict[str, int] = {}
         # pod name -> the store revision at which it last changed in a way a list taken before
         # cannot show (created, deleted, relabelled, restarted, moved to a new IP)
         self.changed: dict[str, int] = {}
@@ -415,15 +415,15 @@ class Checker:
             if not _in_traffic_unclaimed(members) or self._gate_of(members)[0]:
                 self.gate_out_since.pop(name, None)
             elif name not in self.gate_out_since:
-                self.gate_out_since[name] = (self.store.revision, "")
+                self.gate_out_since[name] = self.store.revision
         for name in set(self.gate_out_since) - set(units):
             del self.gate_out_since[name]
 
     def _check_gate(self, refit: dict[str, Any], began: int) -> None:
         """gate-held, after a completed tick of ``refit`` begun at revision ``began``."""
         for name, members in sorted(self._unit_members().items()):
-            out = self.gate_out_since.get(name)
-            if out is None or out[0] > began:
+            since = self.gate_out_since.get(name)
+            if since is None or since > began:
                 continue
             if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
                 continue
@@ -434,15 +434,16 @@ class Checker:
                 self.violate(
                     "gate-held",
                     f"unit {name}: {', '.join(ready)} Ready while the gate holds it out "
-                    f"({why}) since revision {out[0]}; a tick of refit "
+                    f"({why}) since revision {since}; a tick of refit "
                     f"{refit['metadata']['name']} that began at revision {began} left it in "
                     "traffic",
                 )
 
     def after_tick(self, refit: dict[str, Any] | None, began: int) -> None:
-        """group-withdrawn: a completed tick of ``refit`` that began at store revision
-        ``began`` leaves no member Ready of a group it selects that was out by then (unless
-        a pass holds the group: its first write takes it out)."""
+        """gate-held and group-withdrawn: a completed tick of ``refit`` that began at store
+        revision ``began`` leaves no member Ready of a unit it selects that was in traffic
+        against its gate (a group: out by its members and records) by then, unless a pass
+        holds the unit (its first write takes it out)."""
         if refit is None or refit["metadata"].get("deletionTimestamp"):
             return
         self._check_gate(refit, began)
