@@ -126,12 +126,12 @@ def _run_changed(unit: PodView, p: Progress, what: str) -> Readiness | None:
     """A record of another run: a container restarted, or a member replaced, since."""
     if unit.same_run(p):
         return None
-    if p.restarts == unit.restarts and unit.members:
+    if p.restarts == unit.restarts and p.incarnation != unit.incarnation:
         return Readiness(
             False,
             Reason.MemberReplaced,
-            f"a pod of group {unit.name} was replaced since the pass that loaded its {what} "
-            f"({p.refit}): out of traffic until a pass brings the group back",
+            f"a pod of group {unit.name} was replaced or is missing since the pass that loaded "
+            f"its {what} ({p.refit}): out of traffic until a pass brings the group back",
         )
     return Readiness(
         False,

@@ -157,7 +157,9 @@ def moved_on(
         return bool(pod.serving)
     if foreign(pod, fleet, refits):
         return False
-    lost = p.finished_pass and not pod.same_run(p)
+    # Lost: the weights it left are gone (a restart; for an adapter, also a reload of the
+    # base at the same version, which unloaded it).
+    lost = p.finished_pass and (not pod.same_run(p) or adapter_missing(pod, p))
     phase = next((r.phase for r in fleet if r.name == p.refit), "")
     return not lost or phase == "Succeeded" or phase not in TERMINAL_PHASES
 
