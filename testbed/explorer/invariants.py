@@ -808,9 +808,9 @@ class Checker:
 
     def _not_expected(self, doc: dict[str, Any], track: str, target: dict[str, Any]) -> bool:
         """An adapter target the pod need not serve (docs/concepts.md, "One gate over many
-        tracks"): its record was probed on another base version than the pod serves now (a
-        base pass unloaded it at its drain: the track needs a refit for the new base), or a
-        newer pass of the track, refused, put back nothing of the target's (it served
+        tracks and groups"): its record was probed on another base version than the pod
+        serves now (a base pass unloaded it at its drain: the track needs a refit for the new
+        base), or a newer pass of the track, refused, put back nothing of the target's (it served
         something else, or nothing, when it began). A pod that never had the track, or lost
         it to a restart, is its target's to converge."""
         p = _record(doc, track)
