@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from refit_operator import steps
+from refit_operator.controller import steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Sequence, Thresholds
 from refit_operator.core.podflow import Step

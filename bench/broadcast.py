@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from refit_operator import steps
+from refit_operator.controller import steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Broadcast, Sequence, Thresholds
 from refit_operator.core.podflow import Step

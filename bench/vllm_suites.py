@@ -27,7 +27,7 @@ import aiohttp
 import blake3
 import httpx
 import psutil
-from refit_operator import steps
+from refit_operator.controller import steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Sequence, Thresholds
 from refit_operator.core.podflow import Step

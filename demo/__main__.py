@@ -24,9 +24,11 @@ each server's own loopback address, and a real Prometheus scraping the operator.
 with live per-pod progress, a summary table and PNG reports (refit_operator.tools.report; the GRPO
 run's reward and refit time per step in grpo.png). Exit 0 only when every outcome is the
 expected one, every GRPO step's completions came from that step's version, and every pod
-serves the last version (v4, or the GRPO run's last step), in traffic.
+serves the last base weights (v4, the adapter loads beside them; or the GRPO run's last step),
+in traffic; otherwise it lists what was not.
 Everything started is stopped at the end (also on Ctrl-C); `--keep` leaves it all running
-until Ctrl-C and prints how to look at it.
+until Ctrl-C and prints how to look at it and the fleet's namespace, selector, port and admin
+Secret, with a refit to try from a trainer of one's own.
 
 Runs from a checkout: it is built from the test bed (testbed/), and it is not part of the
 installed package. torch and vLLM run only in the child processes, never in this one.
@@ -46,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,6 +421,40 @@ def summary(results: list[Result]) -> str:
                   "UPDATED", "WORST|Δ|", "TOOK", "CHECK"), rows)  # fmt: skip
 
 
+def base_version(scenario: Sequence[Step] = SCENARIO) -> str:
+    """The base weights' version every pod serves once the scenario ended: that of its last
+    base-weights step meant to succeed. An adapter step loads beside the base weights (the
+    pods' weight version stays), and a step meant to be rolled back leaves the one before."""
+    return next(s.version for s in reversed(scenario) if not s.adapter and s.expect == "Succeeded")
+
+
+def problems(
+    results: Sequence[Result], trained: grpo.GrpoRun | None, versions: Mapping[str, str],
+    traffic: Mapping[str, bool], scraped: Mapping[str, float],
+) -> list[str]:  # fmt: skip
+    """What did not go as expected, one line each (none: the outcome is as expected). The
+    pods must serve the GRPO run's last version, or without a run (--grpo-steps 0) the
+    scenario's base version, read back from each pod."""
+    out = [f"{r.step.name} ended {r.phase or 'without a phase'}, not {r.step.expect}"
+           for r in results if not r.ok]  # fmt: skip
+    if trained is not None and not trained.ok:
+        out.append("the GRPO run did not go as expected (its lines above say why)")
+    final = trained.last_version if trained is not None else base_version()
+    wrong = sorted(f"{host} serves {v}" for host, v in versions.items() if v != final)
+    if wrong:
+        out.append(f"every pod should serve {final}: " + ", ".join(wrong))
+    if out_of_traffic := sorted(name for name, ready in traffic.items() if not ready):
+        out.append(f"pods out of traffic at the end: {', '.join(out_of_traffic)}")
+    if scraped.get("probe fail", 0) < 1:
+        out.append("Prometheus scraped no failed probe from the operator")
+    if scraped.get("refit rolled_back", 0) < 1:
+        out.append("Prometheus scraped no rolled-back refit from the operator")
+    for r in results:
+        if r.step.expect == "RolledBack" and not {"LogprobDrift", "NllDrift"} & r.pod_reasons:
+            out.append(f"{r.step.name}: no pod's probe reported LogprobDrift or NllDrift")
+    return out
+
+
 # -------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace, out: TextIO) -> int:
     def say(text: str) -> None:
@@ -486,7 +522,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                 port, SECRET, args.grpo_steps, out_dir, state, say,
             )  # fmt: skip
             say(f"GRPO run ended in {trained.seconds:.0f}s")
-        final_version = trained.last_version if trained else SCENARIO[-1].version
 
         versions = fleet_versions(servers)
         traffic = in_traffic(core, names)
@@ -519,22 +554,24 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     out.write(f"report: {path}\n")
         if trained is not None and (picture := grpo.picture(trained, out_dir / "grpo.png")):
             out.write(f"report: {picture}\n")
-        ok = (
-            all(r.ok for r in results)
-            and (trained is None or trained.ok)
-            and set(versions.values()) == {final_version}
-            and all(traffic.values())
-            and scraped.get("probe fail", 0) >= 1
-            and scraped.get("refit rolled_back", 0) >= 1
-            and bool({"LogprobDrift", "NllDrift"} & results[2].pod_reasons)
-        )
+        wrong = problems(results, trained, versions, traffic, scraped)
+        ok = not wrong
         out.write(f"\nwall time {time.monotonic() - t0:.0f}s; outcome "
                   f"{'as expected' if ok else 'NOT as expected'}\n")  # fmt: skip
+        for problem in wrong:
+            out.write(f"  - {problem}\n")
         if not ok:
             out.write(f"operator log (tail):\n{_tail(state / 'operator.log')}\n")
             out.write(f"logs and state kept in {state}\n")
         if args.keep:
-            keep_running(out, cp, metrics_port, prom.url, state)
+            out.write(keep_text(
+                kubeconfig=cp.kubeconfig, kubectl=cp.bin / "kubectl", port=port,
+                metrics_port=metrics_port, prom_url=prom.url, state=state, model=model,
+            ))  # fmt: skip
+            out.flush()
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
     if ok:  # logs and etcd data of a run that went as expected are not worth keeping
         shutil.rmtree(state, ignore_errors=True)
     return 0 if ok else 1
@@ -554,41 +591,75 @@ def draw_reports(refits: RefitClient, results: list[Result], out_dir: Path) -> N
             )  # fmt: skip
 
 
-def keep_running(out: TextIO, cp: Any, metrics_port: int, prom_url: str, state: Path) -> None:
-    out.write(
+def keep_text(
+    *, kubeconfig: Path, kubectl: Path, port: int, metrics_port: int, prom_url: str,
+    state: Path, model: Any,
+) -> str:  # fmt: skip
+    """What --keep prints: how to look at what runs, and the fleet's coordinates (namespace,
+    selector, port, admin Secret) with a refit to try from a trainer of one's own."""
+    selector = ",".join(f"{k}={v}" for k, v in LABELS.items())
+    ckpt = model.checkpoints["B"]
+    return (
         "\nEverything is still running. In another terminal:\n"
-        f"  export KUBECONFIG={cp.kubeconfig}\n"
-        f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE}\n"
-        f"  {cp.bin / 'kubectl'} get wr -n {NAMESPACE} -o wide\n"
+        f"  export KUBECONFIG={kubeconfig}\n"
+        f"  {kubectl} get wr -n {NAMESPACE}\n"
+        f"  {kubectl} get wr -n {NAMESPACE} -o wide\n"
         f"  .venv/bin/python -m refit_operator.tools.kubectl_plugin history -n {NAMESPACE}\n"
         f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics\n"
         f"  Prometheus:       {prom_url} (API: {prom_url}/api/v1/query?query=refit_refits_total)\n"
         f"  logs and state:   {state}\n"
+        "\nThe fleet, for a trainer of your own (RefitClient, RefitRollout; docs/integrations.md):"
+        "\n"
+        f"  namespace:        {NAMESPACE}\n"
+        f"  pods:             selector {selector}, vLLM port {port}\n"
+        f"  admin token:      Secret {SECRET}, key token (spec.fleet.adminTokenSecretRef)\n"
+        f"  checkpoints:      the pods load only under {model.allowed_root} (A and B are the\n"
+        "                    demo's; a checkpoint of your own goes beside them)\n"
+        "  a refit to checkpoint B, from Python (.venv/bin/python, PYTHONPATH as for the demo):\n"
+        "    from refit_operator.tools.client import RefitClient\n"
+        f'    with RefitClient(namespace="{NAMESPACE}", kubeconfig="{kubeconfig}") as refits:\n'
+        f'        name = refits.submit("{ckpt}", "mine-1", fleet_selector="{selector}",\n'
+        f'                             port={port}, admin_token_secret="{SECRET}")\n'
+        f'        print(refits.wait(name, {REFIT_TIMEOUT:.0f}).get("phase"))\n'
         "Press Ctrl-C to stop everything.\n"
     )
-    out.flush()
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            time.sleep(3600)
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds the ExitStack: everything started is stopped
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
+def arg_parser() -> argparse.ArgumentParser:
+    """The demo's flags (parse_args checks their values)."""
+    p = argparse.ArgumentParser(
+        prog="python -m demo", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--pods", type=int, default=3, help="vLLM servers (default 3, ~3 GB each)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "refit-demo"),
-                   help="where the PNG reports (and the GRPO run's grpo-run.json) go")  # fmt: skip
+                   help="where the PNG reports (and the GRPO run's grpo-run.json) go "
+                   "(default %(default)s)")  # fmt: skip
     p.add_argument("--grpo-steps", type=int, default=8,
                    help="steps of the closing GRPO run (default 8; 0 skips it)")  # fmt: skip
-    p.add_argument("--keep", action="store_true", help="leave everything running until Ctrl-C")
+    p.add_argument("--keep", action="store_true",
+                   help="leave everything running until Ctrl-C and print how to reach it: "
+                   "kubectl, metrics, the fleet's selector, port and admin Secret")  # fmt: skip
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's flags; a bad value exits 2 with argparse's message, before anything starts."""
+    p = arg_parser()
     args = p.parse_args(argv)
     if not 1 <= args.pods <= 8:
         p.error("--pods must be between 1 and 8")
     if args.grpo_steps < 0:
         p.error("--grpo-steps must be 0 or more")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args, sys.stdout)

@@ -1,4 +1,5 @@
-"""docs/api-reference.md from crds/weightrefit.yaml (the single source of the API).
+"""docs/api-reference.md from the WeightRefit CRD (itself generated from core/api.py's models
+by hack/gen_crd.py in the same run).
 
 `make generate` (hack/generate.py) writes it; tests/unit/test_generated.py fails when the
 committed file differs from what `render` makes of the CRD.

@@ -4,11 +4,14 @@
     python -m hack.generate --check   # exit 1 naming every stale file; writes nothing
 
     file                                       made from
-    docs/api-reference.md                      crds/weightrefit.yaml (hack/gen_api_reference.py)
+    crds/weightrefit.yaml                      the models of operator/refit_operator/core/api.py
+                                               (hack/gen_crd.py)
+    docs/api-reference.md                      that CRD (hack/gen_api_reference.py)
     monitoring/dashboards/*.json               hack/gen_dashboards.py (grafana-foundation-sdk)
     charts/refit-operator/files/dashboards/    the same dashboards (Helm reads only files
                                                inside the chart, so the chart carries copies)
-    charts/refit-operator/crds/*.yaml          copies of crds/*.yaml
+    charts/refit-operator/crds/*.yaml          copies of crds/*.yaml (weightrefit.yaml as
+                                               generated in the same run)
     charts/refit-operator/files/alerts.yaml    a copy of monitoring/alerts.yaml
 
 A file in one of those folders that no source makes is stale too (a renamed dashboard, a
@@ -23,11 +26,12 @@ from pathlib import Path
 
 import yaml
 
-from hack import gen_api_reference, gen_dashboards
+from hack import gen_api_reference, gen_crd, gen_dashboards
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = "charts/refit-operator"
 COMMAND = "make generate"
+CRD = "crds/weightrefit.yaml"
 # Folders whose files of this pattern are all generated: one no source makes is stale.
 OWNED = (
     ("monitoring/dashboards", "*.json"),
@@ -40,14 +44,15 @@ def expected(root: Path = REPO) -> dict[str, bytes]:
     """Path (relative to root, POSIX) -> the content that file must have, made from the
     sources under root."""
     out: dict[str, bytes] = {}
-    crds = sorted((root / "crds").glob("*.yaml"))
-    weightrefit = yaml.safe_load((root / "crds" / "weightrefit.yaml").read_text())
-    out["docs/api-reference.md"] = gen_api_reference.render(weightrefit).encode()
+    weightrefit = gen_crd.render()
+    out[CRD] = weightrefit.encode()
+    out["docs/api-reference.md"] = gen_api_reference.render(yaml.safe_load(weightrefit)).encode()
     for name, text in gen_dashboards.rendered().items():
         out[f"monitoring/dashboards/{name}"] = text.encode()
         out[f"{CHART}/files/dashboards/{name}"] = text.encode()
-    for crd in crds:
+    for crd in sorted((root / "crds").glob("*.yaml")):  # any other CRD is copied as it is
         out[f"{CHART}/crds/{crd.name}"] = crd.read_bytes()
+    out[f"{CHART}/{CRD}"] = out[CRD]
     out[f"{CHART}/files/alerts.yaml"] = (root / "monitoring" / "alerts.yaml").read_bytes()
     return out
 

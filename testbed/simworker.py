@@ -55,7 +55,8 @@ LoRA adapters (vLLM 0.32 with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING
     path, parent: the base model); a restart forgets them. ``refit_adapter_check`` verifies
     the directory with refit_worker's own checks and refuses like the real extension
     (PathNotAllowed, CheckpointMissing, ManifestMismatch, ..., AdapterInvalid for a config
-    that is not a PEFT LoRA one).
+    that is not a PEFT LoRA one; AdapterRankTooHigh, AdapterModulesUnknown and
+    AdapterBaseMismatch against max_lora_rank and SIM_LORA_MODULES).
 
 Pause, sleep and wake (vLLM 0.32's engine core, held to a real server by the contract test)
     A pod has vLLM's two switches: the scheduler's pause state and the executor's sleeping
@@ -188,7 +189,7 @@ from refit_worker.checkpoint import (
     write_manifest,
 )
 from refit_worker.contract import ADAPTER_CONFIG_FILE, API_KEY_PREFIXES, needs_admin
-from refit_worker.extension import adapter_config_summary
+from refit_worker.lora_adapter import check_adapter
 from refit_worker.reference import write_reference
 
 SIM_VOCAB = 512
@@ -198,6 +199,13 @@ SIM_WEIGHTS_FILE = "model.safetensors"
 SIM_TENSOR = "sim.weight"
 SIM_ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for an adapter's weights
 SIM_ADAPTER_TARGETS = ("q_proj", "v_proj")  # what testbed/tiny_adapter.py targets
+# The modules a LoRA may target in the simulated model and their (input, output) features, as
+# refit_worker.extension reports a Llama-like model's (packed qkv_proj and gate_up_proj expanded
+# into their parts): make_sim_adapter's matrices fit them.
+SIM_LORA_MODULES = {
+    name: (2, 2)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+}
 # What the simulated model loads: preflight compares a checkpoint with this.
 SIM_PARAMS = {SIM_TENSOR: ExpectedParam(dtype="F32", shape=(2,))}
 SIM_VLLM_VERSION = "0.32.0+sim"
@@ -1225,8 +1233,14 @@ class SimServer:
     ):
         def check(pod: PodState, path: str) -> dict[str, Any]:
             directory, manifest = verify_checkpoint(path, pod.allowed_root)
+            fit = check_adapter(  # the extension's own check, over the simulated engine
+                directory,
+                manifest.tensors,
+                max_rank=pod.max_lora_rank,
+                modules=SIM_LORA_MODULES if pod.max_lora_rank else {},
+            )
             return {  # the keys refit_worker.extension answers with
-                **adapter_config_summary(directory),
+                **fit,
                 "path": str(directory),
                 "files": len(manifest.files),
                 "bytes": sum(f.size for f in manifest.files),

@@ -6,10 +6,11 @@ refit_worker plugin, the admin guard and the worker extension on loopback.
 The tests' fixtures `tiny_model` and `vllm_server` (tests/fixtures/vllm.py) wrap it.
 
 Each server is its own process group, killed at exit whatever happened. While a server
-starts, its progress (elapsed time and the server's own last log line) is printed every
-PROGRESS_EVERY seconds: a slow start is never a failure by itself. A server fails at once,
-with its log tail, when its process exits (an import error, a bad argument) or its port is
-taken; only a server still silent after the start timeout fails for time.
+starts, its progress (elapsed time and the last step the server logged: its last INFO record,
+not its warnings) is printed every PROGRESS_EVERY seconds: a slow start is never a failure by
+itself. A server fails at once, with its log tail, when its process exits (an import error, a
+bad argument) or its port is taken; only a server still silent after the start timeout fails
+for time.
 
 The start timeout is one knob, REFIT_VLLM_START_TIMEOUT (seconds for one server, default
 240), scaled by the number of servers started together (`start_timeout(n)`): on a 2-core
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
@@ -39,6 +41,13 @@ from testbed.tiny_model import TinyModel
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = float(os.environ.get("REFIT_VLLM_START_TIMEOUT", "240"))
 PROGRESS_EVERY = 30.0  # seconds between "still starting" lines, as the control-plane build
+# One record of vLLM's own log format (vllm/logger.py _FORMAT): "(APIServer pid=7) INFO 12-07
+# 03:00:00 [api_server.py:12] message"; the process prefix is absent in older versions.
+VLLM_RECORD = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] (?P<message>.*)$"
+)
+PROGRESS_CHARS = 120  # a progress line's message is cut at its end beyond this
 SERVED_MODEL = "tiny"
 GUARD = "refit_worker.guard.AdminGuard"
 EXTENSION = "refit_worker.extension.RefitWorkerExtension"
@@ -135,11 +144,18 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def last_log_line(path: Path) -> str:
-    """The server's own last non-empty log line ("" before it wrote one)."""
-    for line in reversed(log_tail(path, 20).splitlines()):
-        if line.strip() and not line.startswith("(no log"):
-            return line.strip()[-200:]
+def last_progress(path: Path) -> str:
+    """What the server last said it did: the message of its last INFO record, shortened at
+    its end ("" before it logged one). Warnings are not progress (vLLM advises raising the
+    fd limit on every start, and a line cut to fit looked like a step), nor are tracebacks
+    or other libraries' output: a start that fails prints the whole log tail instead."""
+    for line in reversed(log_tail(path, 400).splitlines()):
+        record = VLLM_RECORD.match(line.strip())
+        if record and record["level"] == "INFO" and record["message"].strip():
+            message = " ".join(record["message"].split())
+            if len(message) > PROGRESS_CHARS:
+                message = message[: PROGRESS_CHARS - 1] + "…"
+            return message
     return ""
 
 
@@ -271,7 +287,7 @@ def wait_healthy(
     every: float = PROGRESS_EVERY,
 ) -> None:
     """Wait for /health. Fails at once if the process exits; says every ``every`` seconds
-    how long it has been starting and what it last logged (``progress``; None: silent)."""
+    how long it has been starting and the last step it logged (``progress``; None: silent)."""
     began = time.monotonic()
     deadline = began + timeout
     next_say = began + every
@@ -288,10 +304,11 @@ def wait_healthy(
             now = time.monotonic()
             if progress is not None and now >= next_say:
                 next_say = now + every
-                last = last_log_line(server.log_path) or "(no output yet)"
+                last = last_progress(server.log_path)
                 progress(
                     f"vLLM {server.host}:{server.port}: still starting ({now - began:.0f} s of "
-                    f"{timeout:.0f} s): {last}"
+                    f"{timeout:.0f} s); "
+                    + (f"last step logged: {last}" if last else "nothing logged yet")
                 )
             time.sleep(0.5)
     raise TimeoutError(

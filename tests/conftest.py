@@ -6,7 +6,7 @@ prometheus  prometheus_bin, promtool, prometheus
 
 Beside them, helpers the tests import (no test module imports another):
 
-refits       a WeightRefit and its pods as plain data for reconcile.decide
+refits       a WeightRefit and its pods as plain data for decision.decide
 checkpoints  a small checkpoint on real files, and the refusal a call must raise
 reload       calls on a real vLLM server: admin requests, refit orders, probe scores
 broadcast    a broadcast refit of a real vLLM server with the test process as the trainer

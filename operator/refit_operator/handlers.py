@@ -10,11 +10,11 @@ from typing import Any
 import kopf
 from refit_worker.contract import API_GROUP
 
+from .controller.reconcile_loop import Engine
 from .core import api
 from .edges import metrics
 from .edges.cluster import FINALIZER
 from .edges.leader import LeadershipLost
-from .engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any
 import kopf
 
 from . import handlers
+from .controller.reconcile_loop import Engine
 from .core import history
 from .edges import cluster, metrics, worker_client
 from .edges.leader import DEFAULT_LEASE_SECONDS, Lease, RenewalThread
-from .engine import Engine
 
 log = logging.getLogger("refit_operator")
 

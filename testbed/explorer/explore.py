@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
+from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import history, times
 from refit_operator.core.api import LEADER_INDEX, LWS_GROUP_LABEL, LWS_INDEX_LABEL
 from refit_operator.core.podflow import CLAIM_ANNOTATION
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
-from refit_operator.engine import Engine
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
 from refit_operator.tools.refit_document import build_refit
 from refit_worker.checkpoint import manifest as checkpoint_manifest

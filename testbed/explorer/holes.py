@@ -119,7 +119,7 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
     # behind it; the index now converges to the refits that exist (RefitIndex.drop_missing).
     "watch_drop": (frozenset({"watch_drop", "refit_delete"}), (1, 90, 97)),
     # A restarted pod's convergence pass refused once was never tried again; every pod's
-    # target now converges it (reconcile.moved_on, the watching Succeeded refit).
+    # target now converges it (decision.moved_on, the watching Succeeded refit).
     "convergence_failed_once": (
         frozenset(
             "history_gc,load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,"

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import groups, times
 from refit_operator.core.api import (
     LEADER_INDEX,
@@ -65,7 +66,6 @@ from refit_operator.core.podflow import (
 )
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Reason
-from refit_operator.engine import Engine
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store
@@ -548,7 +548,7 @@ class Checker:
 
     def _check_rolled_back(self, refit: dict[str, Any]) -> None:
         """RolledBack says, per version, which pods went back to it ("N pods rolled back to
-        V (a, b)"; reconcile._rollback) and which kept what they served: each such pod serves
+        V (a, b)"; decision._rollback) and which kept what they served: each such pod serves
         it, and every pod whose record is this refit's rollback pass, Succeeded, is named
         under its version. A pod changed since the list, restarted since its pass or taken
         up by a newer pass since cannot be blamed on this status."""
@@ -626,7 +626,7 @@ class Checker:
 
     def _check_moved_on(self, refit: dict[str, Any]) -> None:
         """Superseded with PodsMovedOn ("every pod of this refit moved on to X";
-        reconcile._progress): every pod the refit selected in the list the status was
+        decision._progress): every pod the refit selected in the list the status was
         decided from is driven by a newer refit (its record is a newer refit's pass, not a
         rollback to this refit's version), and X is the newest of them. (What happened to
         the pods since is the next tick's to see: it takes back a pod no newer refit answers

@@ -279,7 +279,7 @@ def test_example_fleet_manifests_carry_the_guard_settings() -> None:
     # is then what the operator waits for before a pass (not ContainersReady).
     assert vllm["readinessProbe"]["httpGet"]["path"] == READY_PATH
     assert vllm["startupProbe"]["httpGet"]["path"] == "/health"
-    starting = {"containerStatuses": [{"name": "vllm", "started": False}],
+    starting: dict[str, Any] = {"containerStatuses": [{"name": "vllm", "started": False}],
                 "conditions": [{"type": "ContainersReady", "status": "False"}]}  # fmt: skip
     assert not containers_up_in(pod, starting)
     starting["containerStatuses"][0]["started"] = True

@@ -724,6 +724,8 @@ ADAPTER_INVALID = [
     ("dotdot", _set("spec.adapter.path", "/lora/../etc"), "must not contain a '..' segment"),
     ("name-with-slash", _set("spec.adapter.name", "team/policy"), "spec.adapter.name must be 1-40"),
     ("name-41-chars", _set("spec.adapter.name", "a" * 41), "may not be more than 40"),
+    # the staged-name pattern (<name>@<version>) has a message of its own
+    ("name-staged", _set("spec.adapter.name", "policy@s2"), "must not contain '@'"),
     ("bad-version", _set("spec.adapter.version", "step 2"), "spec.adapter.version must be 1-63"),
 ]  # fmt: skip
 

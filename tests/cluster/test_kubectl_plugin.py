@@ -51,6 +51,8 @@ def kubectl_refit(control_plane: ControlPlane, tmp_path: Path):
 
 @dataclass
 class Addr:
+    """Where a pod with no worker behind it is: all of a SimPod that Fleet.add_pod reads."""
+
     ip: str
 
 
@@ -64,8 +66,8 @@ def test_plan_shows_batches_and_changes_nothing(
     fleet = Fleet(control_plane, namespace)
     try:  # Pod objects only: plan reads them and talks to no worker.
         for i in range(4):
-            fleet.add_pod(f"pod-{i}", Addr(f"127.3.0.{i + 1}"))
-        fleet.add_pod("nogate", Addr("127.3.0.9"), gate=False, labels={"app": "other"})
+            fleet.add_pod(f"pod-{i}", Addr(f"127.3.0.{i + 1}"))  # type: ignore[arg-type]
+        fleet.add_pod("nogate", Addr("127.3.0.9"), gate=False, labels={"app": "other"})  # type: ignore[arg-type]
     finally:
         fleet.close()
     manifest = tmp_path / "wr.yaml"

@@ -18,7 +18,7 @@ from testbed.fleet import LABELS, make_checkpoints
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 END = {"Succeeded", "Failed", "Halted", "RolledBack"}
-GROUPS = {"groups": {}}  # spec.fleet.groups with LeaderWorkerSet's labels
+GROUPS: dict[str, Any] = {"groups": {}}  # spec.fleet.groups with LeaderWorkerSet's labels
 
 
 def add_group(fleet: Any, sims: list[Any], key: str, indices: list[int]) -> None:

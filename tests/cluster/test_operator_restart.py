@@ -64,7 +64,8 @@ def test_ha_standby_takes_over_mid_refit(harness, sim_fleet, tmp_path):
     standby = op.start()
     time.sleep(2.0)
     lease = k8s.CoordinationV1Api(fleet.api).read_namespaced_lease("refit-operator", fleet.ns)
-    assert lease.spec.holder_identity.startswith("op0-")
+    holder = lease.spec.holder_identity if lease.spec else None
+    assert holder is not None and holder.startswith("op0-"), holder
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
     fleet.wait_serving(sims[0], "refit_load")
     op.kill(leader)

@@ -76,7 +76,7 @@ def test_pods_serve_while_staging_and_the_next_batch_stages_ahead(harness, sim_f
     assert [_answered(s, "refit_stage") for s in sims] == [2, 3, 3]
     for i in (1, 2):
         record = fleet.progress(fleet.pod(f"pod-{i}"))
-        assert record["step_seconds"]["stage"] < 1.0, record
+        assert record is not None and record["step_seconds"]["stage"] < 1.0, record
 
 
 def test_the_drain_pauses_drain_delay_seconds_after_the_pod_left_traffic(
@@ -131,7 +131,7 @@ def test_checkpoint_changed_after_staging_is_refused_and_the_pod_serves_v1_again
     assert cond["status"] == "True" and cond["reason"] == "PreviousWeights", cond
     assert "CheckpointChanged" in cond["message"]
     record = fleet.progress(fleet.pod("pod-1"))
-    assert record["restored"] and record["serving"] == "v1"
+    assert record is not None and record["restored"] and record["serving"] == "v1"
     calls = [c["step"] for c in sims[1].call_log()]
     after = calls[len(calls) - calls[::-1].index("refit_load") :]
     restore = ["wake_up", "reset_prefix_cache", "resume", "weight_info", "refit_ready"]
@@ -168,7 +168,7 @@ def test_a_refusal_after_a_load_that_may_have_touched_the_model_never_restores(
     cond = _condition(fleet, "pod-1")
     assert cond["status"] == "False" and cond["reason"] == "CheckpointChanged", cond
     record = fleet.progress(fleet.pod("pod-1"))
-    assert record["touched"] and not record["restored"], record
+    assert record is not None and record["touched"] and not record["restored"], record
     assert "resume" not in [c["step"] for c in sims[1].call_log()][-4:]  # never unpaused
     assert fleet.ready(fleet.pod("pod-0")) is True
 
@@ -231,7 +231,7 @@ def test_the_drain_waits_for_the_kubelet_to_take_the_pod_out_of_endpoints(
     # The drain's pause, and wakeKV's abort of what queued since (steps._abort_late_arrivals).
     assert [c["step"] for c in sims[0].call_log()].count("pause") == paused + 2
     record = fleet.progress(fleet.pod("pod-0"))
-    assert record["finished"] - record["left_traffic"] >= 2.0, record
+    assert record is not None and record["finished"] - record["left_traffic"] >= 2.0, record
     assert record["finished"] > caught_up
 
 

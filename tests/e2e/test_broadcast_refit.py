@@ -75,16 +75,17 @@ def fleet(
     """The two pods in the test's namespace, serving A after a checkpoint refit."""
     fl, op = harness
     leases = k8s.CoordinationV1Api(fl.api)
-    leases.create_namespaced_lease(
-        fl.ns, {"metadata": {"name": LEASE}, "spec": {"leaseTransitions": _epoch["high"]}}
-    )
+    lease = {"metadata": {"name": LEASE}, "spec": {"leaseTransitions": _epoch["high"]}}
+    leases.create_namespaced_lease(fl.ns, lease)  # type: ignore[arg-type]  # serialized as is
     fl.add_server_pods(PODS, servers)
     op.start()
     st = fl.refit_server_pods(op, "to-a", "A", tiny_model.checkpoints["A"], servers[0].port,
                               timeout=180)  # fmt: skip
     assert st["phase"] == "Succeeded", (st, op.logs())
     yield fl, op
-    reached = leases.read_namespaced_lease(LEASE, fl.ns).spec.lease_transitions or 0
+    spec = leases.read_namespaced_lease(LEASE, fl.ns).spec
+    assert spec is not None
+    reached = spec.lease_transitions or 0
     _epoch["high"] = max(_epoch["high"], reached)
 
 

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from refit_operator.core import admission, history, podflow
 from refit_operator.core.admission import PreflightResult
 from refit_operator.core.api import WeightRefitSpec
+from refit_operator.core.decision import decide
 from refit_operator.core.index import RefitIndex
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Reason
-from refit_operator.core.reconcile import decide
 from refit_worker.contract import RefitInfo
 
 from tests.fixtures.refits import NOW, done, info, observe, pod, refit, spec

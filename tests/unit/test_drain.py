@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from refit_operator import steps
+from refit_operator.controller import steps
+from refit_operator.controller.pass_context import StepFailed
 from refit_operator.core import podflow
 from refit_operator.core.api import Sequence
 from refit_operator.core.podflow import Step
 from refit_operator.edges.leader import LeadershipLost
 from refit_operator.edges.worker_client import WorkerClient, session
-from refit_operator.pass_context import StepFailed
 
 from testbed.simfleet import SimPod
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
+from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api import WeightRefitStatus
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
-from refit_operator.engine import Engine
 from refit_operator.tools.refit_document import build_refit
 
 from testbed.explorer.explore import ROOT, VERSIONS

@@ -6,6 +6,7 @@ same table. Plain data, no server."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from refit_operator.core import podflow
@@ -51,11 +52,13 @@ STAGING_REFUSED = replace(
 A = adapter(B)
 
 
-def unit(base_rec: Progress | None, adapters: dict[str, Progress] | None = None, **over: object):
+def unit(
+    base_rec: Progress | None, adapters: dict[str, Progress] | None = None, **over: Any
+) -> PodView:
     return pod("p0", base_rec, adapter_records=adapters or {}, **over)
 
 
-GROUP = dict(members=("p0-1",), incarnation="f1")
+GROUP: dict[str, Any] = {"members": ("p0-1",), "incarnation": "f1"}
 
 
 def grouped(p: Progress) -> Progress:

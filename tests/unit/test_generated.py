@@ -1,6 +1,6 @@
-"""Every generated or copied file (API reference, dashboards, the chart's copies of the CRDs,
-the dashboards and the alert rules) is what `make generate` (hack/generate.py) makes of its
-source: a stale one fails here, by name."""
+"""Every generated or copied file (the CRD from the models of core/api.py, API reference,
+dashboards, the chart's copies of the CRDs, the dashboards and the alert rules) is what
+`make generate` (hack/generate.py) makes of its source: a stale one fails here, by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hack import generate
+from hack import gen_crd, generate
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = generate.CHART
@@ -22,6 +22,7 @@ def test_every_generated_file_is_current() -> None:
 
 def test_the_generated_files_are_these() -> None:
     assert set(generate.expected(REPO)) == {
+        "crds/weightrefit.yaml",
         "docs/api-reference.md",
         "monitoring/dashboards/reload-health.json",
         f"{CHART}/files/dashboards/reload-health.json",
@@ -31,9 +32,9 @@ def test_the_generated_files_are_these() -> None:
 
 
 def test_generate_fixes_what_check_names(tmp_path: Path) -> None:
-    """From the sources alone, generate writes everything; then a changed copy, a stale
-    dashboard and a file no source makes are each named, and generate puts them right."""
-    shutil.copytree(REPO / "crds", tmp_path / "crds")
+    """From the sources alone (the CRD from the models), generate writes everything; then a
+    changed copy, a stale dashboard and a file no source makes are each named, and generate
+    puts them right."""
     (tmp_path / "monitoring").mkdir()
     shutil.copy(REPO / "monitoring" / "alerts.yaml", tmp_path / "monitoring" / "alerts.yaml")
     made = set(generate.expected(tmp_path))
@@ -60,3 +61,11 @@ def test_generate_fixes_what_check_names(tmp_path: Path) -> None:
     assert generate.stale(tmp_path) == []
     assert not (tmp_path / CHART / "crds" / "removed.yaml").exists()
     assert (tmp_path / CHART / "files" / "alerts.yaml").read_text() == "groups: []\n"
+
+
+def test_the_committed_crd_is_what_the_models_make() -> None:
+    """crds/weightrefit.yaml is generated from core/api.py: an edit to either alone fails here
+    (edit the models, then `make generate`)."""
+    committed = (REPO / generate.CRD).read_text()
+    assert committed == gen_crd.render(), f"stale: {generate.CRD}; run: {generate.COMMAND}"
+    assert (REPO / CHART / generate.CRD).read_text() == committed

@@ -4,12 +4,14 @@ leader (or a pod of no group) is refused before any pod is called."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from refit_operator.core.admission import PreflightResult, fleet_problem
 from refit_operator.core.api import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups, WeightRefitStatus
+from refit_operator.core.decision import Decision, decide
 from refit_operator.core.groups import units
 from refit_operator.core.podflow import Progress
 from refit_operator.core.podview import PodView
-from refit_operator.core.reconcile import Decision, decide
 
 from tests.fixtures.refits import done, observe, pod, refit, spec
 
@@ -17,7 +19,7 @@ LWS = Groups()
 FLEET_WITH_GROUPS = {"selector": {"matchLabels": {"app": "rollout"}}, "groups": {}}
 
 
-def member(name: str, group: str, index: int, **over: object) -> PodView:
+def member(name: str, group: str, index: int, **over: Any) -> PodView:
     labels = {"app": "rollout", LWS_GROUP_LABEL: group, LWS_INDEX_LABEL: str(index)}
     return pod(name, labels=labels, **over)
 

@@ -12,7 +12,7 @@ FLEET = "rl/app=rollout"
 
 def wr(
     step: int,
-    phase: str = "Succeeded",
+    phase: api.Phase = "Succeeded",
     *,
     fleet: str = FLEET,
     completed: float | None = NOW - 3600,
@@ -180,7 +180,7 @@ def test_ttl_and_limit_together() -> None:
     "phase",
     sorted(set(api.Phase.__args__) - api.TERMINAL_PHASES),  # type: ignore[attr-defined]
 )
-def test_active_refits_are_never_deleted(phase: str) -> None:
+def test_active_refits_are_never_deleted(phase: api.Phase) -> None:
     refits = [
         wr(1, phase, completed=None, ttl=0),
         wr(2, phase, completed=NOW - 10_000, ttl=0),  # a stale completionTime changes nothing
@@ -292,7 +292,7 @@ def test_a_selector_that_varies_from_step_to_step_keeps_a_bounded_history() -> N
     policy = Policy(history_limit=3)
     alive: list[Finished] = []
     for step in range(1, 501):
-        phase = "Failed" if step % 5 == 0 else "Succeeded"
+        phase: api.Phase = "Failed" if step % 5 == 0 else "Succeeded"
         alive.append(wr(step, phase, fleet=f"rl/app=rollout,step notin (x{step})", pods=POD_FLEET))
         doomed = set(to_delete(alive, policy, NOW))
         alive = [r for r in alive if r.name not in doomed]

@@ -170,7 +170,7 @@ def test_a_refit_without_a_stamp_gets_one_at_first_sight_and_keeps_it() -> None:
 
 def test_collection_groups_refits_by_the_pods_they_select_not_by_selector_text() -> None:
     pods = [pod("p0", app="r", tier="g"), pod("p1", app="r", tier="g")]
-    selectors = [
+    selectors: list[dict[str, Any]] = [
         {"matchLabels": {"app": "r"}},
         {"matchLabels": {"tier": "g"}},
         {"matchExpressions": [{"key": "app", "operator": "In", "values": ["r", "x"]}]},

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from refit_operator.core import api
+from refit_operator.core.decision import RefitView
 from refit_operator.core.podflow import ADAPTER_PROGRESS_PREFIX, PROGRESS_ANNOTATION
-from refit_operator.core.reconcile import RefitView
 from refit_operator.core.views import (
     describe,
     history_rows,
@@ -235,7 +235,7 @@ def broadcast_doc(version: str = "v9") -> dict:
 def test_every_view_names_a_broadcast_refits_version_and_source():
     doc = broadcast_doc()
     assert describe(doc, [pod("a")]).splitlines()[0].startswith("WeightRefit ns/wr: v9 ")
-    assert "v9" in " ".join(" ".join(r) for r in history_rows([doc]))
+    assert "v9" in " ".join(" ".join(map(str, r)) for r in history_rows([doc]))
     text = plan_report(doc, [pod("a")], [])
     assert "v9 from a refit-gloo broadcast by the trainer at 10.0.0.5:29500" in text
 
@@ -259,7 +259,7 @@ def test_status_and_plan_show_a_pod_group_as_one_unit_named_by_its_leader():
             p["metadata"]["labels"] = {LWS_GROUP_LABEL: key, LWS_INDEX_LABEL: str(index)}
             pods.append(p)
     pods[1]["status"]["conditions"][0]["status"] = "False"  # g1's follower out of traffic
-    rows = {r[0]: r for r in pod_rows(doc, pods)}
+    rows = {str(r[0]): r for r in pod_rows(doc, pods)}
     assert sorted(rows) == ["g1-0", "g2-0"]
     assert (rows["g1-0"][1], rows["g1-0"][4]) == ("Succeeded", "no")
     assert rows["g2-0"][4] == "yes"

@@ -3,8 +3,9 @@ import-linter's contracts read: each test below is one contract.
 
     refit_operator.tools        what users import: the trainer client, kubectl refit, reports,
                                 framework integrations
-    refit_operator (top level)  the controller: the engine's ticks, the per-pod runner, the
-                                broadcast rounds, the kopf glue and the entry point
+    refit_operator.controller   the controller: the reconcile loop, the per-pod pass and its
+                                steps, the preflight, the broadcast rounds; beside it at the top
+                                level the kopf glue (handlers) and the entry point (main)
     refit_operator.edges        thin I/O edges: the Kubernetes API, the pods' HTTP, the Lease,
                                 the Prometheus metrics
     refit_operator.core         the pure core: plain data in, decisions out
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator" / "refit_operator"
 WORKER = ROOT / "worker_image" / "refit_worker"
 
-CONTROLLER = "refit_operator"  # the top-level modules
+CONTROLLER = "refit_operator"  # controller/ and the top-level glue (handlers, main)
 # Lowest first: a layer may import the layers before it in this tuple.
 LAYERS = ("refit_operator.core", "refit_operator.edges", CONTROLLER, "refit_operator.tools")
 INDEPENDENT = (CONTROLLER, "refit_operator.tools")
@@ -194,23 +195,14 @@ def layer_of(module: str) -> str:
     return CONTROLLER
 
 
-def test_the_top_level_holds_only_the_controller() -> None:
+def test_the_top_level_holds_only_the_glue() -> None:
     top = {p.stem for p in OPERATOR.glob("*.py")} - {"__init__"}
-    assert top == {
-        "engine",
-        "preflight",
-        "refit_state",
-        "runner",
-        "steps",
-        "pass_context",
-        "rounds",
-        "handlers",
-        "main",
-    }, (  # fmt: skip
-        "a new module goes in core/ (pure), edges/ (I/O) or tools/ (what users import)"
+    assert top == {"handlers", "main"}, (
+        "a new module goes in core/ (pure), edges/ (I/O), controller/ (the reconcile loop and "
+        "the per-pod pass) or tools/ (what users import)"
     )
     folders = {p.name for p in OPERATOR.iterdir() if (p / "__init__.py").is_file()}
-    assert folders == {"core", "edges", "tools"}
+    assert folders == {"controller", "core", "edges", "tools"}
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
@@ -240,10 +232,11 @@ def test_contract_tools_and_controller_are_independent() -> None:
 def test_the_contracts_see_a_violation() -> None:
     assert layer_of("refit_operator.tools.integrations.trl") == "refit_operator.tools"
     graph = {"refit_operator.core.plan": {"refit_operator.edges.cluster"},
-             "refit_operator.tools.client": {"refit_operator.rounds", "refit_operator.core"},
-             "refit_operator.engine": {"refit_operator.core.plan"}}  # fmt: skip
+             "refit_operator.tools.client": {"refit_operator.controller.rounds",
+                                             "refit_operator.core"},
+             "refit_operator.controller.reconcile_loop": {"refit_operator.core.plan"}}  # fmt: skip
     assert upward(graph) == ["refit_operator.core.plan -> refit_operator.edges.cluster"]
-    assert crossing(graph) == ["refit_operator.tools.client -> refit_operator.rounds"]
+    assert crossing(graph) == ["refit_operator.tools.client -> refit_operator.controller.rounds"]
 
 
 def test_contract_the_core_imports_no_io() -> None:

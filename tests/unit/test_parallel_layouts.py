@@ -18,7 +18,7 @@ from refit_operator.core.admission import (
     world_size_problem,
 )
 from refit_operator.core.api import WeightRefitStatus
-from refit_operator.core.reconcile import decide
+from refit_operator.core.decision import decide
 from refit_worker.contract import ContractError, RefitInfo
 
 from tests.fixtures.refits import info, observe, pod, refit, spec

@@ -13,9 +13,9 @@ def test_all_at_once_starts_everyone():
 
 
 def test_rolling_respects_max_unavailable_int_and_percent():
-    s = {f"p{i}": "todo" for i in range(10)}
-    assert len(plan.next_pods(s, Strategy(type="Rolling", max_unavailable=2))) == 2  # type: ignore[arg-type]
-    assert len(plan.next_pods(s, Strategy(type="Rolling", max_unavailable="30%"))) == 3  # type: ignore[arg-type]
+    s: dict[str, plan.PodState] = {f"p{i}": "todo" for i in range(10)}
+    assert len(plan.next_pods(s, Strategy(type="Rolling", max_unavailable=2))) == 2
+    assert len(plan.next_pods(s, Strategy(type="Rolling", max_unavailable="30%"))) == 3
     s2 = states(a="active", b="todo", c="todo")
     assert plan.next_pods(s2, Strategy(type="Rolling", max_unavailable=1)) == []
     assert plan.next_pods(s2, Strategy(type="Rolling", max_unavailable="1%")) == []
@@ -35,19 +35,19 @@ def test_canary_first_then_rest():
 
 
 def test_rolling_stages_the_next_batch_ahead():
-    rolling = Strategy(type="Rolling", max_unavailable=2)  # type: ignore[arg-type]
-    s = {f"p{i}": "todo" for i in range(7)}
+    rolling = Strategy(type="Rolling", max_unavailable=2)
+    s: dict[str, plan.PodState] = {f"p{i}": "todo" for i in range(7)}
     starts = plan.next_pods(s, rolling)
     assert starts == ["p0", "p1"]
     assert plan.stage_ahead(s, rolling, starts) == ["p2", "p3"]
     # While a batch is out of traffic, the next one stages; the last batch may be short.
-    s2 = {**s, "p0": "passed", "p1": "passed", "p2": "active", "p3": "active", "p4": "passed"}
+    s2 = {**s, **states(p0="passed", p1="passed", p2="active", p3="active", p4="passed")}
     assert plan.next_pods(s2, rolling) == []
     assert plan.stage_ahead(s2, rolling, []) == ["p5", "p6"]
     # Nothing to stage ahead: AllAtOnce starts every pod (each stages before its drain), and
     # a failed canary stops the rollout.
     assert plan.stage_ahead(s, Strategy(), plan.next_pods(s, Strategy())) == []
-    canary = Strategy(type="Rolling", max_unavailable=1, canary=1)  # type: ignore[arg-type]
+    canary = Strategy(type="Rolling", max_unavailable=1, canary=1)
     assert plan.stage_ahead(states(a="failed", b="todo"), canary, []) == []
     # During the canary only the canaries are eligible: the rest waits for its verdict.
     assert plan.stage_ahead(states(a="active", b="todo"), canary, []) == []

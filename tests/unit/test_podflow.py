@@ -13,6 +13,20 @@ def fresh() -> Progress:
     return podflow.start("wr", "uid-1", "v2", "/ckpt/v2", now=100.0, restarts=3)
 
 
+def parsed(annotation: str) -> Progress:
+    """A record that must read back (from_annotation reads an unreadable one as None)."""
+    p = Progress.from_annotation(annotation)
+    assert p is not None, annotation
+    return p
+
+
+def readiness_of(p: Progress) -> podflow.Readiness:
+    """The readiness a pass sets (None only where the pass leaves the condition as it is)."""
+    r = podflow.readiness(p)
+    assert r is not None, p
+    return r
+
+
 def test_steps_in_the_documented_order():
     assert STEPS == (
         "stage", "drain", "sleep", "wakeWeights", "load", "receive", "wakeKV", "resetCache",
@@ -141,7 +155,7 @@ def test_a_checkpoint_loads_and_a_broadcast_receives():
     assert STEPS.index(Step.receive) == STEPS.index(Step.load) + 1
 
 
-def _recorded(p: Progress, now: float) -> tuple[list[str], Progress]:
+def _recorded(p: Progress, now: float) -> tuple[list[Step], Progress]:
     """Walk every step: the steps whose completion is recorded, and the pass at the end."""
     recorded = []
     for step in STEPS:
@@ -180,7 +194,7 @@ def test_readiness_follows_the_pass():
     assert podflow.readiness(p) == podflow.Readiness(False, "Refitting", "refit to v2 in progress")
     for step in STEPS[:-1]:
         p = podflow.step_done(p, step, 0.1, 1.0)
-        assert not podflow.readiness(p).ready
+        assert not readiness_of(p).ready
     done = podflow.step_done(p, Step.ready, 0.1, 1.0)
     assert podflow.readiness(done) == podflow.Readiness(True, "ProbePassed", "weights v2 probed")
     failed = podflow.probe_judged(p, ProbeOutcome("Fail", "NllDrift", "nll 9.1 vs 2.0"), 3.0)
@@ -265,7 +279,7 @@ def test_a_serving_pod_stays_in_traffic_while_staging_only():
     # How the worker staged it goes into the pod's condition: over the budget, it says so.
     note = "12.0 GB exceeds the staging budget 8.0 GiB: the load reads the files again"
     disk = podflow.step_done(replace(p, staging=note), Step.stage, 4.0, 104.0)
-    assert podflow.readiness(disk).message == f"refit to v2 in progress; {note}"
+    assert readiness_of(disk).message == f"refit to v2 in progress; {note}"
     # A retried stage keeps the pod in traffic; a refused one leaves it there, untouched.
     retry = podflow.step_failed(p, Step.stage, "StageTimeout", "slow", now=101.0, retries=3)
     assert retry.in_traffic and podflow.readiness(retry) is None
@@ -295,7 +309,7 @@ def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
         back.step == podflow.RESTORE and back.outcome == "" and back.reason == "CheckpointChanged"
     )
     assert podflow.next_action(back, 111.0) == RunStep(podflow.RESTORE)
-    assert podflow.readiness(back).ready is False  # out of traffic until restored
+    assert readiness_of(back).ready is False  # out of traffic until restored
     done = podflow.restored(back, 112.0)
     assert done.outcome == "Failed" and done.restored and done.in_traffic
     ready = podflow.readiness(done)
@@ -305,14 +319,14 @@ def test_a_load_refused_before_the_model_was_touched_restores_the_pod():
     # A restore that fails ends the pass with the pod out of traffic (fail closed).
     lost = podflow.step_failed(back, podflow.RESTORE, "CheckpointChanged", "x", 112.0, retries=3,
                                final=True)  # fmt: skip
-    assert lost.outcome == "Failed" and not lost.restored and podflow.readiness(lost).ready is False
+    assert lost.outcome == "Failed" and not lost.restored and readiness_of(lost).ready is False
 
 
 def test_no_restore_after_the_model_was_touched_or_without_served_weights():
     p = _at_load(serving_pass())
     touched = podflow.step_failed(p, Step.load, "LoadFailed", "boom", 111.0, retries=0)
     assert touched.outcome == "Failed" and not touched.restored
-    assert podflow.readiness(touched).ready is False
+    assert readiness_of(touched).ready is False
     unserved = podflow.step_failed(_at_load(fresh()), Step.load, "CheckpointChanged", "x", 111.0,
                                    retries=3)  # fmt: skip
     assert unserved.outcome == "Failed" and unserved.step == Step.load
@@ -379,7 +393,7 @@ def test_a_receive_refused_before_the_model_was_touched_restores_the_pod():
                                    final=True)  # fmt: skip
         assert back.step == podflow.RESTORE and back.outcome == "", reason
         done = podflow.restored(back, 112.0)
-        assert done.restored and podflow.readiness(done).reason == "PreviousWeights", reason
+        assert done.restored and readiness_of(done).reason == "PreviousWeights", reason
 
 
 def test_a_receive_that_may_have_touched_the_model_fails_closed():
@@ -387,7 +401,7 @@ def test_a_receive_that_may_have_touched_the_model_fails_closed():
         p = podflow.step_failed(broadcast_pass(), Step.receive, reason, "x", 111.0, retries=3,
                                 final=True)  # fmt: skip
         assert p.outcome == "Failed" and p.step == Step.receive and not p.restored, reason
-        assert podflow.readiness(p).ready is False
+        assert readiness_of(p).ready is False
     # Without weights it served with a passed probe there is nothing to go back to.
     p = podflow.step_failed(broadcast_pass(serving=""), Step.receive, "TransferFailed", "x", 111.0,
                             retries=3, final=True)  # fmt: skip
@@ -421,8 +435,7 @@ def _tries(p: Progress, reasons: list[str], *, retries: int, restart: bool) -> P
         if p.finished_pass or p.step == podflow.RESTORE:
             break
         assert podflow.must_record(_at_load(serving_pass()), p)  # the fact is on the pod
-        p = Progress.from_annotation(p.to_annotation())
-        assert p is not None
+        p = parsed(p.to_annotation())
         if restart:
             p = podflow.resumed(p)
     return p
@@ -456,17 +469,17 @@ def test_every_order_of_load_failures_keeps_an_untouched_restore_only():
                 p = _tries(_at_load(serving_pass()), list(reasons), retries=2, restart=restart)
                 if reasons[0] in UNTOUCHED:
                     assert p.step == podflow.RESTORE and not p.touched, reasons
-                    assert podflow.readiness(podflow.restored(p, 120.0)).ready
+                    assert readiness_of(podflow.restored(p, 120.0)).ready
                 else:
                     assert p.touched and p.step != podflow.RESTORE, reasons
-                    assert podflow.readiness(p).ready is False, reasons
+                    assert readiness_of(p).ready is False, reasons
 
 
 def test_a_pass_resumed_past_its_stage_counts_the_model_as_touched():
     staged = podflow.step_done(serving_pass(), Step.stage, 1.0, 104.0)
     for p in (staged, _at_load(serving_pass())):
         # The last operator may have been inside the load when it stopped.
-        back = podflow.resumed(Progress.from_annotation(p.to_annotation()))
+        back = podflow.resumed(parsed(p.to_annotation()))
         assert back.touched
         refused = podflow.step_failed(back if back.step == Step.load else _at_load_from(back),
                                       Step.load, "CheckpointChanged", "x", 120.0, retries=2,
@@ -492,7 +505,7 @@ def _at_load_from(p: Progress) -> Progress:
 def test_a_receive_after_a_try_that_may_have_touched_the_model_never_restores():
     p = podflow.resumed(broadcast_pass())  # a restart while the receive was running
     p = podflow.step_failed(p, Step.receive, "TransferMismatch", "x", 111.0, retries=3, final=True)
-    assert p.outcome == "Failed" and not p.restored and podflow.readiness(p).ready is False
+    assert p.outcome == "Failed" and not p.restored and readiness_of(p).ready is False
 
 
 def _at_ready(p: Progress) -> Progress:
@@ -507,11 +520,11 @@ def test_a_pass_resumed_at_its_vouch_vouches_only_for_the_process_it_probed():
     now. A record that names the probed process keeps it (the vouch carries it and a
     restarted container refuses); one that names none is probed again."""
     named = replace(_at_ready(serving_pass()), process="proc-1")
-    back = podflow.resumed(Progress.from_annotation(named.to_annotation()))
+    back = podflow.resumed(parsed(named.to_annotation()))
     assert (back.step, back.process) == (Step.ready, "proc-1")
-    unnamed = podflow.resumed(Progress.from_annotation(_at_ready(serving_pass()).to_annotation()))
+    unnamed = podflow.resumed(parsed(_at_ready(serving_pass()).to_annotation()))
     assert unnamed.step == Step.probe and unnamed.touched and unnamed.attempts == 0
     # A record written before records named the process reads as naming none.
     doc = json.loads(_at_ready(serving_pass()).to_annotation())
     del doc["process"]
-    assert Progress.from_annotation(json.dumps(doc)).process == ""
+    assert parsed(json.dumps(doc)).process == ""

@@ -1,6 +1,7 @@
-"""reconcile.decide driven with plain data: a fleet of pods through a whole refit."""
+"""decision.decide driven with plain data: a fleet of pods through a whole refit."""
 
 from dataclasses import replace
+from typing import Any
 
 from refit_operator.core import podflow
 from refit_operator.core.admission import (
@@ -10,10 +11,10 @@ from refit_operator.core.admission import (
     reference_scorers,
 )
 from refit_operator.core.api import LabelSelector, PodProbe, Previous, WeightRefitStatus
+from refit_operator.core.decision import decide
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Problem
-from refit_operator.core.reconcile import decide
 
 from tests.fixtures.refits import CREATED, NOW, STARTED, done, info, observe, pod, refit, spec
 
@@ -76,14 +77,14 @@ def test_what_the_pod_objects_say_is_judged_before_any_pod_answered():
                            (pod("p9", ip=""), "PodNotRunning")):  # fmt: skip
         assert not flawed.vetted and all(p.vetted for p in fit)
         pods = [*fit, flawed]
-        assert fleet_problem(pods) is not None and fleet_problem(pods).reason == reason
+        assert (problem := fleet_problem(pods)) is not None and problem.reason == reason
         # Nothing asked (no infos, no secret read): still that reason, for that pod.
         d = decide(observe(refit(s, st), pods, preflight=PreflightResult()))
         assert d.status.phase == "Failed" and d.start == []
         assert d.status.message.startswith("pod p9"), d.status.message
         assert next(c for c in d.status.conditions if c.type == "Ready").reason == reason
     assert fleet_problem(fit) is None
-    assert fleet_problem([]).reason == "NoPodsSelected"
+    assert (empty := fleet_problem([])) is not None and empty.reason == "NoPodsSelected"
 
 
 def test_staging_ahead_asks_only_vetted_pods():
@@ -261,7 +262,7 @@ def test_a_restarted_pod_in_traffic_is_withdrawn_at_once():
 
 
 def test_containers_up_is_read_from_the_pod_status():
-    doc = {
+    doc: dict[str, Any] = {
         "metadata": {"name": "p", "uid": "u"},
         "spec": {},
         "status": {"phase": "Running", "podIP": "10.0.0.2",
@@ -277,7 +278,7 @@ def test_containers_up_is_read_from_the_pod_status():
 def test_with_the_refit_readiness_probe_a_pod_is_up_once_its_containers_started():
     """/refit/ready keeps ContainersReady False until a pass stamps the weights: waiting for it
     would wait forever (the pass is what stamps). Started (the startupProbe passed) it is."""
-    doc = {
+    doc: dict[str, Any] = {
         "metadata": {"name": "p", "uid": "u"},
         "spec": {"containers": [
             {"name": "vllm", "readinessProbe": {"httpGet": {"path": "/refit/ready/"}}},

@@ -1,4 +1,4 @@
-"""reconcile.decide for a broadcast refit (spec.broadcast): status.broadcast and the
+"""decision.decide for a broadcast refit (spec.broadcast): status.broadcast and the
 ReceiversReady condition the trainer waits for, and what a broadcast does not do (stage
 ahead, converge pods that join later)."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from refit_operator.core import podflow
 from refit_operator.core.api import BroadcastRound, Condition, WeightRefitSpec, WeightRefitStatus
+from refit_operator.core.decision import Decision, decide
 from refit_operator.core.plan import RefitRef
-from refit_operator.core.reconcile import Decision, decide
 from refit_operator.core.status import RECEIVERS_READY
 from refit_operator.core.times import rfc3339
 
@@ -76,7 +76,7 @@ def test_joining_round_is_shown_and_not_ready() -> None:
 
 def test_a_ready_or_sending_round_tells_the_trainer_where_and_how_many() -> None:
     for state in ("Ready", "Sending"):
-        r = BroadcastRound(round=2, world_size=3, receivers=2, state=state)  # type: ignore[arg-type]
+        r = BroadcastRound(round=2, world_size=3, receivers=2, state=state)
         d = progressing(r)
         assert d.status.broadcast == r
         c = receivers_ready(d)

@@ -18,7 +18,7 @@ import pytest
 from refit_operator.core import podflow
 from refit_operator.core.admission import PreflightResult, admission_problem
 from refit_operator.core.api import WeightRefitStatus
-from refit_operator.core.reconcile import decide
+from refit_operator.core.decision import decide
 from refit_worker.contract import RefitInfo
 
 from tests.fixtures.refits import info, observe, pod, refit, spec

@@ -1,4 +1,4 @@
-"""Each pod has one target: the newest Succeeded refit that selects it now. reconcile.decide
+"""Each pod has one target: the newest Succeeded refit that selects it now. decision.decide
 driven with plain data through what changes a pod's target: its labels, a newer refit that
 halts or is deleted, a container restart; and rollbacks that take each pod back to the
 checkpoint that pod served (docs/concepts.md, "Convergence" and "Rollback")."""
@@ -9,14 +9,15 @@ from refit_operator.core import podflow
 from refit_operator.core.api import (
     Condition,
     LabelSelector,
+    Phase,
     PodProbe,
     Previous,
     WeightRefitSpec,
     WeightRefitStatus,
 )
+from refit_operator.core.decision import Observed, RefitView, decide, foreign, rollback_targets
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.podview import PodView
-from refit_operator.core.reconcile import Observed, RefitView, decide, foreign, rollback_targets
 
 NOW = 1_800_000_000.0
 OLD, NEW, NEWEST = "2026-11-01T00:00:00Z", "2026-11-02T00:00:00Z", "2026-11-03T00:00:00Z"
@@ -42,7 +43,7 @@ def refit(name: str, created: str, s: WeightRefitSpec, st: WeightRefitStatus) ->
     return RefitView(name, f"uid-{name}", 1, created, s, st)
 
 
-def ref(r: RefitView, phase: str | None = None) -> RefitRef:
+def ref(r: RefitView, phase: Phase | None = None) -> RefitRef:
     return RefitRef(r.name, r.created, phase or r.status.phase, selector=r.spec.fleet.selector)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from refit_operator.controller.rounds import Rounds, TrainerTimeout, rank_problem
 from refit_operator.core.api import SENDING_ANNOTATION, BroadcastRound
-from refit_operator.rounds import Rounds, TrainerTimeout, rank_problem
 
 WAIT = 5.0  # seconds a join may wait in these tests: never reached unless a test fails
 
@@ -26,6 +26,13 @@ async def settle() -> None:
     """Let every task that can run, run."""
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+def shown(rounds: Rounds) -> BroadcastRound:
+    """The round the status shows: there is one once a round was opened."""
+    view = rounds.view()
+    assert view is not None
+    return view
 
 
 def joining(rounds: Rounds, *pods: str, seconds: float = WAIT) -> dict[str, asyncio.Task]:
@@ -68,7 +75,7 @@ async def test_a_member_that_leaves_before_joining_shrinks_the_round() -> None:
     rounds.open(["a", "b", "c"])
     tasks = joining(rounds, "a", "c")
     await settle()
-    assert rounds.view().state == "Joining"
+    assert shown(rounds).state == "Joining"
     rounds.leave("b")  # its pass failed before the receive
     await settle()
     assert rounds.view() == BroadcastRound(round=1, world_size=3, receivers=2, state="Ready")
@@ -76,7 +83,7 @@ async def test_a_member_that_leaves_before_joining_shrinks_the_round() -> None:
     await settle()
     assert {p: t.result() for p, t in tasks.items()} == {"a": (1, 3), "c": (2, 3)}
     rounds.leave("b")  # idempotent
-    assert rounds.view().receivers == 2
+    assert shown(rounds).receivers == 2
 
 
 async def test_a_member_that_leaves_after_the_round_was_ready_keeps_its_rank() -> None:
@@ -97,13 +104,13 @@ async def test_join_waits_for_the_trainers_announcement_of_its_round() -> None:
     rounds.open(["a"])
     task = asyncio.create_task(rounds.join("a", WAIT))
     await settle()
-    assert rounds.view().state == "Ready" and not task.done()
+    assert shown(rounds).state == "Ready" and not task.done()
     rounds.trainer_sending(2)  # another round's number releases nothing
     await settle()
     assert not task.done()
     rounds.trainer_sending(1)
     assert await task == (1, 2)
-    assert rounds.view().state == "Sending"
+    assert shown(rounds).state == "Sending"
 
 
 async def test_join_times_out_when_the_trainer_never_announces() -> None:
@@ -131,7 +138,7 @@ async def test_rounds_are_ready_one_at_a_time_in_order() -> None:
     rounds.trainer_sending(2)  # the trainer cannot announce a round that is not ready
     first = asyncio.create_task(rounds.join("a", WAIT))
     await settle()
-    assert rounds.view().round == 1 and rounds.view().state == "Ready"
+    assert shown(rounds).round == 1 and shown(rounds).state == "Ready"
     rounds.trainer_sending(1)
     assert await first == (1, 2)
     await settle()
@@ -145,17 +152,17 @@ async def test_rounds_are_ready_one_at_a_time_in_order() -> None:
 async def test_the_view_walks_joining_ready_sending_done() -> None:
     rounds = Rounds(0, Changes())
     rounds.open(["a", "b"])
-    states = [rounds.view().state]
+    states = [shown(rounds).state]
     tasks = joining(rounds, "a", "b")
     await settle()
-    states.append(rounds.view().state)
+    states.append(shown(rounds).state)
     rounds.trainer_sending(1)
     await settle()
-    states.append(rounds.view().state)
+    states.append(shown(rounds).state)
     rounds.leave("a")
-    states.append(rounds.view().state)  # one pod still receiving
+    states.append(shown(rounds).state)  # one pod still receiving
     rounds.leave("b")
-    states.append(rounds.view().state)
+    states.append(shown(rounds).state)
     assert states == ["Joining", "Ready", "Sending", "Sending", "Done"]
     assert all(t.done() for t in tasks.values())
     # The last round stays in view, Done, until another opens.
@@ -185,14 +192,14 @@ async def test_on_change_is_called_when_a_round_becomes_ready_or_done() -> None:
 async def test_numbering_continues_after_the_round_the_status_shows() -> None:
     rounds = Rounds(4, Changes())  # an operator restarted after round 4
     rounds.open(["a"])
-    assert rounds.view().round == 5
+    assert shown(rounds).round == 5
     rounds.open(["a", "b"])  # a stays in its unfinished round; b gets a new one
-    assert rounds.view().receivers == 1
+    assert shown(rounds).receivers == 1
     rounds.leave("a")
     assert rounds.view() == BroadcastRound(round=6, world_size=0, receivers=1, state="Joining")
     rounds.open([])  # nothing to open
     rounds.open(["b"])
-    assert rounds.view().round == 6
+    assert shown(rounds).round == 6
 
 
 async def test_a_pass_outside_every_round_joins_one_of_its_own() -> None:

@@ -116,7 +116,7 @@ def test_each_file_is_read_once_while_staging(root: Path, monkeypatch: pytest.Mo
     opened: list[str] = []
     real_open = Path.open
 
-    def counting(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    def counting(self: Path, *args: object, **kwargs: object):
         opened.append(self.name)
         return real_open(self, *args, **kwargs)  # type: ignore[call-overload]
 

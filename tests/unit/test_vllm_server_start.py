@@ -19,11 +19,19 @@ import pytest
 from testbed import vllm_server
 from testbed.vllm_server import PortTaken, VllmServer, start_timeout, wait_healthy
 
+# It logs as vLLM does (vllm/logger.py): a step, then the fd-limit warning vLLM writes on
+# every start on a machine whose hard limit it cannot raise past, then a library's output.
 SLOW_SERVER = textwrap.dedent(
     """
     import http.server, sys, time
     host, port, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    print("INFO loading weights", flush=True)
+    print("(APIServer pid=7) INFO 12-07 03:00:00 [weight_utils.py:12] INFO loading weights",
+          flush=True)
+    print("(APIServer pid=7) WARNING 12-07 03:00:01 [system_utils.py:255] Found ulimit of "
+          "1024 and failed to automatically increase with error current limit exceeds "
+          "maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too many "
+          "open files`. Consider increasing with ulimit -n", flush=True)
+    print("  warnings.warn(", flush=True)
     time.sleep(delay)
     print("INFO Application startup complete.", flush=True)
     class H(http.server.BaseHTTPRequestHandler):
@@ -57,7 +65,43 @@ def test_a_slow_start_prints_progress_and_then_succeeds(tmp_path: Path) -> None:
         server.process.wait()
     assert said, "no progress while the server started"
     assert all("still starting" in line and "of 60 s" in line for line in said)
-    assert any("INFO loading weights" in line for line in said), said  # its own last line
+    # The last step it logged, its message alone; not the warning or the output after it.
+    assert all(line.endswith("; last step logged: INFO loading weights") for line in said), said
+    assert not any("ulimit" in line or "warn" in line for line in said), said
+
+
+def test_progress_is_the_last_info_record_shortened_at_its_end(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    assert vllm_server.last_progress(log) == ""  # no log yet
+    log.write_text("Traceback (most recent call last):\n  File x\n")
+    assert vllm_server.last_progress(log) == ""  # nothing logged by vLLM itself
+    long = "non-default args: " + "{'model': 'tiny', " * 20 + "}"
+    log.write_text(
+        f"INFO 12-07 03:00:00 [api_server.py:1] {long}\n"
+        "(EngineCore_DP0 pid=9) WARNING 12-07 03:00:02 [cpu.py:3] Pin memory is not supported\n"
+        "(EngineCore_DP0 pid=9) ERROR 12-07 03:00:03 [x.py:4] something the tail shows\n"
+    )
+    got = vllm_server.last_progress(log)
+    assert got.startswith("non-default args: {'model': 'tiny',") and got.endswith("…")
+    assert len(got) == vllm_server.PROGRESS_CHARS
+    log.write_text(
+        "(EngineCore_DP0 pid=9) INFO 12-07 03:00:04 [gpu_model_runner.py:5] "
+        "Loading weights took 0.01 seconds\n"
+    )
+    assert vllm_server.last_progress(log) == "Loading weights took 0.01 seconds"
+
+
+def test_a_server_that_logged_nothing_says_so(tmp_path: Path) -> None:
+    script = "import time; time.sleep(30)"
+    server = _server(tmp_path, script)
+    said: list[str] = []
+    try:
+        with pytest.raises(TimeoutError):
+            wait_healthy(server, timeout=2.0, progress=said.append, every=0.8)
+    finally:
+        server.process.kill()
+        server.process.wait()
+    assert said and all(line.endswith("; nothing logged yet") for line in said), said
 
 
 def test_a_server_that_exits_fails_at_once_with_its_log(tmp_path: Path) -> None:

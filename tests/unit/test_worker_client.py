@@ -319,7 +319,7 @@ async def test_the_ready_step_vouches_and_skips_only_a_worker_without_the_endpoi
 ) -> None:
     """steps.mark_ready: a 404 is an older worker image (its readiness probe is not ours to
     open); any other failure is the step's, so the pass retries or fails closed."""
-    from refit_operator.steps import mark_ready
+    from refit_operator.controller.steps import mark_ready
 
     c = client(pod, http)
     pod.set_fault("refit_ready", "error", 404, times=1)

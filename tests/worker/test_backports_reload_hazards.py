@@ -164,7 +164,7 @@ def test_sinks_written_outside_weight_loader_are_found() -> None:
 def test_kv_cache_scales_held_as_checkpoint_parameters() -> None:
     from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
-    attn = nn.Module()
+    attn: Any = nn.Module()  # an attention layer's stand-in: it holds a quant_method
     attn.quant_method = BaseKVCacheMethod(None)  # type: ignore[arg-type]
     BaseKVCacheMethod.create_weights(attn.quant_method, attn)  # k/v/q scale parameters
     model = nn.ModuleDict({"attn": attn})

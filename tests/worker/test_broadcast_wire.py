@@ -158,7 +158,7 @@ def engine_with(method: str, drafter: Any = None) -> Any:
     ("" for none), and whose worker extension reaches `drafter`."""
     from refit_worker.broadcast.gloo_engine import GlooWeightTransferEngine
 
-    engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
+    engine: Any = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
     engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
     engine.model = "target-model"
     if drafter is not None:

@@ -21,9 +21,12 @@ compared on a second, LoRA-enabled server (runtime updating on) against a simula
 LoRA on: vLLM's load and unload routes behind the guard (success texts, refusals and their
 messages, 401s, a stale fence), the adapter cards /v1/models lists, completions through an
 adapter (one prompt per request) and for an unknown one, and refit_adapter_check's answers and
-refusals; without runtime updating (the shared server) both routes are FastAPI's 404. The last
-test checks that every route the simulator serves was compared. What a CPU server cannot show
-is listed in testbed/simworker.py's SIM_UNSHOWN instead.
+refusals (the path rules, the manifest, a PEFT LoRA config, and whether the adapter fits the
+engine: its rank, its modules and their sizes, which the real check reads from vLLM's LoRA
+manager and the simulator from SIM_LORA_MODULES); without runtime updating (the shared
+server) both routes are FastAPI's 404. The last test checks that every route the simulator
+serves was compared. What a CPU server cannot show is listed in testbed/simworker.py's
+SIM_UNSHOWN instead.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from refit_operator.edges.worker_client import WorkerClient, WorkerError
 from refit_worker import contract
@@ -534,10 +538,15 @@ class AdapterTarget:
     invalid: Path  # v1 whose adapter_config.json is no LoRA one (manifest rewritten)
     wide: Path  # v1 declaring rank 16 (above --max-lora-rank 8; manifest rewritten)
     root: Path  # the allowed root
+    foreign: Path  # v1 with a tensor of a module the model lacks (AdapterModulesUnknown)
+    misfit: Path  # v1 whose first lora_A has one input feature more (AdapterBaseMismatch)
 
 
-def adapter_variants(good: Path, into: Path) -> tuple[Path, Path]:
-    """(invalid, wide) made from a good adapter, each with a manifest of its own files."""
+def adapter_variants(good: Path, into: Path) -> tuple[Path, Path, Path, Path]:
+    """(invalid, wide, foreign, misfit) made from a good adapter, each with a manifest of its
+    own files."""
+    from safetensors.numpy import load_file, save_file
+
     made = []
     for name, key, value in (("invalid", "peft_type", "PREFIX_TUNING"), ("wide", "r", 16)):
         d = into / name
@@ -546,7 +555,23 @@ def adapter_variants(good: Path, into: Path) -> tuple[Path, Path]:
         (d / contract.ADAPTER_CONFIG_FILE).write_text(json.dumps({**config, key: value}))
         write_manifest(d)
         made.append(d)
-    return made[0], made[1]
+    for name in ("foreign", "misfit"):
+        d = into / name
+        shutil.copytree(good, d)
+        weights = d / "adapter_model.safetensors"
+        with weights.open("rb") as f:  # the metadata the simulator reads its seed from
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        tensors = load_file(str(weights))
+        first = sorted(k for k in tensors if k.endswith("lora_A.weight"))[0]
+        if name == "foreign":
+            tensors[first.replace("_proj.lora_A", "_projection.lora_A")] = tensors.pop(first)
+        else:
+            a = tensors[first]
+            tensors[first] = np.concatenate([a, np.zeros((a.shape[0], 1), a.dtype)], axis=1)
+        save_file(tensors, str(weights), metadata=header.get("__metadata__"))
+        write_manifest(d)
+        made.append(d)
+    return made[0], made[1], made[2], made[3]
 
 
 @pytest.fixture(scope="module")
@@ -568,11 +593,11 @@ def real_lora(lora_server: VllmServer, tiny_model: TinyModel) -> Iterator[Adapte
     adapters = ensure_tiny_adapters(tiny_model)
     work = Path(tempfile.mkdtemp(prefix="contract-adapters-", dir=tiny_model.allowed_root))
     try:
-        invalid, wide = adapter_variants(adapters.dir("v1"), work)
+        invalid, wide, foreign, misfit = adapter_variants(adapters.dir("v1"), work)
         yield AdapterTarget(
             lora_server.base_url, lora_server.admin_token, lora_server.api_key,
             adapters.dir("v1"), adapters.dir("v2"), adapters.dir("corrupt"), invalid, wide,
-            tiny_model.allowed_root,
+            tiny_model.allowed_root, foreign, misfit,
         )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -590,7 +615,7 @@ def sim_lora(
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
-    invalid, wide = adapter_variants(v1, root)
+    invalid, wide, foreign, misfit = adapter_variants(v1, root)
     fleet = SimFleet(
         1,
         admin_token=lora_server.admin_token,
@@ -603,7 +628,7 @@ def sim_lora(
     try:
         yield AdapterTarget(
             fleet.pods[0].base_url, lora_server.admin_token, lora_server.api_key,
-            v1, v2, corrupt, invalid, wide, root,
+            v1, v2, corrupt, invalid, wide, root, foreign, misfit,
         )  # fmt: skip
     finally:
         fleet.close()
@@ -681,6 +706,9 @@ async def run_adapters(target: AdapterTarget, prompts: list[list[int]]) -> list[
         await outcome(admin.adapter_check(str(target.invalid)))  # AdapterInvalid
         await outcome(admin.adapter_check(str(target.root / "absent")))  # CheckpointMissing
         await outcome(admin.adapter_check("/etc"))  # PathNotAllowed
+        await outcome(admin.adapter_check(str(target.wide)))  # AdapterRankTooHigh
+        await outcome(admin.adapter_check(str(target.foreign)))  # AdapterModulesUnknown
+        await outcome(admin.adapter_check(str(target.misfit)))  # AdapterBaseMismatch
         await cards()  # the base model alone
         await load("policy", target.v1)
         await load("policy", target.v2)  # 400: loaded already
@@ -789,6 +817,9 @@ def test_simulator_serves_lora_adapters_like_vllm(
         "AdapterInvalid",
         "CheckpointMissing",
         "PathNotAllowed",
+        "AdapterRankTooHigh",  # rank 16 above --max-lora-rank 8
+        "AdapterModulesUnknown",  # a tensor of q_projection: no module of the model
+        "AdapterBaseMismatch",  # lora_A one input feature wider than its module
         contract.STALE_FENCE,
     ]
     assert ("cards", [("<model>", "<root>", None), ("policy", "v2", "<model>"),

@@ -26,6 +26,7 @@ import pytest
 from refit_operator.core import admission
 from refit_operator.core.reasons import Reason
 from refit_operator.edges.worker_client import WorkerClient
+from refit_worker.contract import RefitInfo
 
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
@@ -86,7 +87,7 @@ def test_the_operator_refuses_the_pod_as_workers_out_of_reach(vllm_server: VllmS
     """What the engine's preflight and a late pod's admission read, through the operator's
     own client, judged by the same function: a specific refusal, not a half-refitted pod."""
 
-    async def read() -> tuple[object, int]:
+    async def read() -> tuple[RefitInfo, int]:
         async with aiohttp.ClientSession() as http:
             client = WorkerClient(
                 vllm_server.base_url, http=http, admin_token=vllm_server.admin_token

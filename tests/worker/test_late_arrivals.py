@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from refit_operator import steps
+from refit_operator.controller import steps
 from refit_operator.core import podflow
 from refit_operator.core.api import Sequence
 from refit_operator.core.podflow import Step

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from refit_operator import runner, steps
+from refit_operator.controller import pod_pass, steps
 from refit_operator.core import podflow, probe
 from refit_operator.core.api import Sequence, Thresholds
 from refit_operator.core.podflow import Progress, RunStep, Step
@@ -106,7 +106,7 @@ async def run_pass(
                 await steps.execute_step(worker, SEQ, progress, step, False)
                 progress = podflow.step_done(progress, step, time.monotonic() - began, time.time())
         except WorkerError as e:
-            reason, final = runner.worker_error_reason(e, step)
+            reason, final = pod_pass.worker_error_reason(e, step)
             progress = podflow.step_failed(
                 progress, step, reason, e.message, time.time(), retries=0, final=final
             )

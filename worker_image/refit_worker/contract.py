@@ -75,8 +75,10 @@ RPC_PROBE_REFERENCE = "refit_probe_reference"
 # Broadcast refits (docs/broadcast.md): what the worker received over the network and loaded,
 # checked against the promised transfer manifest's digest; refit_received(digest, version).
 RPC_RECEIVED = "refit_received"
-# LoRA adapters (spec.adapter): the path rules, the manifest and every file's digest, and a
-# PEFT LoRA adapter_config.json vLLM can load; refit_adapter_check(path) -> AdapterCheck dict.
+# LoRA adapters (spec.adapter): the path rules, the manifest and every file's digest, a PEFT
+# LoRA adapter_config.json vLLM can load, and that the adapter fits the engine (its rank, the
+# modules it targets and their sizes: refit_worker.lora_adapter); refit_adapter_check(path) ->
+# {"rank", "targetModules", "baseModel", "path", "files", "bytes", "tensors", "seconds"}.
 RPC_ADAPTER_CHECK = "refit_adapter_check"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # vLLM's RL route: the pod's receiving workers (TP x PP x DP), the ranks a broadcast gives it.
@@ -498,6 +500,12 @@ REJECTION_CODES = (
     "CheckpointChanged",  # a file changed (identity, size, mtime) between refit_stage and load
     "LoadFailed",  # vLLM's reload raised after preflight passed
     "AdapterInvalid",  # adapter_config.json absent, unreadable, or not a PEFT LoRA config
+    # The adapter does not fit the engine (refit_worker.lora_adapter.check_adapter): its rank
+    # above --max-lora-rank; a tensor of a module the served model lets no LoRA target; a
+    # matrix whose size is not its module's (trained on another base model).
+    "AdapterRankTooHigh",
+    "AdapterModulesUnknown",
+    "AdapterBaseMismatch",
     # the engine runs a drafter the worker refits, and the refit carries no drafter weights
     # (a checkpoint without a DRAFTER_DIR holding a manifest, or a broadcast without any
     # DRAFTER_PREFIX tensor): refused

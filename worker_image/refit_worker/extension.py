@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 
 from refit_worker import checkpoint, guard, peers
 from refit_worker.contract import (
-    ADAPTER_CONFIG_FILE,
     CAP_ADMIN_GUARD,
     CAP_VERIFIED_RELOAD,
     PROBE_FILE,
@@ -63,6 +62,7 @@ from refit_worker.contract import (
     RefitRejected,
 )
 from refit_worker.drafter import Drafter, drafter_directory, drafter_of, reload_drafter
+from refit_worker.lora_adapter import Sizes, check_adapter
 from refit_worker.model_tensors import LoadRules, verify_model_tensors
 
 if TYPE_CHECKING:
@@ -74,24 +74,9 @@ DEFAULT_VERSION = "default"
 _DISK_FORMATS = ("auto", "safetensors", "fastsafetensors")
 
 
-def adapter_config_summary(directory: Path) -> dict[str, Any]:
-    """rank and target modules of a PEFT LoRA adapter_config.json; AdapterInvalid otherwise."""
-    config_path = directory / ADAPTER_CONFIG_FILE
-    try:
-        doc = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise RefitRejected(
-            "AdapterInvalid", f"{ADAPTER_CONFIG_FILE} is absent in {directory}"
-        ) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("peft_type") != "LORA":
-        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: peft_type is not LORA")
-    rank = doc.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise RefitRejected("AdapterInvalid", f"{ADAPTER_CONFIG_FILE}: r={rank!r} is not a rank")
-    targets = doc.get("target_modules")
-    return {"rank": rank, "targetModules": targets if isinstance(targets, list) else []}
+def _features(size: Any) -> int | None:
+    """A layer's size attribute as a feature count; None when it is none."""
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _held_tensors(staged: checkpoint.StagedCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
@@ -455,17 +440,69 @@ class RefitWorkerExtension:
 
     def refit_adapter_check(self, path: str) -> dict[str, Any]:
         """A LoRA adapter directory before vLLM loads it: the checkpoint's path, manifest and
-        digest checks (vLLM loads a flipped byte without a word), and a PEFT LoRA config."""
+        digest checks (vLLM loads a flipped byte without a word), a PEFT LoRA config, and that
+        it fits this engine (refit_worker.lora_adapter.check_adapter: rank, target modules,
+        their sizes)."""
         started = time.perf_counter()
         directory, manifest = checkpoint.verify_checkpoint(path, self._refit_allowed_root())
+        lora = self.vllm_config.lora_config
+        fit = check_adapter(
+            directory,
+            manifest.tensors,
+            max_rank=int(lora.max_lora_rank) if lora else 0,
+            modules=self._refit_lora_modules(),
+        )
         return {
-            **adapter_config_summary(directory),
+            **fit,
             "path": str(directory),
             "files": len(manifest.files),
             "bytes": sum(f.size for f in manifest.files),
             "tensors": len(manifest.tensors),
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def _refit_lora_modules(self) -> dict[str, Sizes]:
+        """The modules a LoRA may target in this engine, as vLLM's _load_adapter expects them
+        (vllm/lora/worker_manager.py: supported_lora_modules, a packed module expanded into its
+        parts by packed_modules_mapping), each with its unsharded (input, output) features
+        where every module of that name agrees; {} without LoRA (nothing to check against)."""
+        runner_manager = getattr(self.model_runner, "lora_manager", None)
+        manager = getattr(runner_manager, "_adapter_manager", None)
+        if manager is None:
+            return {}
+        packed = dict(manager.packed_modules_mapping)
+        sizes: dict[str, set[Sizes]] = {}
+
+        def seen(name: str, size: Sizes) -> None:
+            sizes.setdefault(name, set()).add(size)
+
+        for full, module in self._refit_model().named_modules():
+            layer = getattr(module, "base_layer", module)  # vLLM's *WithLoRA wraps the layer
+            name = full.rsplit(".", 1)[-1]
+            if name not in manager.supported_lora_modules or full.endswith(".base_layer"):
+                continue
+            in_size = getattr(layer, "input_size", None)
+            out_size = getattr(layer, "output_size", None)
+            parts = packed.get(name)
+            if not parts:
+                seen(name, (in_size, out_size))
+                continue
+            out_sizes = list(getattr(layer, "output_sizes", None) or [])
+            # KV heads replicated across tensor-parallel ranks inflate output_sizes' k and v.
+            exact = len(out_sizes) == len(parts) and getattr(layer, "num_kv_head_replicas", 1) == 1
+            for i, part in enumerate(parts):
+                seen(part, (in_size, out_sizes[i] if exact else None))
+        expected: dict[str, Sizes] = {}
+        for module in manager.supported_lora_modules:
+            for part in packed.get(module) or [module]:
+                expected[part] = (None, None)
+            if module == "experts":
+                expected[module] = (None, None)
+        for name, found in sizes.items():
+            if name in expected and len(found) == 1:  # one size across the layers: checkable
+                ((in_size, out_size),) = found
+                expected[name] = (_features(in_size), _features(out_size))
+        return expected
 
     def refit_buffer_digests(self) -> dict[str, Any]:
         """The read-back's other half (contract.RPC_BUFFER_DIGESTS): vLLM's /weight_checker

@@ -1,6 +1,6 @@
 """Admission: what must hold of a fleet and of each pod before a refit touches any pod,
 judged from the Pod objects first (before the admin token goes anywhere) and then from each
-pod's refit_info. Pure: the engine gathers the answers, runner asks for a late pod."""
+pod's refit_info. Pure: the engine gathers the answers, pod_pass asks for a late pod."""
 
 from __future__ import annotations
 
@@ -71,6 +71,47 @@ def adapter_problem(info: RefitInfo) -> Problem | None:
             "vLLM does not serve its runtime LoRA routes (/v1/load_lora_adapter): start it "
             "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
         )
+    return None
+
+
+# A model the pod serves, as /v1/models lists it: (id, parent). vLLM gives an adapter's card the
+# base model's name as parent; a base model name (one per --served-model-name) has none.
+ServedModel = tuple[str, str | None]
+# The separator of a staged adapter name (podflow.staged_adapter_name: "<name>@<version>"):
+# the CRD refuses it in spec.adapter.name; checked here too for an API server with an older CRD.
+STAGED_SEPARATOR = "@"
+
+
+def adapter_name_problem(name: str, served: Sequence[ServedModel], ours: bool) -> Problem | None:
+    """Why an adapter refit may not serve its adapter under ``name`` on a pod that serves
+    ``served``; ``ours``: the pod holds a record of this adapter track (a pass of it loaded
+    what the pod serves under the name). None when it may.
+
+    A base model's name: vLLM refuses every load under it ("conflicts with a served base
+    model"), which a pass meets only after it took the pod out of traffic, three times. An
+    adapter of that name loaded by someone else (--lora-modules, a load by hand): the pass's
+    swap would replace it in place, and its record would say the track served before."""
+    if STAGED_SEPARATOR in name:
+        return Problem(
+            Reason.AdapterNameConflict,
+            f"adapter name {name!r} holds {STAGED_SEPARATOR!r}: a pass loads each new version "
+            f"under the staged name <name>{STAGED_SEPARATOR}<version> before the swap",
+        )
+    for model, parent in served:
+        if model != name:
+            continue
+        if not parent:
+            return Problem(
+                Reason.AdapterNameConflict,
+                f"adapter name {name!r} is a base model name the pod serves (/v1/models): "
+                "vLLM refuses to load an adapter under it",
+            )
+        if not ours:
+            return Problem(
+                Reason.AdapterNameConflict,
+                f"an adapter named {name!r} is loaded already (on {parent}) and no refit of "
+                "this adapter track loaded it: the refit would replace it",
+            )
     return None
 
 

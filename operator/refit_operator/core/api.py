@@ -1,18 +1,39 @@
 """The WeightRefit API as typed models: the spec the operator reads, the status it writes.
 
-Defaults mirror crds/weightrefit.yaml (the API server applies them; the models apply the same
-ones so plain-data unit tests and a CR read back from the server mean the same thing).
-tests/unit/test_api.py holds the two in step.
+The single source of the API: `make generate` (hack/gen_crd.py) writes crds/weightrefit.yaml
+from these models, their field docstrings (the CRD's descriptions) and what api_crd.crd adds
+(CEL rules, lengths, patterns). The API server applies the defaults written here; the models
+apply the same ones, so plain-data unit tests and a CR read back from the server mean the same
+thing. To add a field: declare it with its type and default and a docstring saying what it
+means to a user (the CRD's description; the generator refuses a field without one), add
+``Annotated[type, crd(...)]`` for what only the API server checks, and run `make generate`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from refit_worker.contract import API_GROUP
+
+from .api_crd import (
+    CONDITION_REASON,
+    CONDITION_TYPE,
+    LABEL_KEY_RULE,
+    LABEL_VALUE,
+    PATH,
+    PATH_RULES,
+    VERSION_CEL,
+    VERSION_RULE,
+    crd,
+    crd_model,
+    immutable,
+    object_key_rule,
+    object_name_rule,
+    rule,
+)
 
 VERSION = "v1alpha1"
 PLURAL = "weightrefits"
@@ -47,7 +68,12 @@ STATUS_CHECKSUMS_LIMIT: Final = 8
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        use_attribute_docstrings=True,  # a field's docstring is its CRD description
+    )
 
     def dump(self) -> dict[str, object]:
         """The camelCase JSON document the API server stores (unset optionals left out)."""
@@ -56,14 +82,49 @@ class _Model(BaseModel):
 
 # --------------------------------------------------------------------------------- spec
 class LabelSelectorRequirement(_Model):
-    key: str
+    """One label requirement."""
+
+    model_config = crd_model(
+        rule(
+            "self.operator in ['In', 'NotIn'] ? (has(self.values) && size(self.values) > 0)"
+            " : (!has(self.values) || size(self.values) == 0)",
+            "spec.fleet.selector.matchExpressions values must be non-empty for operator In or"
+            " NotIn and empty for Exists or DoesNotExist",
+        )
+    )
+
+    key: Annotated[str, crd(minLength=1, maxLength=317)]
+    """The label key the requirement applies to."""
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[str] = Field(default_factory=list)
+    """How the key's value is compared with values."""
+    values: Annotated[
+        list[str],
+        crd(maxItems=64, items={"description": "A label value.", "maxLength": 63,
+                                "pattern": LABEL_VALUE}),
+    ] = Field(default_factory=list)  # fmt: skip
+    """Label values for In and NotIn; empty for Exists and DoesNotExist."""
 
 
 class LabelSelector(_Model):
-    match_labels: dict[str, str] = Field(default_factory=dict)
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    model_config = crd_model(
+        rule(
+            "(has(self.matchLabels) && size(self.matchLabels) > 0) ||"
+            " (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+            "spec.fleet.selector must not be empty; set matchLabels or matchExpressions (an"
+            " empty selector would select every pod in the namespace)",
+        )
+    )
+
+    match_labels: Annotated[
+        dict[str, str],
+        crd(LABEL_KEY_RULE, maxProperties=32,
+            additionalProperties={"maxLength": 63, "pattern": LABEL_VALUE}),
+    ] = Field(default_factory=dict)  # fmt: skip
+    """Pods must carry every one of these labels (key = value)."""
+    match_expressions: Annotated[list[LabelSelectorRequirement], crd(maxItems=16)] = Field(
+        default_factory=list
+    )
+    """Pods must satisfy every one of these label requirements."""
 
     def matches(self, labels: dict[str, str]) -> bool:
         """Whether a pod with ``labels`` is selected (Kubernetes label-selector semantics)."""
@@ -96,8 +157,10 @@ class LabelSelector(_Model):
 
 
 class SecretKeyRef(_Model):
-    name: str
-    key: str = "token"
+    name: Annotated[str, crd(object_name_rule("Secret"), minLength=1, maxLength=253)]
+    """Name of the Secret."""
+    key: Annotated[str, crd(object_key_rule("Secret"), minLength=1, maxLength=253)] = "token"
+    """Key within the Secret whose value is the token."""
 
 
 # The labels LeaderWorkerSet puts on every pod of a group (its group-key hash, and the pod's
@@ -113,56 +176,157 @@ class Groups(_Model):
     ``index_label`` is "0" (the leader) and gated together (docs/concepts.md, "Parallel
     layouts and multi-pod replicas")."""
 
-    group_label: str = LWS_GROUP_LABEL
-    index_label: str = LWS_INDEX_LABEL
+    model_config = crd_model(
+        rule(
+            "self.groupLabel != self.indexLabel",
+            "spec.fleet.groups.groupLabel and indexLabel must be two different labels",
+        )
+    )
+
+    group_label: Annotated[str, crd(minLength=1, maxLength=317)] = LWS_GROUP_LABEL
+    """The label whose value names a pod's group."""
+    index_label: Annotated[str, crd(minLength=1, maxLength=317)] = LWS_INDEX_LABEL
+    """The label holding a pod's index in its group ("0" for the leader)."""
 
 
 class Fleet(_Model):
     selector: LabelSelector
-    port: int = 8000
+    """Label selector for the fleet's pods (same namespace). Must not be empty: an empty
+    selector would select every pod in the namespace."""
+    port: Annotated[int, crd(format="int32", minimum=1, maximum=65535)] = 8000
+    """The vLLM HTTP port on each pod (reached at the pod's status.podIP)."""
     admin_token_secret_ref: SecretKeyRef | None = None
-    api_key_secret_ref: SecretKeyRef | None = None
+    """Secret (same namespace) holding the token the pods' admin guard expects on vLLM's admin
+    endpoints (sleep, pause, collective_rpc). Omit when the pods run without the guard."""
+    api_key_secret_ref: Annotated[
+        SecretKeyRef | None,
+        crd(
+            properties={"key": {"description": "Key within the Secret whose value is the API key."}}
+        ),
+    ] = None
+    """Secret (same namespace) holding vLLM's own API key (the pods' --api-key), which the probe
+    sends on /v1/completions. Omit when the pods serve /v1 without a key."""
     groups: Groups | None = None  # None: every selected pod is a replica of its own
+    """Replicas that span several pods (LeaderWorkerSet groups): the selected pods sharing the
+    value of groupLabel are one refit unit, driven through the API of the pod whose indexLabel
+    is "0" (the leader); every pod of the group is gated on the group's probe, and a restart of
+    any pod is the group's restart. Strategies, status and metrics count groups, named by their
+    leaders. Omit when every pod is a replica of its own. The defaults are the labels
+    LeaderWorkerSet puts on its pods."""
 
 
 class Checkpoint(_Model):
-    path: str
-    version: str
+    path: Annotated[str, crd(*PATH_RULES, minLength=1, maxLength=4096)]
+    """Absolute path of the checkpoint directory as mounted inside the pods (safetensors files
+    plus refit-manifest.json, and refit-probe.json when the probe reference comes from the
+    checkpoint). Must lie under the pods' REFIT_ALLOWED_ROOT."""
+    version: Annotated[str, crd(VERSION_RULE, minLength=1, maxLength=63)]
+    """Weight version stamped into vLLM (GET /weight_info reports it) and used as a label value:
+    1-63 letters, digits, '.', '_' or '-', starting and ending with a letter or digit, e.g.
+    step-100."""
     format: Literal["safetensors"] = "safetensors"
+    """On-disk format of the checkpoint."""
 
 
 class Adapter(_Model):
     """A LoRA adapter to refit on the fleet's pods (docs/concepts.md, "LoRA adapters"): its
-    directory (PEFT files, manifest, probe reference) and version, served under ``name``."""
+    directory (PEFT files, manifest, probe reference) and version, served under ``name``. The
+    CRD's CEL rules hold ``name`` to 1-40 letters, digits, '.', '_' or '-' and refuse '@' with
+    a message of its own (core.admission.STAGED_SEPARATOR: a pass's staged name is
+    ``<name>@<version>``); the preflight refuses a name the pods serve already as another
+    model (core.admission.adapter_name_problem)."""
 
-    name: str
-    path: str
-    version: str
+    name: Annotated[
+        str,
+        crd(
+            rule(
+                VERSION_CEL,
+                "spec.adapter.name must be 1-40 letters, digits, '.', '_' or '-', starting and"
+                " ending with a letter or digit",
+            ),
+            rule(
+                "!self.contains('@')",
+                "spec.adapter.name must not contain '@'; a pass loads each new version under the"
+                " staged name <name>@<version> before the swap",
+            ),
+            minLength=1,
+            maxLength=40,
+        ),
+    ]
+    """The name clients send as the model (`"model": "<name>"`) to be served through the
+    adapter: 1-40 letters, digits, '.', '_' or '-', starting and ending with a letter or digit
+    (never '@': `<name>@<version>` is the staged name of a pass). It must not be a model name
+    the pods serve already other than this adapter (the base model and its aliases, an adapter
+    loaded by others): the preflight refuses it (AdapterNameConflict)."""
+    path: Annotated[str, crd(*PATH_RULES, minLength=1, maxLength=4096)]
+    """Absolute path of the adapter directory as mounted inside the pods (PEFT's
+    adapter_config.json and safetensors, refit-manifest.json, and refit-probe.json when the
+    probe reference comes from it: scored through the adapter). Must lie under the pods'
+    REFIT_ALLOWED_ROOT."""
+    version: Annotated[str, crd(VERSION_RULE, minLength=1, maxLength=63)]
+    """The adapter's version, as the pods' records and status report it: 1-63 letters, digits,
+    '.', '_' or '-', starting and ending with a letter or digit, e.g. step-100."""
 
 
 class ManifestConfigMapRef(_Model):
-    name: str
-    key: str = "transfer-manifest.json"
+    name: Annotated[str, crd(minLength=1, maxLength=253)]
+    """Name of the ConfigMap."""
+    key: Annotated[str, crd(minLength=1, maxLength=253)] = "transfer-manifest.json"
+    """Key within the ConfigMap holding the transfer manifest (JSON)."""
 
 
 class TransferManifestRef(_Model):
     config_map_ref: ManifestConfigMapRef
-    digest: str
+    """ConfigMap (same namespace) holding the transfer manifest, read by the operator at
+    preflight; its RBAC must allow get on it."""
+    digest: Annotated[
+        str,
+        crd(
+            rule(
+                "self.matches(r'^[0-9a-f]{64}$')",
+                f"{PATH} must be 64 lowercase hex characters (the manifest's BLAKE3 digest)",
+            ),
+            maxLength=64,
+        ),
+    ]
+    """The manifest's digest (64 lowercase hex characters, its "blake3" field). A ConfigMap
+    holding another manifest fails the refit (ManifestMismatch) before any pod is touched."""
 
 
 class Rendezvous(_Model):
-    host: str
-    port: int
+    host: Annotated[
+        str,
+        crd(rule("isIP(self) && ip(self).family() == 4", f"{PATH} must be an IPv4 address"),
+            maxLength=15),
+    ]  # fmt: skip
+    """IPv4 address the pods reach the trainer at."""
+    port: Annotated[int, crd(minimum=1, maximum=65535)]
+    """TCP port of the trainer's rendezvous store (the same for every round)."""
 
 
 class Broadcast(_Model):
     """Weights the trainer sends (docs/broadcast.md) instead of a checkpoint directory."""
 
-    version: str
+    version: Annotated[str, crd(VERSION_RULE, minLength=1, maxLength=63)]
+    """Weight version stamped into vLLM once the pod loaded the broadcast (GET /weight_info
+    reports it): 1-63 letters, digits, '.', '_' or '-', starting and ending with a letter or
+    digit."""
     engine: Literal["refit-gloo"] = "refit-gloo"
+    """The vLLM weight transfer engine the pods were started with (--weight-transfer-config
+    backend): refit-gloo (torch.distributed gloo over TCP, CPU or GPU pods, with the manifest
+    check)."""
     rendezvous: Rendezvous
+    """Where the trainer (rank 0) opens its rendezvous store (a TCPStore); every pod must reach
+    it there, and every other pod of its round on gloo's ports."""
     manifest: TransferManifestRef
-    timeout_seconds: int = 600
+    """What the trainer promises to send: a transfer manifest (every tensor's name, dtype, shape
+    and BLAKE3 digest; docs/formats.md) in a ConfigMap, and its digest here, which the operator
+    checks the ConfigMap against before any pod is touched."""
+    timeout_seconds: Annotated[int, crd(minimum=1, maximum=86400)] = 600
+    """Seconds a pod waits for the trainer to announce its round, and the limit on the
+    rendezvous and on each transfer operation (gloo's timeout, on the pods and the trainer). The
+    operator also waits at most this plus sequence.stepTimeoutSeconds for a pod to receive,
+    check and load the whole round: size it for the model's bytes at the network's speed."""
 
 
 # spec.sequence.drainDelaySeconds at most (the CRD's maximum says the same): long enough for
@@ -172,71 +336,207 @@ DRAIN_DELAY_MAX_SECONDS: Final = 300
 
 class Sequence(_Model):
     drain_mode: Literal["wait", "abort", "keep"] = "wait"
-    sleep_level: Literal[0, 1, 2] = 1
-    step_timeout_seconds: int = 120
-    drain_timeout_seconds: int = 60
+    """What happens to requests in flight when a pod is paused: wait lets them finish (up to
+    drainTimeoutSeconds), abort cancels them, keep freezes them and resumes them after the
+    refit."""
+    # The CRD says it with bounds rather than an enum of integers (the same values).
+    sleep_level: Annotated[Literal[0, 1, 2], crd(enum=None, minimum=0, maximum=2)] = 1
+    """vLLM sleep level during the reload: 0 frees nothing, 1 offloads the old weights to CPU
+    memory (a failed reload can fall back to them), 2 discards them (the reload must complete)."""
+    step_timeout_seconds: Annotated[int, crd(minimum=1)] = 120
+    """Time limit for every single HTTP step on a pod (pause, sleep, wake, reset, stamp)."""
+    drain_timeout_seconds: Annotated[int, crd(minimum=1)] = 60
+    """Time limit for a pod's requests in flight to drain when drainMode is wait."""
     # Seconds from the pass taking the pod out of traffic (its record's left_traffic) to the
     # drain's pause: the pod keeps serving what endpoints that have not yet dropped it send.
     # Strict: a whole number of seconds, never a bool, a fraction or a numeric string.
     drain_delay_seconds: int = Field(default=0, ge=0, le=DRAIN_DELAY_MAX_SECONDS, strict=True)
-    load_timeout_seconds: int = 600
-    probe_timeout_seconds: int = 60
-    total_timeout_seconds: int = 3600
-    retries: int = 2
+    """Seconds from the pass taking a pod out of traffic (its readiness condition set False) to
+    the drain's pause, during which the pod keeps serving what reaches it: set it to the time
+    your Service endpoints, kube-proxy and gateways take to drop a pod that is no longer Ready,
+    so that no request reaches the pod once paused (those are aborted cleanly, for the client to
+    retry). Measured from the pass's record, so a pass resumed after an operator restart does
+    not wait again. It adds to each pod's time out of traffic and counts toward
+    totalTimeoutSeconds, not drainTimeoutSeconds."""
+    load_timeout_seconds: Annotated[int, crd(minimum=1)] = 600
+    """Time limit for each of a pod's stage (checkpoint verification and staging) and reload. A
+    broadcast's receive is bounded by broadcast.timeoutSeconds instead."""
+    probe_timeout_seconds: Annotated[int, crd(minimum=1)] = 60
+    """Time limit for a pod's logprob probe."""
+    total_timeout_seconds: Annotated[int, crd(minimum=1)] = 3600
+    """Time limit for the whole refit, from start to the last pod; then it fails."""
+    retries: Annotated[int, crd(minimum=0, maximum=10)] = 2
+    """Retries of a failed step on a pod, with backoff, before the pod counts as failed."""
 
 
 class Strategy(_Model):
     type: Literal["AllAtOnce", "Rolling"] = "AllAtOnce"
-    max_unavailable: int | str = "25%"
-    canary: int = 0
+    """AllAtOnce refits every pod together (the synchronous RL barrier: the whole fleet switches
+    between two training steps). Rolling refits at most maxUnavailable pods at a time while the
+    rest keep serving."""
+    max_unavailable: Annotated[
+        int | str,
+        crd(
+            rule(
+                "type(self) == int ? self >= 1 : self.matches(r'^(100|[1-9][0-9]?)%$')",
+                f"{PATH} must be an integer of at least 1 or a percentage from 1% to 100%",
+            )
+        ),
+    ] = "25%"
+    """Rolling only: how many pods may be out of traffic at once, as a count (at least 1) or a
+    percentage of the fleet from 1% to 100% (rounded down, but at least one pod)."""
+    canary: Annotated[int, crd(minimum=0)] = 0
+    """Pods refitted and probed first; the rest start only when every canary passed. 0 means no
+    canary."""
 
 
 class ConfigMapKeyRef(_Model):
-    name: str
-    key: str = "refit-probe.json"
+    name: Annotated[str, crd(object_name_rule("ConfigMap"), minLength=1, maxLength=253)]
+    """Name of the ConfigMap."""
+    key: Annotated[str, crd(object_key_rule("ConfigMap"), minLength=1, maxLength=253)] = (
+        "refit-probe.json"
+    )
+    """Key within the ConfigMap holding the probe reference document."""
 
 
 class ProbeReferenceSource(_Model):
+    model_config = crd_model(
+        rule(
+            "(has(self.source) && self.source == 'ConfigMap') == has(self.configMapRef)",
+            "spec.probe.reference.configMapRef is required when source is ConfigMap and must be"
+            " omitted when source is Checkpoint",
+        )
+    )
+
     source: Literal["Checkpoint", "ConfigMap"] = "Checkpoint"
+    """Checkpoint reads refit-probe.json from the checkpoint directory on the pod; ConfigMap
+    reads it from configMapRef (required for a broadcast, which has no directory)."""
     config_map_ref: ConfigMapKeyRef | None = None
+    """ConfigMap (same namespace) holding refit-probe.json; only with source ConfigMap."""
 
 
 class Thresholds(_Model):
     # Defaults suit bf16 serving against an fp32 reference: measured max |Δlogprob| of
     # 0.02-0.03 on a tiny Llama (measured on vLLM 0.32 CPU), so 0.5 on the worst token
     # and 0.05 on the mean leave headroom while a wrong checkpoint moves NLL by far more.
-    mean_abs_logprob_diff: float = 0.05
-    max_abs_logprob_diff: float = 0.5
-    nll_diff: float = 0.05
-    pod_agreement: float = 0.02
+    mean_abs_logprob_diff: Annotated[float, crd(minimum=0)] = 0.05
+    """Largest allowed mean over tokens of |logprob(pod) - logprob(reference)|."""
+    max_abs_logprob_diff: Annotated[float, crd(minimum=0)] = 0.5
+    """Largest allowed |logprob(pod) - logprob(reference)| of any single token."""
+    nll_diff: Annotated[float, crd(minimum=0)] = 0.05
+    """Largest allowed |NLL(pod) - NLL(reference)|, NLL being the mean negative logprob."""
+    pod_agreement: Annotated[float, crd(minimum=0)] = 0.02
+    """Largest allowed spread (max - min) of NLL across the fleet's pods at the same version."""
     # A pod whose vLLM runs a drafter with weights of its own: the smallest greedy acceptance
     # of its drafts on the probe prompts (probe.judge_drafter). 1.00 measured for a drafter on
     # the target's weights, 0.32-0.46 for a stale one (tiny model, vLLM 0.32 CPU).
     min_draft_acceptance: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Pods whose vLLM runs a speculative drafter with weights of its own (refitted with the
+    target from the checkpoint's drafter/): the smallest share of drafted tokens the target must
+    accept while it decodes the probe prompts greedily, from vLLM's own spec-decode counters. A
+    drafter holding the weights it was trained with for this target drafts as the target
+    decodes; a stale or corrupted one does not (measured on the tiny model drafting for itself:
+    1.00 fresh, 0.32-0.46 stale). Set it from your own drafter's acceptance at a good refit
+    (status.pods[].probe.draftAcceptance); 0 turns the check off."""
 
 
 class ProbeSpec(_Model):
     reference: ProbeReferenceSource = Field(default_factory=ProbeReferenceSource)
+    """Where the probe prompts and reference logprobs (refit-probe.json) come from."""
     thresholds: Thresholds = Field(default_factory=Thresholds)
-    failure_limit: int = 0
-    inconclusive_limit: int = 0
+    """A pod passes its probe only when every difference stays within these bounds (natural-log
+    units)."""
+    failure_limit: Annotated[int, crd(minimum=0)] = 0
+    """Failed pods tolerated before the whole refit fails (they stay out of traffic)."""
+    inconclusive_limit: Annotated[int, crd(minimum=0)] = 0
+    """Pods with an inconclusive probe (no data, NaN, timeout) tolerated before the refit fails
+    (they stay out of traffic)."""
 
 
 class WeightRefitSpec(_Model):
-    fleet: Fleet
+    model_config = crd_model(
+        rule(
+            "[has(self.checkpoint), has(self.broadcast), has(self.adapter)]"
+            ".filter(x, x).size() == 1",
+            "set exactly one weight source, spec.checkpoint (a checkpoint directory the pods"
+            " read), spec.broadcast (weights the trainer sends) or spec.adapter (a LoRA adapter"
+            " directory the pods read)",
+        ),
+        rule(
+            "has(oldSelf.checkpoint) == has(self.checkpoint)"
+            " && has(oldSelf.adapter) == has(self.adapter)",
+            "the weight source (spec.checkpoint, spec.broadcast or spec.adapter) is immutable"
+            " after creation; create a new WeightRefit",
+        ),
+        rule(
+            "!has(self.broadcast) || (has(self.probe) && has(self.probe.reference) &&"
+            " has(self.probe.reference.source) && self.probe.reference.source == 'ConfigMap')",
+            "spec.broadcast needs spec.probe.reference.source ConfigMap (a broadcast has no"
+            " checkpoint directory to read refit-probe.json from)",
+        ),
+    )
+
+    fleet: Annotated[Fleet, immutable("to refit another fleet")]
+    """The vLLM pods to refit: selected by labels in the WeightRefit's namespace. Immutable
+    after creation; create a new WeightRefit for another fleet."""
     # Exactly one weight source (the CRD's CEL rule says so; a model built in a test may not).
-    checkpoint: Checkpoint | None = None
-    broadcast: Broadcast | None = None
-    adapter: Adapter | None = None
-    sequence: Sequence = Field(default_factory=Sequence)
+    checkpoint: Annotated[Checkpoint | None, immutable("to load another checkpoint")] = None
+    """The weights to load, from a checkpoint directory the pods read (set this or broadcast,
+    not both). Immutable after creation: a new checkpoint is a new WeightRefit, so every refit's
+    history stays truthful."""
+    broadcast: Annotated[Broadcast | None, immutable("for another broadcast")] = None
+    """Weights the trainer sends over the network instead of a checkpoint directory (set this or
+    checkpoint, not both; docs/broadcast.md): the operator takes each batch of pods through
+    drain, sleep and wake, assigns them ranks, and reports the batch in status.broadcast with
+    the condition ReceiversReady; the trainer then announces the round (annotation
+    refit.rollout.dev/broadcast-sending) and sends once per batch. Each pod checks what arrived
+    against the manifest before loading it. Needs probe.reference.source ConfigMap. A broadcast
+    cannot be loaded again: it is never a rollback target and does not bring pods that join
+    later to its version. Immutable after creation."""
+    adapter: Annotated[Adapter | None, immutable("to load another adapter")] = None
+    """A LoRA adapter to refit on every pod of the fleet instead of the base weights (set this,
+    checkpoint or broadcast: exactly one; docs/concepts.md, "LoRA adapters"). The base model is
+    never slept or reloaded: each pod verifies the adapter, loads and probes it under a staged
+    name while the old adapter serves, then swaps it in under `name` (out of traffic only for
+    the swap and the probe through `name`); a refused or failed adapter leaves the old one
+    serving. The pods need vLLM's runtime LoRA routes (--enable-lora and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=1). Adapter refits of one name are a fleet of their own,
+    with their own queue, history and rollback target, beside the refits of the base weights.
+    Immutable after creation."""
+    sequence: Annotated[
+        Sequence,
+        immutable(
+            "for another sequence", why=" (the preflight admitted the pods for this sequence)"
+        ),
+    ] = Field(default_factory=Sequence)
+    """How each pod is taken through the refit sequence, and how long each step may take.
+    Immutable after creation: the preflight admits the pods for this sequence (sleepLevel 2 is
+    refused where it is unsafe), and every pass of the refit runs the sequence it admitted
+    (status.sequence), even one changed past an older CRD."""
     strategy: Strategy = Field(default_factory=Strategy)
+    """Which pods are refitted when."""
     probe: ProbeSpec = Field(default_factory=ProbeSpec)
+    """The check that lets a pod back into traffic: its prompt logprobs on fixed token ids,
+    compared with a reference computed for this checkpoint."""
     on_failure: Literal["Halt", "Rollback"] = "Halt"
+    """What to do when the refit fails: Halt stops and keeps failed pods out of traffic;
+    Rollback reloads into every pod this refit touched the checkpoint that pod served before it
+    (a pod that served none, or a broadcast, leaves traffic)."""
     queue_policy: Literal["Queue", "LatestWins"] = "Queue"
+    """When another refit of the same fleet is still running: Queue waits for it; LatestWins
+    supersedes every older refit that has not started yet."""
     allow_unsafe_backends: bool = False
-    # Seconds after the refit finished (status.completionTime) until the operator deletes it;
-    # None: kept until the fleet's history limit drops it (history.py). Like a Job's.
-    ttl_seconds_after_finished: int | None = None
+    """Refit pods whose image does not report every reload-safety capability (its attention
+    backends may keep stale scales after a reload). Leave false unless you know the model avoids
+    those backends."""
+    # None: kept until the fleet's history limit drops it (history.py).
+    ttl_seconds_after_finished: Annotated[int | None, crd(minimum=0)] = None
+    """Seconds after the refit finished (status.completionTime) until the operator deletes it,
+    like a Job's. 0 deletes it as soon as it finishes. Unset: it is kept until the operator's
+    per-fleet history limit (--history-limit, default 10) drops it. The fleet's newest Succeeded
+    refit (the convergence target) and its newest checkpoint refit the fleet served (the
+    rollback target; the same one unless the newest was a broadcast) are never deleted, whatever
+    this says."""
 
     @property
     def version(self) -> str:
@@ -291,74 +591,131 @@ def max_unavailable_count(value: int | str, total: int) -> int:
 
 # ------------------------------------------------------------------------------- status
 class Condition(_Model):
-    type: str
+    """One aspect of the refit's state (metav1.Condition)."""
+
+    # metav1.Condition's required fields (the operator always writes all five).
+    model_config = crd_model(required=["type", "status", "lastTransitionTime", "reason", "message"])
+
+    type: Annotated[str, crd(maxLength=316, pattern=CONDITION_TYPE)]
+    """Type of condition in CamelCase, e.g. Ready."""
     status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str = ""
-    observed_generation: int = 0
+    """True, False or Unknown."""
+    reason: Annotated[str, crd(minLength=1, maxLength=1024, pattern=CONDITION_REASON)]
+    """Programmatic CamelCase reason for the last transition."""
+    message: Annotated[str, crd(maxLength=32768)] = ""
+    """Human-readable details of the last transition."""
+    last_transition_time: Annotated[str, crd(format="date-time")] = ""
+    """When the condition last changed status."""
+    observed_generation: Annotated[int, crd(format="int64", minimum=0)] = 0
+    """The metadata.generation the condition was set for."""
 
 
 class PodProbe(_Model):
+    # The CRD never required the verdict (the operator always writes one).
+    model_config = crd_model(required=[])
+
     verdict: Verdict
+    """Pass, Fail or Inconclusive."""
     nll: float = 0.0
+    """The pod's NLL on the probe tokens (mean negative logprob)."""
     reference_nll: float = 0.0
+    """The reference NLL on the same tokens."""
     mean_abs_logprob_diff: float = 0.0
+    """Mean over tokens of |logprob(pod) - logprob(reference)|."""
     max_abs_logprob_diff: float = 0.0
+    """Largest single-token |logprob(pod) - logprob(reference)|."""
     tokens: int = 0
+    """Probe tokens compared."""
     draft_acceptance: float | None = None  # a pod with a drafter: its greedy acceptance
+    """A pod with a speculative drafter: the share of drafted tokens the target accepted while
+    it decoded the probe prompts greedily (absent for a pod without one)."""
 
 
 class PodResult(_Model):
+    """One pod's progress and result."""
+
     name: str
+    """Pod name."""
     phase: PodPhase = "Pending"
+    """Where this pod stands."""
     step: str = ""
+    """Current or last step: stage, drain, sleep, wakeWeights, load (a checkpoint) or receive (a
+    broadcast), wakeKV, resetCache, stampVersion, checksum, probe, ready, or restore (a refused
+    load or receive put the pod back on the weights it served)."""
     version: str = ""
+    """Weight version read back from the pod."""
     reason: str = ""
+    """CamelCase reason when the pod did not succeed."""
     message: str = ""
+    """Details for a person."""
     attempts: int = 0
+    """Attempts made for the current step."""
     start_time: str = ""
+    """When the operator started on this pod (RFC 3339; empty until then)."""
     completion_time: str = ""
+    """When this pod reached a final phase (RFC 3339; empty until then)."""
     step_seconds: dict[str, float] = Field(default_factory=dict)
+    """Seconds each finished step took, keyed by step name."""
     probe: PodProbe | None = None
-    # The read-back checksum of the pod's runtime weights (checksums.py), "" before its read.
-    checksum: str = ""
-    # Seconds from the pass taking the pod out of traffic to putting it back (readiness
-    # condition False -> True); None while it is out, or when the pass left it out.
+    """This pod's probe result."""
+    checksum: str = ""  # checksums.py
+    """The read-back checksum of the pod's runtime weights after its load (empty before the
+    checksum step)."""
     out_of_traffic_seconds: float | None = None
+    """Seconds from this pod's pass taking it out of traffic (readiness condition False) to
+    putting it back (True); absent while it is out, or when the pass left it out."""
 
 
 class Previous(_Model):
     version: str = ""
+    """Weight version the fleet served before this refit."""
     path: str = ""
+    """Checkpoint path of that version."""
     refit: str = ""
+    """Name of the WeightRefit that loaded it."""
 
 
 class VersionChecksum(_Model):
-    """The read-back checksum pods of one layout served a version with (checksums.py)."""
+    """The read-back checksum pods of one layout served a version with."""
+
+    # checksums.py computes and compares it.
 
     version: str
+    """The weight version."""
     layout: str
+    """A short hash of the dtype and the sorted tensor keys."""
     digest: str
+    """SHA-256 over every tensor's digest (first 128 bits, hex)."""
 
 
 class ProbeSummary(_Model):
     passed: int = 0
+    """Pods whose probe passed."""
     failed: int = 0
+    """Pods whose probe failed."""
     inconclusive: int = 0
+    """Pods whose probe was inconclusive."""
     worst_mean_abs_logprob_diff: float = 0.0
+    """Largest per-pod mean |logprob difference| against the reference."""
     worst_max_abs_logprob_diff: float = 0.0
+    """Largest single-token |logprob difference| against the reference."""
     worst_nll_diff: float = 0.0
+    """Largest |NLL(pod) - NLL(reference)|."""
     nll_spread: float = 0.0
+    """Max minus min NLL across the probed pods."""
 
 
 class OutOfTrafficSummary(_Model):
     """Time out of traffic over the pods this refit put back into traffic (traffic.py)."""
 
     pods: int = 0  # pods measured: taken out of traffic and put back by this refit's passes
+    """Pods measured (taken out of traffic and put back by this refit)."""
     worst_seconds: float = 0.0
+    """The longest time out of traffic of a measured pod, in seconds."""
     median_seconds: float = 0.0
+    """The median time out of traffic of the measured pods, in seconds."""
     worst_pod: str = ""
+    """The pod that was out of traffic longest."""
 
 
 RoundState = Literal["Joining", "Ready", "Sending", "Done"]
@@ -370,37 +727,111 @@ class BroadcastRound(_Model):
     """The current batch of a broadcast refit, as the trainer reads it (docs/broadcast.md)."""
 
     round: int = 0
+    """Number of the round (1, 2, ...), one send by the trainer each."""
     world_size: int = 0
+    """The trainer plus this round's receiving pods (0 while Joining)."""
     receivers: int = 0
+    """Pods of this round."""
     state: RoundState = "Joining"
+    """Joining (pods on their way to the transfer), Ready (waiting for the trainer), Sending
+    (the trainer announced this round), Done (every pod of the round is past its receive)."""
 
 
 class WeightRefitStatus(_Model):
     phase: Phase = "Pending"
-    observed_generation: int = 0
+    """Where the refit stands."""
+    observed_generation: Annotated[int, crd(format="int64")] = 0
+    """The metadata.generation this status describes."""
     message: str = ""
-    conditions: list[Condition] = Field(default_factory=list)
+    """One sentence about the current state."""
+    conditions: Annotated[list[Condition], crd(list_map_keys=["type"])] = Field(
+        default_factory=list
+    )
+    """Standard conditions Ready (True only when Succeeded), Progressing and Degraded; for a
+    broadcast refit also ReceiversReady (True while a round's pods wait for the trainer's send,
+    see status.broadcast)."""
     target_pods: int = 0
+    """Pods of the fleet this refit covers."""
     updated_pods: int = 0
+    """Pods at the target version whose probe passed."""
     failed_pods: int = 0
+    """Pods whose refit or probe failed."""
     inconclusive_pods: int = 0
+    """Pods whose probe was inconclusive (no data, NaN, timeout)."""
     previous: Previous | None = None
+    """The fleet's state before this refit: the most recent WeightRefit of the same fleet that
+    loaded a checkpoint the fleet served (Succeeded, or Superseded because every pod moved on to
+    newer refits); never a broadcast. A rollback takes each pod back to the checkpoint that pod
+    served, from its own record."""
     fleet: str = ""
+    """The fleet's canonical label selector, its identity for queueing and metrics."""
     queue_position: int = 0
+    """While Queued, how many refits of this fleet are ahead of this one."""
     start_time: str = ""
+    """When the operator started working on the pods (RFC 3339; empty until then)."""
     completion_time: str = ""
+    """When the refit reached a final phase (RFC 3339; empty until then)."""
     probe_summary: ProbeSummary = Field(default_factory=ProbeSummary)
+    """Probe results over every pod this refit probed (not only those listed in pods)."""
     # The agreed read-back checksum per (version, layout), at most STATUS_CHECKSUMS_LIMIT.
-    checksums: list[VersionChecksum] = Field(default_factory=list)
+    checksums: Annotated[list[VersionChecksum], crd(maxItems=STATUS_CHECKSUMS_LIMIT)] = Field(
+        default_factory=list
+    )
+    """The read-back checksum of the runtime weights (vLLM's weight checker over the parameters,
+    the worker's digests of the other buffers), one per version and layout (dtype and tensor
+    keys, which include the parallel ranks) that this refit's pods served with a passed probe. A
+    pod of that version and layout whose read-back differs fails with WeightChecksumMismatch
+    before its probe. Newest first, at most 8 entries."""
     out_of_traffic: OutOfTrafficSummary = Field(default_factory=OutOfTrafficSummary)
+    """Time out of traffic, the cost of a refit to the rollouts: per pod, the seconds from its
+    pass setting the readiness condition refit.rollout.dev/weights-ready False to setting it
+    True again, over every pod this refit put back into traffic (not only those listed in pods).
+    A pod still out of traffic, or left out by a failed pass, is not measured."""
     # Only the pods that need a person's attention, worst first, at most STATUS_PODS_LIMIT;
     # every pod's full record is its progress annotation (see status.pod_results).
-    pods: list[PodResult] = Field(default_factory=list)
+    pods: Annotated[list[PodResult], crd(maxItems=STATUS_PODS_LIMIT, list_map_keys=["name"])] = (
+        Field(default_factory=list)
+    )
+    """The pods that need a person's attention, worst first: Failed, Inconclusive, Dropped, then
+    InProgress, each group by name; at most 50 entries, the rest counted in podsOmitted. Pods
+    that succeeded or rolled back are not listed, so the object stays small at any fleet size.
+    Every pod's full record of its last pass is its refit.rollout.dev/progress annotation;
+    `kubectl refit status NAME` shows every pod of the fleet."""
     pods_omitted: int = 0  # pods needing attention left out of ``pods`` by the limit
+    """Pods needing attention that pods leaves out because of its 50-entry limit (their records
+    are on the pods: the refit.rollout.dev/progress annotation)."""
     broadcast: BroadcastRound | None = None  # spec.broadcast only
+    """The current round of a broadcast refit (spec.broadcast): a batch of pods that receives
+    one send. When the ReceiversReady condition is True for a round it has not sent yet, the
+    trainer opens its rendezvous with this world size (itself rank 0, the pods ranks 1 to
+    worldSize-1), annotates the WeightRefit refit.rollout.dev/broadcast-sending with the round's
+    number, and sends."""
     # spec.sequence as the preflight admitted it: the refit's passes run this one
     # (admission.admitted_spec), whatever the spec says later.
-    sequence: Sequence | None = None
+    sequence: Annotated[Sequence | None, crd(record_of="spec.sequence")] = None
+    """The sequence the preflight admitted the pods for (spec.sequence as it was then), recorded
+    when the refit starts: every pass of the refit runs it, whatever spec.sequence says later."""
     # The parallel layout the preflight found the fleet's pods in ("TP2 PP1 DP1"): a pod that
     # joins the fleet later must share it (admission.joins_layout).
     layout: str = ""
+    """The parallel layout the preflight found the fleet's pods in ("TP2 PP1 DP1"), recorded
+    when the refit starts: a pod that joins the fleet later is refused (ParallelLayoutMismatch)
+    unless it runs the same."""
+
+
+# ----------------------------------------------------------------------------- the object
+class WeightRefit(_Model):
+    """WeightRefit hot-reloads new weights into every vLLM pod of a fleet. The operator takes
+    each pod out of traffic, pauses and sleeps it, reloads the checkpoint layer by layer (or
+    receives the weights the trainer broadcasts), stamps the weight version, probes the pod's
+    logprobs against a reference, and lets it back into traffic only when the probe passes."""
+
+    api_version: str | None = None
+    """APIVersion defines the versioned schema of this representation of an object."""
+    kind: str | None = None
+    """Kind is a string value representing the REST resource this object represents."""
+    metadata: dict[str, Any] | None = None
+    spec: WeightRefitSpec
+    """What to load into which pods, and how carefully."""
+    status: WeightRefitStatus | None = None
+    """What the operator observed and did. Written only by the operator."""

@@ -8,7 +8,8 @@ per-parameter SHA-256 (``POST /weight_checker``) and the worker extension's dige
 buffer that is not a parameter (``refit_buffer_digests``), folds them into one digest, and
 asks :func:`judge` whether it agrees with what pods of the same layout hold at that version.
 
-Pure: plain data in, decisions out (steps.py does the calls; engine.py gathers the peers).
+Pure: plain data in, decisions out (controller/steps.py does the calls; the reconcile loop
+gathers the peers).
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ class Reason(StrEnum):
     UnsafeBackend = "UnsafeBackend"  # the image lacks a reload-safety capability
     UnsafeConfiguration = "UnsafeConfiguration"  # a configuration the backports do not cover
     AdapterUnsupported = "AdapterUnsupported"  # an adapter refit on vLLM without runtime LoRA
+    # an adapter refit's name is a model the pods serve already and not this track's adapter
+    # (the base model or one of its aliases in /v1/models, or an adapter loaded by others)
+    AdapterNameConflict = "AdapterNameConflict"
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales
     ParallelLayoutMismatch = "ParallelLayoutMismatch"  # the pods report different TP/PP/DP
     # a pod runs workers whose answers the refit never hears: /get_world_size counts more
@@ -70,6 +73,9 @@ class Reason(StrEnum):
     ProbeReferenceInvalid = "ProbeReferenceInvalid"  # the worker cannot read refit-probe.json
     CheckpointChanged = "CheckpointChanged"  # a file changed between stage and load
     AdapterInvalid = "AdapterInvalid"  # a LoRA adapter's adapter_config.json is not PEFT LoRA
+    AdapterRankTooHigh = "AdapterRankTooHigh"  # a LoRA adapter's rank above --max-lora-rank
+    AdapterModulesUnknown = "AdapterModulesUnknown"  # it targets modules the model lacks
+    AdapterBaseMismatch = "AdapterBaseMismatch"  # its matrices do not fit the served model's
     DrafterMissing = "DrafterMissing"  # the pod runs a drafter; the refit carries none
     LoadFailed = "LoadFailed"  # vLLM's reload raised: the model may be half loaded
     TransferMismatch = "TransferMismatch"  # a broadcast's bytes differ from its promise

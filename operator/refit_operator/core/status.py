@@ -2,7 +2,7 @@
 the conditions (Ready, Progressing, Degraded; a broadcast's ReceiversReady, with
 status.broadcast), status.pods (the pods that need attention, capped), the probe summary, the
 agreed checksums, the time out of traffic, and the per-pod views that `kubectl refit
-status`, the report and the metrics share. Pure, like the decision it serves (reconcile.py
+status`, the report and the metrics share. Pure, like the decision it serves (decision.py
 decides; this says)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Any
 
 from refit_worker.contract import READINESS_GATE
 
-from . import api, groups, plan, reconcile, times, traffic
+from . import api, decision, groups, plan, times, traffic
 from .podflow import Progress
 from .podview import PodView
 from .reasons import Problem
@@ -245,12 +245,12 @@ REFIT_HEADERS = ("NAME", "VERSION", "PHASE", "UPDATED", "FAILED", "WORST|Δ|", "
 
 # ----------------------------------------------------------------------------------- plan
 def plan_batches(
-    refit: reconcile.RefitView, pods: Sequence[reconcile.PodView]
+    refit: decision.RefitView, pods: Sequence[decision.PodView]
 ) -> tuple[list[str], list[list[str]], list[str]]:
     """(pods in flight now, batches still to start in order, pods already at the version),
     from the operator's own decisions, assuming every pod passes its probe."""
     version = refit.spec.version
-    states = {p.name: reconcile.pod_state(p, refit, version, rollback=False) for p in pods}
+    states = {p.name: decision.pod_state(p, refit, version, rollback=False) for p in pods}
     states = {n: s for n, s in states.items() if s != "dropped"}
     done = sorted(n for n, s in states.items() if s == "passed")
     active = sorted(n for n, s in states.items() if s == "active")
@@ -273,7 +273,7 @@ def plan_report(
     meta = doc["metadata"]
     spec = api.WeightRefitSpec.model_validate(doc["spec"])
     status = api.WeightRefitStatus.model_validate(doc.get("status") or {})
-    view = reconcile.RefitView(
+    view = decision.RefitView(
         name=meta.get("name", ""), uid=meta.get("uid", ""), generation=1,
         created=times.order_of(meta) or "9999", spec=spec, status=status,
     )  # fmt: skip

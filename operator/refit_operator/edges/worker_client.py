@@ -532,6 +532,18 @@ class WorkerClient:
         )
         return answer.status != 404
 
+    async def served_models(self, *, timeout: float | None = None) -> list[tuple[str, str | None]]:
+        """Every model name the pod serves, as /v1/models lists it: (id, parent), where vLLM
+        gives an adapter's card the base model's name as parent and a base model name (one per
+        --served-model-name) none (core.admission.ServedModel)."""
+        doc = await self._json("GET", "/v1/models", timeout=timeout)
+        out: list[tuple[str, str | None]] = []
+        for card in _field(doc, "data", list, "models"):
+            model = _field(card, "id", str, "models")
+            parent = card.get("parent")
+            out.append((model, parent if isinstance(parent, str) and parent else None))
+        return out
+
     async def adapters(self, *, timeout: float | None = None) -> list[str]:
         """The adapter names the pod serves (/v1/models entries other than the base model)."""
         doc = await self._json("GET", "/v1/models", timeout=timeout)

@@ -33,19 +33,19 @@ from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP, ContractError, ProbeReference
 
 from ..core import api, times
+from ..core.api import SENDING_ANNOTATION
+from ..core.reasons import Reason
+from ..core.views import reason_of
 from .checkpoint_files import write_checkpoint_files
 from .kubeconfig import default_namespace, load_api_client
-from ..core.reasons import Reason
 from .refit_document import API_VERSION, build_refit, default_name, stamped
 from .refit_error import RefitError
-from ..core.api import SENDING_ANNOTATION
-from ..core.views import reason_of
 
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
 
 FAILED_PHASES: frozenset[api.Phase] = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
-# The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
+# The operator's per-pod Events: "pod NAME: Reason: message" (pod_pass._finish).
 _POD_EVENT = re.compile(r"^pod (\S+): ([A-Za-z]+): (.*)$", re.S)
 
 

@@ -7,7 +7,7 @@
 
 Read only: nothing here writes to the cluster (`plan -f` asks the API server for a
 server-side dry run, which validates and defaults the file without storing it). `plan` runs
-the operator's own pure planning code (plan.next_pods, reconcile.pod_state) on the pods as
+the operator's own pure planning code (plan.next_pods, decision.pod_state) on the pods as
 they are now, so what it prints is what the operator would do.
 
 Exit codes of `wait`: 0 Succeeded, 1 Failed/Halted/RolledBack/Superseded, 124 timed out;
@@ -30,20 +30,20 @@ from kubernetes.client.exceptions import ApiException
 from refit_worker.contract import API_GROUP
 
 from ..core import api
-from .client import RefitClient, RefitFailed, RefitTimeout
-from .refit_document import parse_selector
-from .refit_error import RefitError
 from ..core.views import (
     HISTORY_HEADERS,
     REFIT_HEADERS,
     describe,
     fleet_of,
-    track_of,
     history_rows,
     plan_report,
     refit_rows,
     table,
+    track_of,
 )
+from .client import RefitClient, RefitFailed, RefitTimeout
+from .refit_document import parse_selector
+from .refit_error import RefitError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -1,13 +1,14 @@
 """A picture of one refit instead of a log: per-pod probe results and a per-pod step timeline.
 
-    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] --out report.png
+    python -m refit_operator.tools.report --refit NAME -n NAMESPACE [--kubeconfig PATH] \\
+        --out report.png
 
 reads the WeightRefit and its fleet's pods from the API server and draws every pod: each pod's
 own record (its refit.rollout.dev/progress annotation) folded with the refit's status.pods,
 which lists only the pods that need attention. `render(status, out, ...)` draws from a status
 dict (`.status` of a WeightRefit) directly, or from every pod's result (`pods=`);
-`render_refit(doc, out, pods=...)` from the WeightRefit and its fleet's Pod objects. Needs
-matplotlib (the `report` extra).
+`render_refit(doc, out, pods=...)` from the WeightRefit and its fleet's Pod objects;
+`figure(status, ...)` is the Figure `render` saves. Needs matplotlib (the `report` extra).
 
 `render_grpo(run, out)` draws a training run through Refit instead: reward and refit time
 per step, from the run document `testbed/grpo_trainer.py` writes (the `refit[trl]`
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -31,8 +33,7 @@ from refit_worker.contract import API_GROUP
 
 from ..core import api, times, traffic
 from ..core.podflow import STEPS, Progress
-from ..core.views import pod_views
-from ..core.views import seconds, version_of
+from ..core.views import pod_views, seconds, version_of
 
 VERDICT_COLORS: Final = {"Pass": "#2e9e44", "Fail": "#d62728", "Inconclusive": "#ff9f1c"}
 NO_PROBE_COLOR: Final = "#b0b0b0"
@@ -44,6 +45,11 @@ Windows = Mapping[str, tuple[float, float | None]]
 # Up to this many pods each gets a labelled row of its own; a larger fleet is drawn whole, in
 # a picture of fixed height, without per-pod labels (`kubectl refit status NAME` lists them).
 LABELLED_ROWS: Final = 100
+DPI: Final = 110
+# The status message under the report is wrapped at this many characters (the figure is 15 in).
+MESSAGE_WIDTH: Final = 160
+# Points kept free between a pod's phase label and the timeline's right edge.
+LABEL_MARGIN: Final = 8.0
 # The parts of a GRPO step's time (StepRecord fields), stacked in this order.
 GRPO_TIMES: Final = (
     ("publish_seconds", "publish (reference + send)", "#1f77b4"),
@@ -89,6 +95,25 @@ def render(
     windows: each pod's window out of traffic (render_refit reads them from the pods'
     records); None: from the results' outOfTrafficSeconds, ending at their completionTime.
     """
+    fig = figure(status, thresholds=thresholds, title=title, pods=pods, windows=windows)
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def figure(
+    status: Mapping[str, Any],
+    *,
+    thresholds: Mapping[str, Any] | None = None,
+    title: str = "",
+    pods: Sequence[api.PodResult] | None = None,
+    windows: Windows | None = None,
+) -> Any:
+    """The matplotlib Figure `render` saves (the caller closes it), laid out as saved: the
+    timeline's legend within its height and every pod's phase label inside the timeline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +137,7 @@ def render(
     # 10,000-pod fleet is a band of colour per step) and only the title names counts.
     rows_height = 0.28 * min(len(pods), LABELLED_ROWS)
 
-    fig = plt.figure(figsize=(15, 5.5 + rows_height), layout="constrained")
+    fig = plt.figure(figsize=(15, 5.5 + rows_height), dpi=DPI, layout="constrained")
     grid = fig.add_gridspec(2, 3, height_ratios=[4.5, 1.2 + rows_height])
     panels = (
         (
@@ -188,7 +213,8 @@ def render(
     )
 
     windows = result_windows(pods) if windows is None else windows
-    _timeline(fig.add_subplot(grid[1, :]), st, pods, windows)
+    timeline = fig.add_subplot(grid[1, :])
+    labels = _timeline(timeline, st, pods, windows)
 
     updated = f"{st.updated_pods}/{st.target_pods} updated"
     failed = f", {st.failed_pods} failed" if st.failed_pods else ""
@@ -200,11 +226,58 @@ def render(
         ha="left",
     )
     if st.message:
-        fig.text(0.01, 0.002, st.message, fontsize=9, style="italic", va="bottom")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+        # A figure label, not free text at the bottom edge: the layout keeps room for it below
+        # the timeline and its legend, wrapped to the figure's width.
+        fig.supxlabel(
+            textwrap.fill(st.message, MESSAGE_WIDTH), fontsize=9, style="italic", x=0.01,
+            ha="left",
+        )  # fmt: skip
+    if not huge:  # a huge fleet's timeline is tall and unlabelled: nothing to fit
+        _fit_legend(fig, timeline)
+        _fit_labels(fig, timeline, labels)
+    return fig
+
+
+def _fit_legend(fig: Any, ax: Any) -> None:
+    """Spread the timeline's legend over as many columns as keep it within the timeline's
+    height: a few pods make a short timeline, and a one-column legend of every step would run
+    past the figure's bottom, over the status message."""
+    legend = ax.get_legend()
+    if legend is None:
+        return
+    handles = list(legend.legend_handles)
+    columns = 1
+    for _ in range(4):
+        fig.canvas.draw()  # lays the figure out: the sizes below are the saved ones
+        tall = legend.get_window_extent().height
+        room = ax.get_window_extent().height
+        if tall <= room or columns >= len(handles):
+            return
+        rows = -(-len(handles) // columns)
+        fit = max(1, int(rows * room / tall))  # the title's height makes this a bit short
+        columns = min(len(handles), max(columns + 1, -(-len(handles) // fit)))
+        legend = _step_legend(ax, handles, columns)
+
+
+def _fit_labels(fig: Any, ax: Any, labels: Sequence[Any]) -> None:
+    """Widen the timeline's x range until every pod's phase label ends inside the axes: a
+    label past the right edge runs into the step legend beside it."""
+    if not labels:
+        return
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    left, right = ax.get_xlim()
+    need = right
+    for label in labels:
+        width = label.get_window_extent().width + LABEL_MARGIN * fig.dpi / 72
+        usable = box.width - width
+        x = label.xy[0]
+        if usable <= 0:
+            continue  # wider than the axes: no x range fits it
+        # x must sit at (x - left) / (need - left) * box.width <= usable.
+        need = max(need, left + (x - left) * box.width / usable)
+    if need > right:
+        ax.set_xlim(left, need)
 
 
 def result_windows(pods: Sequence[api.PodResult]) -> dict[str, tuple[float, float | None]]:
@@ -251,11 +324,11 @@ def headline(st: api.WeightRefitStatus, windows: Windows) -> str:
 
 def _timeline(
     ax: Any, st: api.WeightRefitStatus, pods: list[api.PodResult], windows: Windows
-) -> None:
+) -> list[Any]:
     """Steps of each pod laid end to end from its startTime; the rest until its completionTime
     is waiting (retries with backoff, the strategy holding it back). Behind them, shaded, the
     pod's window out of traffic. One bar call per step for the whole fleet, so 10,000 pods
-    draw in seconds."""
+    draw in seconds. Returns each pod's phase label (none above LABELLED_ROWS pods)."""
     from matplotlib.patches import Patch
 
     starts = [t for t in (times.parse(p.start_time) for p in pods) if t is not None]
@@ -295,13 +368,14 @@ def _timeline(
         ax.hlines([w[0] for w in waits], [w[1] for w in waits], [w[2] for w in waits],
                   color="#888888", lw=1 if not huge else 0.3, ls=":")  # fmt: skip
     shaded = _out_of_traffic(ax, pods, windows, origin, ends, huge, row_points)
+    labels = []
     if not huge:
         for row, pod in enumerate(pods):
             label = pod.phase + (f": {pod.reason}" if pod.reason else "")
             if pod.phase not in ("Succeeded",) and pod.step:
                 label += f" (at {pod.step})"
             bad = pod.phase in ("Failed", "Inconclusive")
-            ax.annotate(
+            annotation = ax.annotate(
                 label,
                 xy=(max(ends[row], lefts[row]), row),
                 xytext=(4, 0),
@@ -310,6 +384,7 @@ def _timeline(
                 fontsize=8,
                 color=VERDICT_COLORS["Fail"] if bad else "black",
             )
+            labels.append(annotation)
         ax.set_yticks(range(len(pods)))
         ax.set_yticklabels([p.name for p in pods], fontsize=8)
     else:
@@ -321,14 +396,23 @@ def _timeline(
     ax.set_title("per-pod step timeline", fontsize=11)
     ax.grid(axis="x", alpha=0.3)
     left, right = ax.get_xlim()
-    ax.set_xlim(min(left, 0), right + (right - left) * 0.18)  # room for the phase labels
-    ax.legend(
-        handles=[Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used] + shaded,
+    ax.set_xlim(min(left, 0), right)  # the phase labels' room: _fit_labels, once laid out
+    handles = [Patch(color=STEP_COLORS.get(s, "#dddddd"), label=s) for s in used] + shaded
+    if handles:  # a refit that failed before any step has nothing to explain
+        _step_legend(ax, handles)
+    return labels
+
+
+def _step_legend(ax: Any, handles: Sequence[Any], columns: int = 1) -> Any:
+    """The timeline's legend, beside it at the top (replacing any legend it had)."""
+    return ax.legend(
+        handles=list(handles),
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         fontsize=8,
         title="step",
         title_fontsize=8,
+        ncols=columns,
     )
 
 
@@ -497,7 +581,7 @@ def render_grpo(run: Mapping[str, Any], out: Path, *, title: str = "") -> Path:
         fontsize=12, x=0.01, ha="left",
     )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
 

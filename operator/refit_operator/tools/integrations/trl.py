@@ -14,15 +14,20 @@ trainer's global step moved since the last publish, the policy in memory is publ
 through ``RefitClient`` (broadcast from memory by default, or a checkpoint written under
 ``checkpoint_root``) with a probe reference scored by that same model, and the verdict is
 awaited: ``RefitFailed``/``RefitTimeout`` propagate, so no rollout is ever generated from
-weights the operator has not probed. Generation then goes to the fleet's Ready pods (spread
-across them) through vLLM's token-in/token-out route ``/inference/v1/generate``, which
+weights the operator has not probed. Generation then goes to the fleet's units the operator's
+traffic gate admits and that serve the published version, by their records (spread across
+them): each pod, or with ``groups`` (spec.fleet.groups: replicas that span several pods, a
+LeaderWorkerSet group) each group's leader, the only pod of it with vLLM's API, judged by the
+group's record and the run of every member (core/groups.py). The route is vLLM's
+token-in/token-out ``/inference/v1/generate``, which
 needs the pods started with ``--enable-scale-out``: it returns each output's weight-version
 spans, and a completion whose spans are not exactly the published version raises
 ``StaleRollout``. ``route="completions"`` generates through ``/v1/completions`` instead (what
 TRL's own client speaks; any vLLM server), which returns no spans: a pod's completions are
 then taken at the published version only if its records say it served that version, probed
 and in traffic, both before its requests and after them, with the same pass and no restart
-in between (a pod refit or restarted meanwhile raises ``StaleRollout``). TRL's interface gives
+in between (a pod, or a member of its group, refit, restarted or replaced meanwhile raises
+``StaleRollout``). TRL's interface gives
 the rollout function no hook at the end of training: ``callback()`` publishes the final
 weights from ``on_train_end``.
 
@@ -41,8 +46,11 @@ from typing import Any
 
 import httpx
 
-from ..client import RefitClient
+from ...core import api
+from ...core import groups as pod_groups
+from ...core.gate import gate, served
 from ...core.podview import PodView
+from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 
 log = logging.getLogger(__name__)
@@ -90,16 +98,78 @@ def group_prompts(prompts: Sequence[Any]) -> list[tuple[int, int]]:
     return runs
 
 
-def ready_pod_urls(pods: Sequence[Mapping[str, Any]], port: int) -> list[tuple[str, str]]:
-    """(pod name, base URL) of the pods in traffic, sorted by name: the Refit readiness gate
-    True and, where a kubelet reports it, the Ready condition not False."""
-    out = []
-    for pod in pods:
-        conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
-        ip = pod.get("status", {}).get("podIP")
-        if conds.get(READY_GATE) == "True" and conds.get("Ready") != "False" and ip:
-            out.append((pod["metadata"]["name"], f"http://{ip}:{port}"))
-    return sorted(out)
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a batch's rollouts may go: ``urls`` (unit name, base URL), sorted by name, and
+    ``refused`` (unit name -> why not) for every other unit of the fleet."""
+
+    urls: list[tuple[str, str]]
+    refused: dict[str, str]
+
+
+def fleet_units(pods: Sequence[Mapping[str, Any]], groups: api.Groups | None) -> list[PodView]:
+    """The fleet's units as the operator counts them (core/groups.py): each pod, or with
+    ``groups`` each pod group as its leader's view with the group folded in."""
+    return pod_groups.units([PodView.from_pod(p) for p in pods], groups)
+
+
+def refusal(unit: PodView, version: str) -> str:
+    """Why rollouts taken at ``version`` may not be generated on ``unit`` ("" when they may):
+    the operator's traffic gate holds it out (core/gate.py: every track's record on the pod,
+    and for a group its record on the leader and every member present, running and in the run
+    that record was made in), its weights-ready condition is not True on every pod of it, or
+    its base weights serve another version."""
+    verdict = gate(unit)
+    if not verdict.ready:
+        return f"{verdict.reason}: {verdict.message}"
+    if not unit.ready:
+        pods = "every pod of the group" if unit.members else "the pod"
+        return f"out of traffic: the weights-ready condition is not True on {pods}"
+    serves = served(unit.records[""])  # the gate let it in: it has a base record
+    if serves != version:
+        return f"serves {serves or 'no probed version'}, not {version}"
+    return ""
+
+
+def rollout_endpoints(
+    pods: Sequence[Mapping[str, Any]], port: int, version: str, groups: api.Groups | None = None
+) -> Endpoints:
+    """Where rollouts at ``version`` may go: every unit ``refusal`` lets through, with a pod
+    IP and, where a kubelet reports it, the Ready condition not False on each of its pods. A
+    group generates on its leader only (its followers have no vLLM API)."""
+    # What each pod's own object says, for the kubelet's word and a reason's details.
+    phase = {
+        p["metadata"]["name"]: "being deleted"
+        if p["metadata"].get("deletionTimestamp")
+        else str((p.get("status") or {}).get("phase") or "no phase")
+        for p in pods
+    }
+    kubelet_ready = {
+        p["metadata"]["name"]: all(
+            c.get("status") != "False"
+            for c in (p.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Ready"
+        )
+        for p in pods
+    }
+    urls: list[tuple[str, str]] = []
+    refused: dict[str, str] = {}
+    for unit in fleet_units(pods, groups):
+        why = refusal(unit, version)
+        down = [f"{n}: {phase[n]}" for n in (unit.name, *unit.members) if phase[n] != "Running"]
+        if why and down and unit.members:
+            why += f" ({', '.join(down)})"
+        if not why:
+            not_ready = [n for n in (unit.name, *unit.members) if not kubelet_ready.get(n, False)]
+            if not_ready:
+                why = f"the kubelet reports {', '.join(not_ready)} not Ready"
+            elif not unit.ip:
+                why = f"pod {unit.name} has no pod IP"
+        if why:
+            refused[unit.name] = why
+        else:
+            urls.append((unit.name, f"http://{unit.ip}:{port}"))
+    return Endpoints(sorted(urls), refused)
 
 
 def sampling_params(trainer: Any, n: int) -> dict[str, Any]:
@@ -147,26 +217,61 @@ def choice_tokens(choice: Mapping[str, Any]) -> tuple[list[int], list[float]]:
 
 
 def served_throughout(before: PodView | None, after: PodView | None, version: str) -> str:
-    """Why a pod's completions, returned without weight-version spans, cannot be taken at
-    ``version`` ("" when they can): by its records it served ``version`` (probed, in
-    traffic, no restart since) before its requests and after them, with the same pass
-    record, the same pod object and no container restart in between. A refit away and back
-    to the same version in between changes the pass record, so it is caught too."""
+    """Why a unit's completions, returned without weight-version spans, cannot be taken at
+    ``version`` ("" when they can): by its records it served ``version`` (``refusal``: the
+    gate lets it through, probed, in traffic) before its requests and after them, with the
+    same pass record, the same pod object, no container restart and, for a group, the same
+    followers in between. A refit away and back to the same version in between changes the
+    pass record, so it is caught too."""
     if before is None or after is None:
         return "the pod left the fleet while it generated"
     for when, view in (("before", before), ("after", after)):
-        if view.serving != version:
-            served = view.serving or "no probed version"
-            return f"the pod served {served} {when} its requests, not {version}"
-    if (before.uid, before.restarts, before.progress) != (after.uid, after.restarts,
-                                                           after.progress):  # fmt: skip
-        return "the pod was refit or restarted while it generated"
+        why = refusal(view, version)
+        if why:
+            return f"{when} its requests: {why}"
+    if (before.uid, before.restarts, before.incarnation, before.progress) != (
+        after.uid, after.restarts, after.incarnation, after.progress,
+    ):  # fmt: skip
+        return "the pod (or a member of its group) was refit or restarted while it generated"
     return ""
+
+
+def fleet_groups(
+    spec: Mapping[str, Any], groups: api.Groups | Mapping[str, str] | None
+) -> tuple[dict[str, Any], api.Groups | None]:
+    """The publish keywords (``spec``, for RefitClient) with spec.fleet.groups set from
+    ``groups``, and the groups the fleet's units are made of: from ``groups``, else from
+    ``spec_fields={"fleet": {"groups": ...}}`` in ``spec``. Given in both places, they must
+    agree; an unknown field of a mapping is refused (the model would drop it silently)."""
+    out = dict(spec)
+    fields = dict(out.get("spec_fields") or {})
+    fleet = dict(fields.get("fleet") or {})
+    found = []
+    for given in (groups, fleet.get("groups")):
+        if given is None or isinstance(given, api.Groups):
+            found.append(given)
+            continue
+        known = {n for f, info in api.Groups.model_fields.items() for n in (f, info.alias)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(
+                f"groups: unknown field(s) {', '.join(unknown)} (groupLabel, indexLabel)"
+            )
+        found.append(api.Groups.model_validate(dict(given)))
+    mine, theirs = found
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ValueError("groups and spec_fields' fleet.groups disagree: give them once")
+    chosen = mine if mine is not None else theirs
+    if chosen is not None:
+        out["spec_fields"] = {**fields, "fleet": {**fleet, "groups": chosen.dump()}}
+    return out, chosen
 
 
 class RefitRollout:
     """The ``rollout_func`` (see the module's docstring). ``records`` holds a StepRecord per
-    published step, the last RECORDS_KEPT of them (a long run's memory stays flat)."""
+    published step, the last RECORDS_KEPT of them (a long run's memory stays flat).
+    ``groups`` (an api.Groups, or its fields as the API spells them: ``{}`` for
+    LeaderWorkerSet's labels) makes the fleet one of pod groups (``fleet_groups``)."""
 
     def __init__(
         self,
@@ -185,6 +290,7 @@ class RefitRollout:
         request_timeout: float = 300,
         spec: Mapping[str, Any] | None = None,
         route: str = "generate",
+        groups: api.Groups | Mapping[str, str] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r}: one of {', '.join(ROUTES)}")
@@ -205,7 +311,9 @@ class RefitRollout:
         self.rendezvous, self.checkpoint_root, self.pod_root = rendezvous, checkpoint_root, pod_root
         self.service_url, self.model_name = service_url, model_name
         self.version_prefix, self.refit_timeout = version_prefix, refit_timeout
-        self.spec = {"strategy": "AllAtOnce", **(spec or {})}
+        # Pod groups (spec.fleet.groups), given here or in spec's spec_fields: the refits
+        # published say so, and generation goes to the groups' leaders.
+        self.spec, self.groups = fleet_groups({"strategy": "AllAtOnce", **(spec or {})}, groups)
         self.route = route
         from refit_worker.contract import CLIENT_KEEPALIVE_SECONDS  # lazily, as everywhere here
 
@@ -226,7 +334,10 @@ class RefitRollout:
         rec = StepRecord(step=step, version=version, refit=default_name(version))
         started = rec.publish_began_at = time.monotonic()
         ref = reference.reference_from_model(
-            model, self.probe_token_ids, version=version, tool="refit_operator.tools.integrations.trl"
+            model,
+            self.probe_token_ids,
+            version=version,
+            tool="refit_operator.tools.integrations.trl",
         )
         referenced = time.monotonic()
         if self.rendezvous is not None:
@@ -267,14 +378,30 @@ class RefitRollout:
         items = core.list_namespaced_pod(self.client.namespace, label_selector=self.label_selector)
         return [self.client.api_client.sanitize_for_serialization(p) for p in items.items]
 
-    def endpoints(self, pods: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, str]]:
-        """(name, base URL) to generate from: the Service, else the Ready pods."""
+    def endpoints(
+        self, version: str, pods: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[tuple[str, str]]:
+        """(name, base URL) to generate from at ``version``: the Service, else the units
+        ``rollout_endpoints`` admits (each group's leader). StaleRollout, with every unit's
+        reason, when none is admitted."""
         if self.service_url:
             return [("service", self.service_url)]
-        urls = ready_pod_urls(self.fleet_pods() if pods is None else pods, self.port)
-        if not urls:
-            raise StaleRollout(f"no Ready pod selected by {self.label_selector!r} to generate from")
-        return urls
+        listed = self.fleet_pods() if pods is None else pods
+        found = rollout_endpoints(listed, self.port, version, self.groups)
+        refused = "; ".join(f"{name}: {why}" for name, why in sorted(found.refused.items()))
+        if not found.urls:
+            hint = ""
+            if self.groups is None and any(
+                api.LWS_GROUP_LABEL in (p["metadata"].get("labels") or {}) for p in listed
+            ):
+                hint = " (the pods carry LeaderWorkerSet's group labels: pass groups=)"
+            raise StaleRollout(
+                f"no unit selected by {self.label_selector!r} serves {version} in traffic "
+                f"to generate from{hint}: {refused or 'no pods'}"
+            )
+        if refused:
+            log.warning("not generating at %s on: %s", version, refused)
+        return found.urls
 
     def _request(self, url: str, ids: list[int], params: dict[str, Any]) -> list[Any]:
         """One prompt's ``n`` completions from one pod, by the rollout's route."""
@@ -303,10 +430,10 @@ class RefitRollout:
         logprobs: list[list[float]] = []
         pods: list[str] = []
         listed = None if self.service_url else self.fleet_pods()
-        urls = self.endpoints(listed)
+        urls = self.endpoints(rec.version, listed)
         for start, count in group_prompts(prompts):
             ids = list(tok(text=prompts[start])["input_ids"])
-            name, url = urls[self._next_pod % len(urls)]  # spread the groups over the pods
+            name, url = urls[self._next_pod % len(urls)]  # spread the prompts over the units
             self._next_pod += 1
             if rec.first_request_at is None:
                 rec.first_request_at = time.monotonic()
@@ -338,10 +465,11 @@ class RefitRollout:
     def _check_served(
         self, listed: Sequence[Mapping[str, Any]], used: set[str], version: str
     ) -> None:
-        """StaleRollout unless each pod that generated served ``version`` throughout, by its
-        records read before its requests (``listed``) and now."""
-        before = {v.name: v for v in map(PodView.from_pod, listed)}
-        after = {v.name: v for v in map(PodView.from_pod, self.fleet_pods())}
+        """StaleRollout unless each unit that generated served ``version`` throughout, by its
+        records (a group's: its leader's and every member's) read before its requests
+        (``listed``) and now."""
+        before = {v.name: v for v in fleet_units(listed, self.groups)}
+        after = {v.name: v for v in fleet_units(self.fleet_pods(), self.groups)}
         for name in sorted(used):
             why = served_throughout(before.get(name), after.get(name), version)
             if why:

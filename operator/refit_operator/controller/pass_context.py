@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 from refit_worker.contract import ProbeReference
 
-from .core import checksums
-from .core.api import Broadcast, Sequence, WeightRefitSpec
-from .core.podflow import Progress, Step
-from .core.podview import PodView
-from .core.reasons import Problem
-from .edges.cluster import Kube
-from .edges.worker_client import WorkerClient
+from ..core import checksums
+from ..core.api import Broadcast, Sequence, WeightRefitSpec
+from ..core.podflow import Progress, Step
+from ..core.podview import PodView
+from ..core.reasons import Problem
+from ..edges.cluster import Kube
+from ..edges.worker_client import WorkerClient
 from .rounds import Rounds
 
 

@@ -1,6 +1,6 @@
 """The fleet's preflight, and the inputs it reads: before a refit touches any pod, every pod
 answers refit_info and /get_world_size, the probe reference is read and scored on one pod, and
-a broadcast's transfer manifest is read and checked against the spec (reconcile.decide judges
+a broadcast's transfer manifest is read and checked against the spec (decision.decide judges
 the answers, core/admission the rules). The Secrets, the reference and the manifest are read
 again by the first tick that starts a pass after a restart, where no preflight runs.
 """
@@ -15,12 +15,13 @@ from typing import Any
 
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo, TransferManifest
 
-from .core import admission, probe
-from .core.admission import PreflightResult
-from .core.podview import PodView
-from .core.reasons import Problem, Reason
-from .edges.cluster import AccessDenied, Kube
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import admission, probe
+from ..core.admission import PreflightResult
+from ..core.api import WeightRefitSpec
+from ..core.podview import PodView
+from ..core.reasons import Problem, Reason
+from ..edges.cluster import AccessDenied, Kube
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import BroadcastSource
 from .refit_state import Tick
 from .rounds import Rounds
@@ -28,6 +29,41 @@ from .rounds import Rounds
 log = logging.getLogger(__name__)
 
 PREFLIGHT_CONCURRENCY = 64
+
+
+async def adapter_admission(
+    client: WorkerClient,
+    spec: WeightRefitSpec,
+    pod: PodView,
+    t_step: float,
+    *,
+    unreachable: bool = True,
+) -> Problem | None:
+    """Whether ``pod`` may take the refit's adapter, asked before it leaves traffic: the
+    worker's refit_adapter_check (path rules, manifest and digests, a PEFT LoRA config vLLM
+    serves, a rank within --max-lora-rank, target modules the served model has, matrices of its
+    sizes), then the name against the models the pod serves (admission.adapter_name_problem).
+    A refusal is the pod's problem, named; a pod that does not answer is PodUnreachable
+    (``unreachable``; else None: the pass meets it again in its first step, with retries)."""
+    adapter = spec.adapter
+    assert adapter is not None
+    try:
+        await client.adapter_check(adapter.path, timeout=t_step)
+        served = await client.served_models(timeout=t_step)
+    except WorkerError as e:
+        if e.kind == "rejected" and e.code:
+            return Problem(e.code, f"pod {pod.name}: adapter {adapter.path}: {e.message}")
+        if not unreachable:
+            return None
+        return Problem(
+            Reason.PodUnreachable, f"pod {pod.name}: checking the adapter failed: {e.message}"
+        )
+    problem = admission.adapter_name_problem(
+        adapter.name, served, ours=adapter.name in pod.adapter_records
+    )
+    if problem is not None:
+        return Problem(problem.reason, f"pod {pod.name}: {problem.message}")
+    return None
 
 
 class Preflight:
@@ -81,7 +117,10 @@ class Preflight:
         passes.lora = {name for name, info in known.items() if info.max_lora_rank > 0}
         passes.drafters = {name: info.drafter for name, info in known.items() if info.drafter}
         if len(passes.admitted) == len(reachable):  # else decide() refuses a pod already
-            problem = await self.check_reference(t, reachable)
+            if spec.adapter is not None:
+                problem = await self.check_adapter(t, reachable)
+            if problem is None:
+                problem = await self.check_reference(t, reachable)
         if spec.broadcast is not None and problem is None:
             problem = await self.load_broadcast(t)
         # Every refit: a pod whose workers the calls do not all reach is refused
@@ -90,6 +129,20 @@ class Preflight:
             lambda c: c.world_size(timeout=t_step), "get_world_size"
         )
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
+
+    async def check_adapter(self, t: Tick, pods: list[PodView]) -> Problem | None:
+        """An adapter refit's adapter, checked on every pod before any pod is touched
+        (adapter_admission); the first pod's problem by name, or None. Adapters are small:
+        every pod verifies the files it would load."""
+        sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
+        t_step = float(t.view.spec.sequence.step_timeout_seconds)
+
+        async def one(pod: PodView) -> Problem | None:
+            async with sem:
+                return await adapter_admission(self.client(t, pod), t.view.spec, pod, t_step)
+
+        problems = await asyncio.gather(*map(one, pods))
+        return next((p for p in problems if p is not None), None)
 
     async def check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:
         """Fetch the probe reference and score it on one pod (one request for all prompts): a

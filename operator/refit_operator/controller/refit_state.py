@@ -11,11 +11,11 @@ from typing import Any
 
 from refit_worker.contract import ProbeReference
 
-from .core import checksums
-from .core.podflow import Progress
-from .core.podview import PodView
-from .core.reconcile import RefitView
-from .core.status import peer_nlls
+from ..core import checksums
+from ..core.decision import RefitView
+from ..core.podflow import Progress
+from ..core.podview import PodView
+from ..core.status import peer_nlls
 from .pass_context import BroadcastSource
 
 
@@ -31,7 +31,7 @@ class Secrets:
 
 @dataclass
 class Passes:
-    """The pod passes this process runs for the refit (runner.run_pass), by pod name. The
+    """The pod passes this process runs for the refit (pod_pass.run_pass), by pod name. The
     pods' progress records what a pass did; a restarted process resumes from those."""
 
     tasks: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -41,7 +41,7 @@ class Passes:
     admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
     lora: set[str] = field(default_factory=set)  # see PassContext
     drafters: dict[str, str] = field(default_factory=dict)  # see PassContext
-    live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (runner)
+    live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (pod_pass)
 
     def running(self) -> list[asyncio.Task[Any]]:
         """Every task this process runs for the refit: what its deletion cancels."""

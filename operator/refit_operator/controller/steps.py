@@ -2,7 +2,7 @@
 runs it (``STEP_CODE``; ``ADAPTER_STEP_CODE`` where an adapter pass differs): the stage, the
 drain in its mode, sleep and wakes, the load or the broadcast's receive, the cache reset, the
 version stamp, the read-back, the probe, the vouch, the restore. Each step is one try: its
-retries, records and events are the pass's (runner.py). The bench and the tests run a step
+retries, records and events are the pass's (pod_pass.py). The bench and the tests run a step
 alone through ``execute_step``."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from .core import checksums, podflow, probe, times
-from .core.api import Broadcast, Sequence, Thresholds
-from .core.gate import gate, served
-from .core.podflow import Progress, Step
-from .core.podview import PodView
-from .core.reasons import Reason
-from .edges import metrics
-from .edges.cluster import ClaimLost
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import checksums, podflow, probe, times
+from ..core.api import Broadcast, Sequence, Thresholds
+from ..core.gate import gate, served
+from ..core.podflow import Progress, Step
+from ..core.podview import PodView
+from ..core.reasons import Reason
+from ..edges import metrics
+from ..edges.cluster import ClaimLost
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepCode, StepFailed, StepRun
 from .rounds import TrainerTimeout, rank_problem
 

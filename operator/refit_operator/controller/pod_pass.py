@@ -13,17 +13,18 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from .core import podflow, times
-from .core.admission import admission_problem, joins_layout, reach_problem
-from .core.gate import loaded, pass_readiness
-from .core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
-from .core.podview import PodView
-from .core.reasons import Problem, Reason, pass_event, step_timeout
-from .core.reconcile import PodStart
-from .edges import metrics
-from .edges.cluster import ClaimedPod, ClaimLost
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import podflow, times
+from ..core.admission import admission_problem, joins_layout, reach_problem
+from ..core.decision import PodStart
+from ..core.gate import loaded, pass_readiness
+from ..core.podflow import Claim, Finished, Progress, RunStep, Step, WaitUntil, base_key
+from ..core.podview import PodView
+from ..core.reasons import Problem, Reason, pass_event, step_timeout
+from ..edges import metrics
+from ..edges.cluster import ClaimedPod, ClaimLost
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepFailed, StepRun
+from .preflight import adapter_admission
 from .steps import run_step_code
 
 
@@ -171,7 +172,12 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         size: int | str = await worker.world_size(timeout=t_step)
     except WorkerError as e:  # it answered refit_info: no pass without the count
         size = f"get_world_size failed ({e.kind}): {e.message}"
-    return reach_problem(info, size)
+    problem = reach_problem(info, size)
+    if problem is None and spec.adapter is not None:
+        # The adapter, as the fleet preflight checked it on the others: before the claim
+        # takes the pod out of traffic.
+        problem = await adapter_admission(worker, spec, pod, t_step, unreachable=False)
+    return problem
 
 
 async def _run_step(

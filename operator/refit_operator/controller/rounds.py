@@ -23,8 +23,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .core.api import SENDING_ANNOTATION, BroadcastRound, RoundState
-from .core.reasons import Problem, Reason
+from ..core.api import SENDING_ANNOTATION, BroadcastRound, RoundState
+from ..core.reasons import Problem, Reason
 
 
 class TrainerTimeout(Exception):

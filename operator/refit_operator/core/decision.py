@@ -1,8 +1,9 @@
-"""One reconcile of one WeightRefit, pure: what the cluster looks like in, decisions out.
+"""The decision of one reconcile of one WeightRefit, pure: what the cluster looks like in,
+decisions out.
 
 Read it top to bottom: queue → preflight → progress (strategy, gate) → rollback → finish.
-The caller (engine.py) gathers the observations, runs the I/O this asks for, and feeds the
-results back on the next call.
+The caller (controller/reconcile_loop.py) gathers the observations, runs the I/O this asks
+for, and feeds the results back on the next call.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The reconcile loop of one WeightRefit: observe, decide (reconcile.decide), act.
+"""The reconcile loop of one WeightRefit: observe, decide (decision.decide), act.
 
-Acting means running the fleet preflight, starting pod passes (runner.run_pass) as tasks, and
+Acting means running the fleet preflight, starting pod passes (pod_pass.run_pass) as tasks, and
 writing the CR status at most once per tick and only when it changed, so API writes do not
 grow with pod events (a 1000-pod refit writes status once per tick, not once per pod step).
 """
@@ -18,21 +18,27 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from refit_worker.contract import ProbeReference
 
-from .core import admission, checksums, groups, history, plan, reconcile, times
-from .core.api import SENDING_ANNOTATION, TERMINAL_PHASES, Phase, WeightRefitSpec, WeightRefitStatus
-from .core.index import Known, RefitIndex
-from .core.podflow import STEPS, Step
-from .core.podview import PodView
-from .core.reconcile import Decision, Observed, RefitView
-from .core.status import pod_phases
-from .edges import metrics
-from .edges.cluster import ClaimLost, Kube, PodBusy
-from .edges.leader import LeadershipLost, Lease
-from .edges.worker_client import WorkerClient, WorkerError
+from ..core import admission, checksums, decision, groups, history, plan, times
+from ..core.api import (
+    SENDING_ANNOTATION,
+    TERMINAL_PHASES,
+    Phase,
+    WeightRefitSpec,
+    WeightRefitStatus,
+)
+from ..core.decision import Decision, Observed, RefitView
+from ..core.index import Known, RefitIndex
+from ..core.podflow import STEPS, Step
+from ..core.podview import PodView
+from ..core.status import pod_phases
+from ..edges import metrics
+from ..edges.cluster import ClaimLost, Kube, PodBusy
+from ..edges.leader import LeadershipLost, Lease
+from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext
+from .pod_pass import run_pass
 from .preflight import Preflight
 from .refit_state import Listing, Passes, RefitState, Tick
-from .runner import run_pass
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ def _revision(doc: dict[str, Any]) -> int:
     return int(rv) if rv.isdigit() else 0
 
 
-def _receives(pod: PodView, start: reconcile.PodStart) -> bool:
+def _receives(pod: PodView, start: decision.PodStart) -> bool:
     """Whether this pass of a broadcast refit has its receive ahead (a rollback loads a
     checkpoint; a resumed pass may be past its receive)."""
     if start.rollback:
@@ -288,7 +294,7 @@ class Engine:
 
     async def _observe(self, t: Tick) -> Observed:
         """List the refit's pods and stop the passes whose pod is gone or replaced: what
-        reconcile.decide decides from."""
+        decision.decide decides from."""
         namespace, view, st, passes = t.namespace, t.view, t.state, t.state.passes
         passes.tasks = {n: task for n, task in passes.tasks.items() if not task.done()}
         passes.driven = {n: p for n, p in passes.driven.items() if n in passes.tasks}
@@ -331,9 +337,9 @@ class Engine:
         )  # fmt: skip
 
     async def _decide(self, t: Tick, obs: Observed) -> Decision:
-        d = reconcile.decide(obs)
+        d = decision.decide(obs)
         if d.need_preflight:
-            d = reconcile.decide(replace(obs, preflight=await self.preflight.run(t)))
+            d = decision.decide(replace(obs, preflight=await self.preflight.run(t)))
         return d
 
     async def _act(self, t: Tick, d: Decision) -> None:
@@ -520,7 +526,7 @@ class Engine:
                 passes.staged_ahead[name] = asyncio.create_task(stage(pods[name]))
 
     async def _guarded(
-        self, ctx: PassContext, pod: PodView, start: reconcile.PodStart, wake: asyncio.Event
+        self, ctx: PassContext, pod: PodView, start: decision.PodStart, wake: asyncio.Event
     ) -> None:
         try:
             await run_pass(ctx, pod, start)
