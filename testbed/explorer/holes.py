@@ -85,25 +85,6 @@ KNOWN_HOLES: dict[str, Hole] = {
         signature=r"^\[succeeded-serving\] .*under adapter|"
         r"^\[liveness\] .*serves adapter \S+ at None \(Ready=True",
     ),
-    "rolled_back_keeps_unloaded_adapter": Hole(
-        300075,
-        frozenset(
-            "adapter_bad,adapter_fail,adapter_refits,group_leader_replace,group_member_delete,"
-            "group_member_pending,group_member_replace,group_member_restart,history_gc,"
-            "lease_delete,lease_expiry,load_touched,operator_restart,pod_groups,pod_ip_change,"
-            "pod_relabel,pod_replace,pod_restart,refit_delete,refit_same_second,"
-            "refit_spec_update,two_installations,watch_coalesce,watch_delay,watch_drop,"
-            "weights_skew,worker_crash,worker_refusal,worker_timeout".split(",")
-        ),
-        "after the one-gate fix (b58e782; the bench's features batch): adapter critic 'bad' "
-        "(no adapter_config.json) is refused on pod-2 before its swap and restored (it "
-        "served critic s1); a base refit's pass (v4) then unloads every adapter at its drain; "
-        "the adapter refit turns RolledBack saying pod-2 'kept what they served' (s1), which "
-        "pod-2 no longer holds: the rollback's message does not ask gate.base_moved_on",
-        "a RolledBack adapter refit says a pod kept its adapter after a base pass unloaded it",
-        excludes=False,
-        signature=r"^\[finished-says-served\] .*kept what it served \(s\d+\), which serves None",
-    ),
 }
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
 REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
