@@ -33,12 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pods", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="print every schedule's full trace")
+    ap.add_argument(
+        "--ignore", default="", help="invariants not held, comma-separated (to look past a hole)"
+    )
     args = ap.parse_args(argv)
     classes = parse_classes(args.classes)
+    ignore = frozenset(i.strip() for i in args.ignore.split(",") if i.strip())
     failed = steps = checks = 0
     began = time.perf_counter()
     for seed in range(args.seed, args.seed + args.count):
-        result = run_schedule(Config(seed, classes, steps=args.steps, pods=args.pods))
+        result = run_schedule(
+            Config(seed, classes, steps=args.steps, pods=args.pods, ignore=ignore)
+        )
         steps += result.steps
         checks += result.checks
         if args.trace:

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
+from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import history, times
+from refit_operator.core.api_spec import LEADER_INDEX, LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.core.claim import CLAIM_ANNOTATION
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
-from refit_operator.tools.refit_document import build_refit
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
 from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
@@ -37,7 +39,13 @@ from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
 from . import invariants
 from .memcluster import Event, MemoryCluster, MemoryLeases, Store, clone, finalized, pod_body
 from .vtime import Stalled, VirtualClock, VirtualLoop
-from .workers import ExplorerSimServer, InProcessSession, checkpoints
+from .workers import (
+    BAD_ADAPTER,
+    ExplorerSimServer,
+    InProcessSession,
+    adapter_checkpoints,
+    checkpoints,
+)
 
 NS = "fleet"
 FLEET = {"app": "rollout"}
@@ -74,7 +82,26 @@ CLASSES = (
     "watch_delay",  # watch events arrive late (stale index)
     "watch_drop",  # a watch event is lost (the next relist is all that recovers it)
     "watch_coalesce",  # only the newest event of an object arrives
+    # Where features meet (issue 41). Any adapter class makes the pods take LoRA adapters at
+    # runtime and some created refits adapter refits (spec.adapter, two adapter names);
+    # any group class makes the fleet pod groups (LeaderWorkerSet labels, spec.fleet.groups).
+    # Configs without them draw exactly as before.
+    "adapter_refits",  # an adapter refit created beside the base refits
+    "adapter_bad",  # an adapter refit of a directory without adapter_config.json
+    "adapter_fail",  # a pod's next adapter load goes wrong: the staged name's, or the swap's
+    "weights_skew",  # a pod's next read-back of its weights differs from its peers'
+    "pod_groups",  # the fleet is pod groups of two (a leader and a follower)
+    "group_member_restart",  # a follower's container restarts
+    "group_member_delete",  # a follower is deleted; its replacement comes seconds later
+    "group_member_replace",  # a follower is deleted and created again at once
+    "group_member_pending",  # a follower is deleted and created again Pending, Running later
+    "group_leader_replace",  # a leader is deleted and created again, mid-pass if one runs
 )
+ADAPTER_CLASSES = frozenset({"adapter_refits", "adapter_bad", "adapter_fail", "weights_skew"})
+GROUP_CLASSES = frozenset(c for c in CLASSES if c == "pod_groups" or c.startswith("group_"))
+ADAPTER_NAMES = ("policy", "critic")
+ADAPTER_VERSIONS = [f"s{i}" for i in range(1, 9)]
+MAX_LORA_RANK = 16
 
 
 @dataclass
@@ -85,6 +112,9 @@ class Config:
     pods: int = 3
     max_refits: int = 4
     liveness_seconds: float = 900.0  # virtual seconds after faults stop
+    # Invariants not held (their violations traced, not counted): to look past a known hole
+    # that would end the schedule before the one it looks for.
+    ignore: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         unknown = set(self.classes) - set(CLASSES)
@@ -111,9 +141,10 @@ class Result:
 
     def replay(self) -> str:
         classes = ",".join(sorted(self.config.classes)) or "none"
+        ignore = f" --ignore {','.join(sorted(self.config.ignore))}" if self.config.ignore else ""
         return (
             f"python -m testbed.explorer --seed {self.config.seed} --classes {classes} "
-            f"--steps {self.config.steps} --pods {self.config.pods}"
+            f"--steps {self.config.steps} --pods {self.config.pods}{ignore}"
         )
 
     def report(self, tail: int = 60) -> str:
@@ -160,12 +191,21 @@ class Explorer:
         self.ips = (f"10.0.{i // 250}.{i % 250 + 1}" for i in range(10_000))
         self.sim = ExplorerSimServer([], str(ROOT), None)
         self.sim.latency = self._worker_latency
+        self.lora = bool(self.on & ADAPTER_CLASSES)
+        self.grouped = bool(self.on & GROUP_CLASSES)
+        self.adapter_ckpt: dict[tuple[str, str], str] = {}  # (name, version) -> directory
+        if self.lora:
+            self.sim.max_lora_rank = MAX_LORA_RANK
+            self.adapter_ckpt = adapter_checkpoints(ROOT, list(ADAPTER_NAMES), ADAPTER_VERSIONS)
+        self.adapter_refits: dict[str, int] = {}  # adapter name -> refits created
         self.session = InProcessSession(self.sim)
         self.replicas: list[Replica] = []
         self.processes = 0
         self.refits = 0
         self.faulting = True
-        self.checker = invariants.Checker(self.store, self.sim, self._note)
+        self.checker = invariants.Checker(
+            self.store, self.sim, self._note, self.grouped, config.ignore
+        )
         self.store.on_write = self.checker.on_write
         self.sim.on_call = self.checker.on_call
         self.sim.on_restart = self._kubelet_restarted
@@ -197,12 +237,22 @@ class Explorer:
         self.store.create("Pod", NS, pod_body(name, ip, labels))
         self._note(f"pod {name} created at {ip}")
 
-    def _refit(self, name: str, version: str) -> dict[str, Any]:
+    def _group_labels(self, i: int) -> dict[str, str]:
+        """With the group classes, pods form groups of two in order: pod-0 leads pod-1, ..."""
+        if not self.grouped:
+            return {}
+        return {LWS_GROUP_LABEL: f"g{i // 2}", LWS_INDEX_LABEL: str(i % 2)}
+
+    def _refit(
+        self, name: str, version: str, adapter: str | None = None, path: str = ""
+    ) -> dict[str, Any]:
         r = self.rng
         sleep_level = r.choice([0, 1])
         strategy, max_unavailable = r.choice([("AllAtOnce", None), ("Rolling", 1)])
         return build_refit(
-            name, self.ckpt[version], version, fleet_selector=dict(FLEET), port=8000,
+            name, path or self.ckpt[version], version, fleet_selector=dict(FLEET), port=8000,
+            adapter=adapter,
+            spec_fields={"fleet": {"groups": {}}} if self.grouped else None,
             strategy=strategy, max_unavailable=max_unavailable,
             on_failure=r.choice(["Halt", "Rollback"]),
             sequence={
@@ -220,12 +270,29 @@ class Explorer:
             },
         )  # fmt: skip
 
-    def _create_refit(self, name: str | None = None) -> None:
+    def _create_refit(self, name: str | None = None, *, adapters: bool = True) -> None:
+        if adapters and self.lora and self.rng.random() < 0.5:
+            self._create_adapter_refit(name)
+            return
         version = VERSIONS[self.refits % len(VERSIONS)]
         self.refits += 1
         name = name or f"wr-{self.refits:03d}"
         doc = self.store.create("WeightRefit", NS, finalized(self._refit(name, version)))
         self._note(f"refit {name} created ({version}, {doc['metadata']['uid']})")
+
+    def _create_adapter_refit(self, name: str | None = None, bad: bool = False) -> None:
+        """An adapter refit (spec.adapter) of one of two adapter names, the next version of
+        that name's (or its directory without adapter_config.json)."""
+        adapter = self.rng.choice(ADAPTER_NAMES[:1] * 2 + ADAPTER_NAMES[1:])  # mostly one name
+        k = self.adapter_refits.get(adapter, 0)
+        version = BAD_ADAPTER if bad else ADAPTER_VERSIONS[k % len(ADAPTER_VERSIONS)]
+        self.adapter_refits[adapter] = k + (0 if bad else 1)
+        self.refits += 1
+        name = name or f"wr-{self.refits:03d}"
+        path = self.adapter_ckpt[(adapter, version)]
+        body = self._refit(name, version, adapter=adapter, path=path)
+        doc = self.store.create("WeightRefit", NS, finalized(body))
+        self._note(f"refit {name} created (adapter {adapter} {version}, {doc['metadata']['uid']})")
 
     def _replica(self, installation: str) -> Replica:
         """A new operator process of ``installation``, wired as main.run wires it: its own
@@ -300,8 +367,8 @@ class Explorer:
     async def run(self) -> Result:
         result = Result(self.cfg, self.trace, self.checker.violations)
         for i in range(self.cfg.pods):
-            self._create_pod(f"pod-{i}", FLEET)
-        self._create_refit()
+            self._create_pod(f"pod-{i}", {**FLEET, **self._group_labels(i)})
+        self._create_refit(adapters=False)  # the fleet's base weights first
         installations = ["op-a", "op-b"] if "two_installations" in self.on else ["op-a"]
         for inst in installations:
             r = self._replica(inst)
@@ -372,6 +439,7 @@ class Explorer:
         eng = replica.engine
         seen = self.store.peek("WeightRefit", NS, name)
         deleting = bool(seen and seen["metadata"].get("deletionTimestamp"))
+        began = self.store.revision
         try:
             d = await eng.tick(NS, name, deleting=deleting)
         except LeadershipLost:
@@ -389,6 +457,8 @@ class Explorer:
         if d is None:
             replica.daemons.pop(name, None)  # the daemon ends: the object is gone
             return
+        if not deleting:
+            self.checker.after_tick(self.store.peek("WeightRefit", NS, name), began)
         # When kopf's daemon (handlers.refit_daemon) would tick again unless woken.
         interval = DORMANT_INTERVAL if d.dormant else IDLE_INTERVAL if d.idle else ACTIVE_INTERVAL
         replica.due[name] = self.clock.elapsed + interval
@@ -438,7 +508,9 @@ class Explorer:
         r = self.rng
         pods = self._pods()
         pod = r.choice(pods) if pods else None
-        ip = pod["status"]["podIP"] if pod else ""
+        ip = pod["status"].get("podIP", "") if pod else ""
+        if ip not in self.sim.pods:  # a Pending pod (group_member_pending): no process yet
+            pod = None
         name = pod["metadata"]["name"] if pod else ""
         if kind == "worker_refusal" and pod:
             code = r.choice(["CheckpointMissing", "ManifestMismatch", "TensorMismatch",
@@ -524,8 +596,84 @@ class Explorer:
             if self.store.peek("Lease", LEASE_NS, inst) is not None:
                 self.store.delete("Lease", LEASE_NS, inst)
                 self._note(f"fault: Lease {LEASE_NS}/{inst} deleted")
-        elif kind in ("watch_delay", "watch_drop", "watch_coalesce", "two_installations"):
+        elif kind in ("watch_delay", "watch_drop", "watch_coalesce", "two_installations",
+                      "pod_groups"):  # fmt: skip
             self._deliver(r.choice(self.replicas))
+        elif kind == "adapter_refits":
+            if self.refits < self.cfg.max_refits + 2:
+                self._create_adapter_refit()
+        elif kind == "adapter_bad":
+            if self.refits < self.cfg.max_refits + 2:
+                self._create_adapter_refit(bad=True)
+        elif kind == "adapter_fail" and pod:
+            how = r.choice(["staged", "swap"])
+            self.sim.adapter_faults[ip] = how
+            self._note(f"fault: {name}'s next {how} adapter load goes wrong")
+        elif kind == "weights_skew" and pod:
+            self.sim.set_fault(ip, "weight_checker", "skew", value=name, times=1)
+            self._note(f"fault: {name}'s next weight read-back differs from its peers'")
+        elif kind.startswith("group_"):
+            await self._group_fault(kind)
+
+    def _members(self, leaders: bool) -> list[dict[str, Any]]:
+        return [p for p in self._pods()
+                if ((p["metadata"].get("labels") or {}).get(LWS_INDEX_LABEL) == LEADER_INDEX)
+                == leaders]  # fmt: skip
+
+    async def _group_fault(self, kind: str) -> None:
+        """A pod group's member restarts, goes, comes back, or waits Pending (the
+        LeaderWorkerSet controller recreates a deleted pod under its name)."""
+        r = self.rng
+        if kind == "group_leader_replace":
+            pods = self._members(leaders=True)
+            claimed = [p for p in pods if CLAIM_ANNOTATION in p["metadata"].get("annotations", {})]
+            pods = claimed or pods  # mid-pass where a pass runs
+        else:
+            pods = self._members(leaders=False)
+        if not pods:
+            return
+        pod = r.choice(pods)
+        name, labels = pod["metadata"]["name"], pod["metadata"]["labels"]
+        sim = self.sim.pods.get(pod["status"].get("podIP", ""))
+        if kind == "group_member_restart":
+            if sim is not None and sim.up:
+                await self.sim.crash(sim)
+                await self.sim.restart(sim)
+                self._note(f"fault: member {name}'s container restarted")
+            return
+        if sim is not None:
+            await self.sim.crash(sim)
+        self.store.remove("Pod", NS, name)
+        self._note(f"fault: {kind}: {name} deleted")
+        loop = asyncio.get_running_loop()
+        if kind in ("group_member_replace", "group_leader_replace"):
+            await asyncio.sleep(r.choice((0.0, 0.5, 2.0)))
+            self._create_pod(name, labels)
+        elif kind == "group_member_delete":
+            loop.call_later(r.choice((1.0, 5.0, 20.0)), self._recreate, name, labels)
+        elif kind == "group_member_pending":
+            body = pod_body(name, "", labels)
+            body["status"] = {"phase": "Pending", "containerStatuses": [
+                {"name": "vllm", "restartCount": 0, "started": False}]}  # fmt: skip
+            self.store.create("Pod", NS, body)
+            self._note(f"pod {name} created Pending")
+            loop.call_later(r.choice((5.0, 20.0, 60.0)), self._scheduled, name)
+
+    def _recreate(self, name: str, labels: dict[str, str]) -> None:
+        if self.store.peek("Pod", NS, name) is None:
+            self._create_pod(name, labels)
+
+    def _scheduled(self, name: str) -> None:
+        """A Pending pod is scheduled: it runs, with an address and a started container."""
+        doc = self.store.peek("Pod", NS, name)
+        if doc is None or doc["status"].get("phase") != "Pending":
+            return
+        ip = self._new_pod_process()
+        self.store.patch_pod_status(NS, name, {"status": {
+            "phase": "Running", "podIP": ip,
+            "containerStatuses": [{"name": "vllm", "restartCount": 0, "started": True}],
+        }})  # fmt: skip
+        self._note(f"pod {name} scheduled: Running at {ip}")
 
     def _thaw(self, replica: Replica) -> None:
         if not replica.thawed.is_set():
@@ -560,6 +708,7 @@ class Explorer:
         self._note("faults stop")
         for _, pod in sorted(self.sim.pods.items()):
             pod.faults.clear()
+        self.sim.adapter_faults.clear()
         await asyncio.sleep(35.0)  # answers in flight arrive or time out; crashed pods restart
         for replica in self.replicas:  # frozen processes run again
             self._thaw(replica)

@@ -7,13 +7,29 @@ explorer").
   (no two passes' calls interleave on one pod);
 - ready-probed: a pod that is Ready (its weights-ready condition True and its container
   ready, i.e. vouched for in this process) holds intact weights of the version it reports,
-  and a correct probe was scored on exactly those weights in this process;
-- succeeded-serving: when a refit turns Succeeded, every pod it counts serves its version;
+  and a correct probe was scored on exactly those weights in this process; and every
+  adapter it serves under a client's name was loaded right and probed through that name;
+- succeeded-serving: when a refit turns Succeeded, every pod it counts serves its version
+  (an adapter refit's: the adapter's version under its name);
 - finished-says-served: when a refit turns RolledBack, every pod its message says it rolled
   back to a version serves that version (and every pod it kept serves what it served), and
   the message names every pod its rollback brought back; when it turns Superseded because its
   pods moved on (PodsMovedOn), every pod it selects is driven by a newer refit, the newest
   of which the message names;
+- failed-out: a pod whose record of any track (the base weights, or an adapter) is failed
+  in the run that runs now (Failed or Inconclusive, not restored) is never Ready (its
+  weights-ready condition True): no pass of another track vouches for it (an adapter's
+  pass refused before its swap changed nothing the pod serves: it holds nothing out);
+- adapter-held: a pod that no pass holds (no claim) holds no LoRA adapter that no record on
+  it names: no staged name (``name@version``), no name of a track it has no record of;
+- group-withdrawn: no member of a pod group is Ready while the group is out by its records
+  and members (a member missing, not running, or in another run than the leader's base
+  record names): within one tick, every completed tick of a refit that selects the group
+  (a tick that began after the group turned so) leaves none Ready;
+- gate-held: a pod whose weights-ready condition is True belongs to a unit (the pod, or its
+  group) that the one traffic gate (core/gate.py, over every track's record and every member)
+  lets in, with the same grace of one tick: a completed tick of a refit that selects the
+  unit, begun after the gate turned False, leaves no member Ready unless a pass holds it;
 - lease-stop: an operator process sends nothing (API write, pod call) once its lease may
   have expired (explore.py checks it as each request leaves);
 - liveness: once faults stop, every pod reaches its target (the newest Succeeded refit, by
@@ -29,11 +45,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit_operator.controller.reconcile_loop import Engine
-from refit_operator.core import times
-from refit_operator.core.api_spec import LabelSelector
+from refit_operator.core import groups, times
+from refit_operator.core.api_spec import (
+    LEADER_INDEX,
+    LWS_GROUP_LABEL,
+    LWS_INDEX_LABEL,
+    Groups,
+    LabelSelector,
+)
 from refit_operator.core.claim import CLAIM_ANNOTATION, Claim
-from refit_operator.core.podflow import PROGRESS_ANNOTATION, Progress
+from refit_operator.core.gate import base_moved_on, gate
+from refit_operator.core.podflow import (
+    ADAPTER_PROGRESS_PREFIX,
+    PROGRESS_ANNOTATION,
+    Progress,
+    progress_annotation,
+)
+from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Reason
+from refit_operator.core.sequences import ADAPTER_IN_TRAFFIC_STEPS, RESTORE
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store
@@ -68,6 +98,16 @@ def _identity(doc: dict[str, Any] | None) -> Any:
     return (meta.get("uid"), meta.get("labels"), restarts, status.get("podIP"))
 
 
+def _reason(doc: dict[str, Any], message: bool = False) -> str:
+    """The reason of a pod's weights-ready condition (with its message)."""
+    conds = (doc.get("status") or {}).get("conditions") or []
+    for c in conds:
+        if c.get("type") == READINESS_GATE:
+            reason = str(c.get("reason", ""))
+            return f"{reason} {c.get('message', '')!r}" if message else reason
+    return ""
+
+
 def _ready_reason(refit: dict[str, Any]) -> str:
     conds = (refit.get("status") or {}).get("conditions") or []
     return next((str(c.get("reason", "")) for c in conds if c.get("type") == "Ready"), "")
@@ -78,17 +118,107 @@ def _selects(refit: dict[str, Any], labels: dict[str, str]) -> bool:
     return sel.matches(labels)
 
 
+def _track(refit: dict[str, Any]) -> str:
+    """The weights a refit refits (WeightRefitSpec.track): "" for the base weights, else the
+    adapter's name."""
+    adapter = refit["spec"].get("adapter")
+    return str(adapter["name"]) if adapter else ""
+
+
+def _version(refit: dict[str, Any]) -> str:
+    spec = refit["spec"]
+    return str((spec.get("adapter") or spec.get("checkpoint") or spec.get("broadcast"))["version"])
+
+
+def _record(doc: dict[str, Any], track: str = "") -> Progress | None:
+    """The pod's record of ``track``."""
+    notes = doc["metadata"].get("annotations") or {}
+    return Progress.from_annotation(notes.get(progress_annotation(track)))
+
+
+def _records(doc: dict[str, Any]) -> dict[str, Progress]:
+    """Every track's record on the pod: "" for the base weights, else the adapter's name."""
+    out = {}
+    for key, text in (doc["metadata"].get("annotations") or {}).items():
+        if key == PROGRESS_ANNOTATION or key.startswith(ADAPTER_PROGRESS_PREFIX):
+            p = Progress.from_annotation(text)
+            if p is not None:
+                out[key.removeprefix(ADAPTER_PROGRESS_PREFIX) if key != PROGRESS_ANNOTATION
+                    else ""] = p  # fmt: skip
+    return out
+
+
+def _follower(doc: dict[str, Any]) -> bool:
+    """A pod group's member that is not its leader (its records are the leader's)."""
+    index = (doc["metadata"].get("labels") or {}).get(LWS_INDEX_LABEL)
+    return index is not None and index != LEADER_INDEX
+
+
+def _said(records: dict[str, Progress]) -> str:
+    """Records for a message: ``track: refit's pass at version outcome (reason)``."""
+    return (
+        "; ".join(
+            f"{t or 'base'}: {p.refit}'s {'rollback ' if p.rollback else ''}pass at {p.version} "
+            f"{p.outcome or 'in flight'}{f' ({p.reason})' if p.reason else ''}"
+            for t, p in sorted(records.items())
+        )
+        or "none"
+    )
+
+
+def _restarts(doc: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or [])
+
+
+def _in_traffic_unclaimed(members: list[dict[str, Any]]) -> bool:
+    """Some pod of a unit is Ready and no pass holds the unit (a pass's own writes take it
+    out or put it back)."""
+    claimed = any(CLAIM_ANNOTATION in (m["metadata"].get("annotations") or {}) for m in members)
+    return not claimed and any(_gate(m) for m in members)
+
+
+def _failed(p: Progress) -> bool:
+    return p.outcome in ("Failed", "Inconclusive") and not p.restored
+
+
+def _refused_in_traffic(p: Progress) -> bool:
+    """An adapter's pass that ended before its swap: it changed nothing the pod serves (the
+    staged name was unloaded), whatever its record says of the pod's traffic."""
+    return p.source == "adapter" and p.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE)
+
+
 class Checker:
-    def __init__(self, store: Store, sim: ExplorerSimServer, note: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        sim: ExplorerSimServer,
+        note: Callable[[str], None],
+        grouped: bool = False,
+        ignore: frozenset[str] = frozenset(),
+    ) -> None:
         self.store, self.sim, self.note = store, sim, note
+        self.grouped = grouped
+        self.ignore = ignore  # invariants not held (Config.ignore)
+        self.ignored: set[str] = set()
         self.violations: list[Violation] = []
         self.checks = 0
+        # Pod groups: group key -> the store revision at which the group last turned out of
+        # traffic by its members and records (absent while it is not).
+        self.out_since: dict[str, int] = {}
+        # Units (a pod, or a group by its leader's name) -> the store revision since which
+        # it is in traffic against the gate with no pass holding it.
+        self.gate_out_since: dict[str, int] = {}
         # pod name -> the store revision at which it last changed in a way a list taken before
         # cannot show (created, deleted, relabelled, restarted, moved to a new IP)
         self.changed: dict[str, int] = {}
 
     def violate(self, invariant: str, message: str) -> None:
         v = Violation(invariant, message, self.sim_time())
+        if invariant in self.ignore:  # to look past a known hole: traced once, not counted
+            if message not in self.ignored:
+                self.ignored.add(message)
+                self.note(f"ignored {v}")
+            return
         self.note(f"VIOLATION {v}")
         self.violations.append(v)
 
@@ -127,10 +257,16 @@ class Checker:
 
     # ----------------------------------------------------------- state invariants
     def check_state(self) -> None:
+        units = self._units()
         for (kind, _, name), doc in sorted(self.store.objects.items()):
-            if kind != "Pod" or not _gate(doc):
+            if kind != "Pod":
+                continue
+            self._check_adapters_held(name, doc)
+            if not _gate(doc):
                 continue
             self.checks += 1
+            if not self.grouped or name in units:  # a follower's records are its leader's
+                self._check_failed_out(name, doc, units.get(name))
             ip = doc["status"].get("podIP", "")
             pod = self.sim.pods.get(ip)
             if pod is None or not pod.up or not pod.ready_mark.ready:
@@ -144,6 +280,187 @@ class Checker:
                     f"{'with' if self.sim.probed(ip) else 'without'} a probe of these weights "
                     "in this process",
                 )
+            for adapter, version in sorted(self.sim.adapters(ip).items()):
+                if "@" in adapter:
+                    continue  # a staged name: no client sends it
+                if version is None or not self.sim.adapter_probed(ip, adapter):
+                    self.violate(
+                        "ready-probed",
+                        f"pod {name} is Ready and serves adapter {adapter!r} "
+                        f"{'loaded wrong' if version is None else f'at {version}'}, "
+                        f"{'with' if self.sim.adapter_probed(ip, adapter) else 'without'} a "
+                        "correct probe through that name since its load",
+                    )
+
+    def _check_failed_out(self, name: str, doc: dict[str, Any], unit: PodView | None) -> None:
+        """failed-out: a Ready pod has no record failed in the run that runs now."""
+        restarts = _restarts(doc)
+        for track, p in sorted(_records(doc).items()):
+            same = unit.same_run(p) if unit is not None else p.restarts == restarts
+            if _failed(p) and same and not _refused_in_traffic(p):
+                what = f"adapter {track}" if track else "base weights"
+                self.violate(
+                    "failed-out",
+                    f"pod {name} is Ready (condition {_reason(doc, True)}) while its {what} record "
+                    f"is {p.outcome} in this run ({p.refit} at {p.version}: {p.reason})",
+                )
+
+    def _check_adapters_held(self, name: str, doc: dict[str, Any]) -> None:
+        """adapter-held: once no pass holds the pod, it holds only adapters its records name."""
+        notes = doc["metadata"].get("annotations") or {}
+        if notes.get(CLAIM_ANNOTATION) or doc["metadata"].get("deletionTimestamp"):
+            return
+        held = self.sim.adapters(doc["status"].get("podIP", ""))
+        if not held:
+            return
+        self.checks += 1
+        records = {t: p for t, p in _records(doc).items() if t}
+        for adapter in sorted(set(held) - set(records)):
+            self.violate(
+                "adapter-held",
+                f"pod {name} holds adapter {adapter!r}, which no record on it names "
+                f"(records: {_said(records)}; Ready={_gate(doc)}; no pass holds the pod)",
+            )
+
+    # ------------------------------------------------------------------ pod groups
+    def _units(self) -> dict[str, PodView]:
+        """The fleet's refit units by leader name, as the operator folds pod groups
+        (groups.units over every pod in the store)."""
+        if not self.grouped:
+            return {}
+        views = [PodView.from_pod(d) for (k, _, _), d in sorted(self.store.objects.items())
+                 if k == "Pod"]  # fmt: skip
+        return {u.name: u for u in groups.units(views, Groups())}
+
+    def _group_members(self) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for (kind, _, _), doc in sorted(self.store.objects.items()):
+            key = (doc["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+            if kind == "Pod" and key is not None:
+                out.setdefault(key, []).append(doc)
+        return out
+
+    def group_out(self, key: str, members: list[dict[str, Any]]) -> str:
+        """Why a pod group is out of traffic by its members and its leader's base record
+        ("" when it is not): a member not running, or deleting; no single leader; no record;
+        a record of another run (a member restarted, replaced or gone since: the record's
+        incarnation names the followers it was made with)."""
+        for m in members:
+            if m["status"].get("phase") != "Running" or m["metadata"].get("deletionTimestamp"):
+                return f"member {m['metadata']['name']} is {m['status'].get('phase')}"
+        leaders = [m for m in members if not _follower(m)]
+        if len(leaders) != 1:
+            return f"it has {len(leaders)} leaders"
+        views = [PodView.from_pod(m) for m in members]
+        (unit,) = groups.units(views, Groups())
+        p = unit.progress
+        if p is None:
+            return "its leader has no record"
+        if not unit.same_run(p):
+            return (
+                f"its leader's record ({p.refit} at {p.version}) is of another run (restarts "
+                f"{p.restarts}, now {unit.restarts}; followers "
+                f"{'the same' if p.incarnation == unit.incarnation else 'replaced'})"
+            )
+        return ""
+
+    def on_pod_write(self, doc: dict[str, Any]) -> None:
+        """Note the revision at which a group turned half in traffic: some member Ready, no
+        pass holding it, while it is out by its members and records (group-withdrawn's
+        grace runs from there)."""
+        key = (doc["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+        if key is None:
+            return
+        members = self._group_members().get(key, [])
+        if _in_traffic_unclaimed(members) and self.group_out(key, members):
+            self.out_since.setdefault(key, self.store.revision)
+        else:
+            self.out_since.pop(key, None)
+
+    # ------------------------------------------------------------------- the gate
+    def _unit_members(self) -> dict[str, list[dict[str, Any]]]:
+        """Each unit's pods by the unit's name: a pod alone, or a group (its leader's name,
+        as groups.units names it)."""
+        pods = [d for (k, _, _), d in sorted(self.store.objects.items()) if k == "Pod"]
+        if not self.grouped:
+            return {d["metadata"]["name"]: [d] for d in pods}
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        out: dict[str, list[dict[str, Any]]] = {}
+        for d in pods:
+            key = (d["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+            if key is None:
+                out[d["metadata"]["name"]] = [d]
+            else:
+                by_key.setdefault(key, []).append(d)
+        for members in by_key.values():
+            leaders = [m for m in members if not _follower(m)]
+            name = (leaders[0] if len(leaders) == 1 else members[0])["metadata"]["name"]
+            out[name] = members
+        return out
+
+    def _gate_of(self, members: list[dict[str, Any]]) -> tuple[bool, str]:
+        views = [PodView.from_pod(m) for m in members]
+        unit = groups.units(views, Groups())[0] if self.grouped else views[0]
+        g = gate(unit)
+        return g.ready, f"{g.reason}: {g.message}"
+
+    def _track_gate(self) -> None:
+        """Note the revision at which each unit turned in traffic against its gate: some
+        member Ready, no pass holding it, the gate False (gate-held's grace runs from
+        there)."""
+        units = self._unit_members()
+        for name, members in units.items():
+            if not _in_traffic_unclaimed(members) or self._gate_of(members)[0]:
+                self.gate_out_since.pop(name, None)
+            elif name not in self.gate_out_since:
+                self.gate_out_since[name] = self.store.revision
+        for name in set(self.gate_out_since) - set(units):
+            del self.gate_out_since[name]
+
+    def _check_gate(self, refit: dict[str, Any], began: int) -> None:
+        """gate-held, after a completed tick of ``refit`` begun at revision ``began``."""
+        for name, members in sorted(self._unit_members().items()):
+            since = self.gate_out_since.get(name)
+            if since is None or since > began:
+                continue
+            if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
+                continue
+            self.checks += 1
+            ready = [m["metadata"]["name"] for m in members if _gate(m)]
+            held, why = self._gate_of(members)
+            if _in_traffic_unclaimed(members) and not held:
+                self.violate(
+                    "gate-held",
+                    f"unit {name}: {', '.join(ready)} Ready while the gate holds it out "
+                    f"({why}) since revision {since}; a tick of refit "
+                    f"{refit['metadata']['name']} that began at revision {began} left it in "
+                    "traffic",
+                )
+
+    def after_tick(self, refit: dict[str, Any] | None, began: int) -> None:
+        """gate-held and group-withdrawn: a completed tick of ``refit`` that began at store
+        revision ``began`` leaves no member Ready of a unit it selects that was in traffic
+        against its gate (a group: out by its members and records) by then, unless a pass
+        holds the unit (its first write takes it out)."""
+        if refit is None or refit["metadata"].get("deletionTimestamp"):
+            return
+        self._check_gate(refit, began)
+        for key, members in sorted(self._group_members().items()):
+            since = self.out_since.get(key)
+            if since is None or since > began:
+                continue
+            if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
+                continue
+            self.checks += 1
+            ready = [m["metadata"]["name"] for m in members if _gate(m)]
+            why = self.group_out(key, members)
+            if _in_traffic_unclaimed(members) and why:
+                self.violate(
+                    "group-withdrawn",
+                    f"group {key}: {', '.join(ready)} Ready although {why} (so since "
+                    f"revision {since}); a tick of refit {refit['metadata']['name']} that "
+                    f"began at revision {began} left it in traffic",
+                )
 
     def on_write(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if kind == "Pod":
@@ -152,6 +469,9 @@ class Checker:
                 assert doc is not None
                 self.changed[doc["metadata"]["name"]] = self.store.revision
             self._handover(old, new)
+            if self.grouped:
+                self.on_pod_write(new or old)  # type: ignore[arg-type]
+            self._track_gate()
             return
         if kind != "WeightRefit" or new is None:
             return
@@ -266,18 +586,17 @@ class Checker:
                 else:
                     kept.add(pod)
         since = self._since_listed()
+        track = _track(refit)
         for pod_name, doc in self._selected(refit):
             if pod_name in since:
                 continue
-            p = Progress.from_annotation(
-                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-            )
+            p = _record(doc, track)
             if p is None or p.uid != uid:
                 continue  # a newer pass took the pod up since (or never this refit's)
             restarts = sum(
                 c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or []
             )
-            serves = self.sim.serves(doc["status"].get("podIP", ""))
+            serves = self._serves(doc, track)
             if pod_name in to:
                 want = to[pod_name]
                 if not (p.rollback and p.outcome == "Succeeded" and p.version == want):
@@ -311,8 +630,8 @@ class Checker:
         the pods since is the next tick's to see: it takes back a pod no newer refit answers
         for, "the target again of".)"""
         self.checks += 1
-        name = refit["metadata"]["name"]
-        version = refit["spec"]["checkpoint"]["version"]
+        name, track = refit["metadata"]["name"], _track(refit)
+        version = _version(refit)
         message = (refit.get("status") or {}).get("message", "")
         m = re.fullmatch(r"every pod of this refit moved on to (\S+)", message)
         if m is None:
@@ -334,9 +653,9 @@ class Checker:
         )  # fmt: skip
         drivers: list[tuple[tuple[str, str], str]] = []
         for pod_name, doc in pods:
-            p = Progress.from_annotation(
-                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-            )
+            if _follower(doc) and refit["spec"]["fleet"].get("groups") is not None:
+                continue  # its leader's record is the group's
+            p = _record(doc, track)
             order = times.order_key(p.created, p.refit) if p is not None else ("", "")
             if p is None or order <= mine or (p.rollback and p.version == version):
                 what = (
@@ -361,7 +680,7 @@ class Checker:
         changed since (deleted, replaced, relabelled, restarted) is the next tick's to see,
         and cannot be blamed on this status."""
         self.checks += 1
-        version = refit["spec"]["checkpoint"]["version"]
+        version, track = _version(refit), _track(refit)
         uid, name = refit["metadata"]["uid"], refit["metadata"]["name"]
         listed = self.store.decided_from
         since = {n for n, t in self.changed.items() if listed is not None and t > listed}
@@ -375,11 +694,8 @@ class Checker:
                 serving += 1
                 since.discard(pod_name)
                 continue
-            ip = doc["status"].get("podIP", "")
-            serves = self.sim.serves(ip)
-            p = Progress.from_annotation(
-                (doc["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-            )
+            serves = self._serves(doc, track)
+            p = _record(doc, track)
             restarts = sum(
                 c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or []
             )
@@ -392,7 +708,7 @@ class Checker:
                 self.violate(
                     "succeeded-serving",
                     f"refit {name} Succeeded at {version} counting pod {pod_name}, which "
-                    f"serves {serves!r}",
+                    f"serves {serves!r}{f' under adapter {track}' if track else ''}",
                 )
         serving += len(since)  # gone or no longer selected since the list
         updated = int((refit.get("status") or {}).get("updatedPods", 0))
@@ -400,13 +716,14 @@ class Checker:
             self.violate(
                 "succeeded-serving",
                 f"refit {name} Succeeded with {updated} pods updated, but {serving} serve "
-                f"{version}",
+                f"{version}{f' under adapter {track}' if track else ''}",
             )
 
     # --------------------------------------------------------------------- liveness
-    def targets(self) -> dict[str, dict[str, Any]]:
-        """Each pod's target: the newest Succeeded refit that selects it now (creation order,
-        never names), among the refits that exist and are not being deleted."""
+    def targets(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Each pod's target per track (the base weights "", each adapter name): the newest
+        Succeeded refit of that track that selects it now (creation order, never names),
+        among the refits that exist and are not being deleted."""
         refits = [
             d for (k, _, _), d in self.store.objects.items()
             if k == "WeightRefit" and not d["metadata"].get("deletionTimestamp")
@@ -418,39 +735,110 @@ class Checker:
             if kind != "Pod" or doc["metadata"].get("deletionTimestamp"):
                 continue
             labels = doc["metadata"].get("labels") or {}
-            chosen = [r for r in refits if _selects(r, labels)]
-            if chosen:
-                out[name] = chosen[-1]
+            for r in refits:
+                if _selects(r, labels):
+                    out[(name, _track(r))] = r  # the newest last
         return out
 
     def converged(self) -> str | None:
-        """None when every pod serves its target, Ready, and no refit is active; else what
-        is not so yet."""
+        """None when every pod serves its targets, Ready, and no refit is active; else what
+        is not so yet. A pod group's follower serves through its leader: it is only Ready."""
         for (kind, _, name), doc in sorted(self.store.objects.items()):
             if kind == "WeightRefit" and (doc.get("status") or {}).get("phase", "") in ACTIVE:
                 return f"refit {name} is still {(doc.get('status') or {}).get('phase', '')!r}"
-        for pod, refit in self.targets().items():
+        targets = self.targets()
+        for (pod, track), refit in sorted(targets.items()):
             doc = self.store.objects[("Pod", refit["metadata"]["namespace"], pod)]
+            if self._held_out(pod, doc, targets):
+                continue
+            if _follower(doc) and refit["spec"]["fleet"].get("groups") is not None:
+                leader = self._leader_of(doc)
+                if leader is not None and self._held_out(leader, self._pod(leader), targets):
+                    continue  # out with its leader
+                if not _gate(doc):
+                    return f"member {pod} is not Ready ({_reason(doc)})"
+                continue
+            if track and self._not_expected(doc, track, refit):
+                continue
             ip = doc["status"].get("podIP", "")
-            want = refit["spec"]["checkpoint"]["version"]
-            serves = self.sim.serves(ip)
+            want = _version(refit)
+            serves = self._serves(doc, track)
             sim = self.sim.pods.get(ip)
             ready = _gate(doc) and sim is not None and sim.up and sim.ready_mark.ready
-            if (serves != want or not ready) and not self._kept(doc, serves, ready):
+            if (serves != want or not ready) and not self._kept(doc, serves, ready, track):
+                what = f"adapter {track} at " if track else ""
                 return (
-                    f"pod {pod} serves {serves!r} (Ready={ready}); its target is "
-                    f"{refit['metadata']['name']} at {want}; {self._last_pass(doc)}"
+                    f"pod {pod} serves {what}{serves!r} (Ready={ready}, {_reason(doc)}); its "
+                    f"target is {refit['metadata']['name']} at {want}; "
+                    f"{self._last_pass(doc, track)}; records: {_said(_records(doc))}"
+                    f"{self._refused(doc)}"
                 )
         return None
 
-    def _kept(self, pod: dict[str, Any], serves: str | None, ready: bool) -> bool:
+    def _held_out(
+        self, pod: str, doc: dict[str, Any], targets: dict[tuple[str, str], dict[str, Any]]
+    ) -> bool:
+        """Pods that stay out of traffic by design: one without a base target (nothing
+        refits its base weights), and one a pass of another refit than its target failed on
+        (docs/concepts.md, "Convergence": pods a newer refit failed stay out with their
+        reason; an adapter whose swapped-in version failed, until the track is refit or
+        rolled back). An adapter's pass refused before its swap changed nothing the pod
+        serves: no excuse."""
+        if (pod, "") not in targets:
+            return True  # no base weights to converge it to: nothing brings it back
+        restarts = _restarts(doc)
+        for track, p in _records(doc).items():
+            target = targets.get((pod, track))
+            if target is not None and target["metadata"]["uid"] == p.uid:
+                continue  # its target's own pass failed: the target tries it again
+            if _failed(p) and p.restarts == restarts and not _refused_in_traffic(p):
+                return True
+        return False
+
+    def _pod(self, name: str) -> dict[str, Any]:
+        return next(d for (k, _, n), d in self.store.objects.items() if k == "Pod" and n == name)
+
+    def _leader_of(self, doc: dict[str, Any]) -> str | None:
+        key = (doc["metadata"].get("labels") or {}).get(LWS_GROUP_LABEL)
+        leaders = [m["metadata"]["name"] for m in self._group_members().get(key or "", [])
+                   if not _follower(m) and not m["metadata"].get("deletionTimestamp")]  # fmt: skip
+        return leaders[0] if len(leaders) == 1 else None
+
+    def _not_expected(self, doc: dict[str, Any], track: str, target: dict[str, Any]) -> bool:
+        """An adapter target the pod need not serve (docs/concepts.md, "One gate over many
+        tracks and groups"): its record was probed on another base version than the pod
+        serves now (a base pass unloaded it at its drain: the track needs a refit for the new
+        base), or a newer pass of the track, refused, put back nothing of the target's (it served
+        something else, or nothing, when it began). A pod that never had the track, or lost
+        it to a restart, is its target's to converge."""
+        p = _record(doc, track)
+        if p is None or p.restarts != _restarts(doc):
+            return False
+        if base_moved_on(PodView.from_pod(doc), p):
+            return True
+        if p.uid != target["metadata"]["uid"] and p.outcome != "Succeeded":
+            return not (p.restored and p.serving == _version(target))
+        return False
+
+    def _refused(self, doc: dict[str, Any]) -> str:
+        """For liveness: the adapter refit refused before its swap that holds the pod out."""
+        reason = _reason(doc)
+        for track, p in sorted(_records(doc).items()):
+            if _failed(p) and _refused_in_traffic(p) and p.reason == reason:
+                return f"; held out by adapter {track}'s pass refused before its swap"
+        return ""
+
+    def _serves(self, doc: dict[str, Any], track: str) -> str | None:
+        """What the pod's process serves of ``track``, intact (None: nothing, or wrong)."""
+        ip = doc["status"].get("podIP", "")
+        return self.sim.adapters(ip).get(track) if track else self.sim.serves(ip)
+
+    def _kept(self, pod: dict[str, Any], serves: str | None, ready: bool, track: str = "") -> bool:
         """A pod that keeps the version of a newer refit that halted or was deleted, as
         docs/concepts.md ("Convergence") says it does: that refit's pass Succeeded on this
         container (no restart since), the pod serves that version, Ready. Its target takes
         it back only once it leaves traffic or restarts."""
-        p = Progress.from_annotation(
-            (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-        )
+        p = _record(pod, track)
         if p is None or p.outcome != "Succeeded" or p.rollback or not ready:
             return False
         restarts = sum(
@@ -467,11 +855,9 @@ class Checker:
         ended = refit is None or (refit.get("status") or {}).get("phase") in ("Halted", "Failed")
         return ended and p.version == serves and p.restarts == restarts
 
-    def _last_pass(self, pod: dict[str, Any]) -> str:
+    def _last_pass(self, pod: dict[str, Any], track: str = "") -> str:
         """The pod's last pass and what became of its refit (for the diagnosis)."""
-        p = Progress.from_annotation(
-            (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-        )
+        p = _record(pod, track)
         if p is None:
             return "no pass recorded"
         refit = next(

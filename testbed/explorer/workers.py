@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,7 +27,15 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiDict
 from refit_worker import contract, fence
 
-from testbed.simworker import RPC_STEPS, Fault, PodState, SimServer, make_sim_checkpoint
+from testbed.simworker import (
+    RPC_STEPS,
+    SIM_MODEL,
+    Fault,
+    PodState,
+    SimServer,
+    make_sim_adapter,
+    make_sim_checkpoint,
+)
 
 # What vLLM's engine core runs one at a time (utility calls between steps): a call that
 # outlives its client still holds the core, and the next one waits for it.
@@ -44,6 +52,10 @@ class Truth:
     generation: int = 0  # bumped whenever the weights change (load, discard, restart)
     probed: int = -1  # the generation a correct probe was last scored on
     process: int = 0  # bumped by every (re)start of the container
+    # The LoRA adapters the process holds (a load of a name bumps its generation) and the
+    # generation of each that a correct probe through that name last scored.
+    adapter_generation: dict[str, int] = field(default_factory=dict)
+    adapter_probed: dict[str, int] = field(default_factory=dict)
 
 
 class _Transport:
@@ -83,9 +95,22 @@ class ExplorerSimServer(SimServer):
         # Per pod: the requests its process is serving. A crash ends them (the process is
         # gone): a late answer never acts on the process that replaced it.
         self.inflight: dict[str, set[asyncio.Task[Any]]] = {}
+        # Pods that take LoRA adapters at runtime (explore.py turns it on with the adapter
+        # classes; vLLM's --max-lora-rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+        self.max_lora_rank = 0
+        # Per pod, the next adapter load that goes wrong (``adapter_fail``): "staged" loads
+        # the staged name's weights wrong (its staged probe fails, nothing served changed),
+        # "swap" the served name's (the probe after the swap fails).
+        self.adapter_faults: dict[str, str] = {}
 
     def add_pod(self, ip: str) -> None:
-        self.pods[ip] = PodState(ip, self.allowed_root, self.admin_token is not None)
+        self.pods[ip] = PodState(
+            ip,
+            self.allowed_root,
+            self.admin_token is not None,
+            max_lora_rank=self.max_lora_rank,
+            runtime_lora_updating=self.max_lora_rank > 0,
+        )
         self.pods[ip].update_serving()
         self.truth[ip] = Truth()
 
@@ -103,6 +128,7 @@ class ExplorerSimServer(SimServer):
             t = self.truth[pod.ip]
             t.generation += 1
             t.process += 1
+            t.adapter_generation.clear()  # a restart forgets the adapters (PodState.fresh)
             self.on_restart(pod.ip)
 
     async def crash(self, pod: PodState, restart_after: float | None = None) -> None:
@@ -166,11 +192,33 @@ class ExplorerSimServer(SimServer):
             step == contract.RPC_LOAD and response.status == 200
         ):
             truth.generation += 1
+        if step == "load_lora_adapter" and response.status == 200 and isinstance(body, dict):
+            self._adapter_loaded(pod, str(body.get("lora_name")), bool(body.get("load_inplace")))
         if step == "completions" and response.status == 200 and pod.up:
+            served = body.get("model") if isinstance(body, dict) else None
+            adapter = pod.adapters.get(served) if isinstance(served, str) else None
+            clean = fault is None or fault.kind == "delay"
+            if adapter is not None and served != SIM_MODEL:
+                assert isinstance(served, str)
+                if clean and adapter[1] == 0.0:
+                    truth.adapter_probed[served] = truth.adapter_generation.get(served, 0)
+                return response
             good = pod.seed is not None and not pod.weights_discarded and pod.drift == 0.0
-            if good and (fault is None or fault.kind == "delay"):
+            if good and clean:
                 truth.probed = truth.generation
         return response
+
+    def _adapter_loaded(self, pod: PodState, name: str, inplace: bool) -> None:
+        """A load of ``name`` answered 200: a new generation of that adapter, with weights
+        that go wrong where ``adapter_fail`` says so (its probe reference stays right)."""
+        truth = self.truth[pod.ip]
+        truth.adapter_generation[name] = truth.adapter_generation.get(name, 0) + 1
+        fault = self.adapter_faults.get(pod.ip)
+        staged = "@" in name and not inplace
+        if fault is not None and fault == ("staged" if staged else "swap" if inplace else ""):
+            del self.adapter_faults[pod.ip]
+            seed, _, path = pod.adapters[name]
+            pod.adapters[name] = (seed, 2.0, path)
 
     @staticmethod
     def _refusal(request: web.Request, code: str, detail: str) -> web.Response:
@@ -189,6 +237,19 @@ class ExplorerSimServer(SimServer):
         if pod.drift != 0.0 or pod.seed != pod.weight_version:
             return None
         return pod.seed
+
+    def adapters(self, ip: str) -> dict[str, str | None]:
+        """The adapters the process holds, staged names included: name -> the version it
+        serves intact under that name (None: loaded wrong)."""
+        pod = self.pods.get(ip)
+        if pod is None or not pod.up:
+            return {}
+        return {n: (seed if drift == 0.0 else None) for n, (seed, drift, _) in pod.adapters.items()}
+
+    def adapter_probed(self, ip: str, name: str) -> bool:
+        """A correct probe through ``name`` was scored on the adapter loaded under it now."""
+        t = self.truth[ip]
+        return name in t.adapter_probed and t.adapter_probed[name] == t.adapter_generation.get(name)
 
     def probed(self, ip: str) -> bool:
         """A correct probe was scored on exactly the weights the process holds now."""
@@ -299,6 +360,32 @@ class _InRequest:
 
     async def json(self) -> Any:
         return jsonlib.loads(self._body)
+
+
+# An adapter directory without PEFT's adapter_config.json (otherwise whole: weights, manifest
+# and probe reference): the worker's adapter check refuses it (AdapterInvalid).
+BAD_ADAPTER = "bad"
+
+
+def adapter_checkpoints(
+    root: Path, names: list[str], versions: list[str]
+) -> dict[tuple[str, str], str]:
+    """(name, version) -> path of a simulated LoRA adapter (made once, like ``checkpoints``),
+    and (name, BAD_ADAPTER) -> one without adapter_config.json."""
+    from refit_worker.checkpoint import write_manifest
+    from refit_worker.contract import ADAPTER_CONFIG_FILE
+
+    out: dict[tuple[str, str], str] = {}
+    for name in names:
+        for v in [*versions, BAD_ADAPTER]:
+            d = root / "lora" / name / v
+            if not (d / "refit-manifest.json").exists():
+                make_sim_adapter(d, v)
+                if v == BAD_ADAPTER:
+                    (d / ADAPTER_CONFIG_FILE).unlink()
+                    write_manifest(d)  # whole but for the config: only the config is wrong
+            out[(name, v)] = str(d)
+    return out
 
 
 def checkpoints(root: Path, versions: list[str]) -> dict[str, str]:

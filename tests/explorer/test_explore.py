@@ -4,7 +4,9 @@ CI runs every fault class whose invariants hold on the current code: a few hundr
 schedules (40 steps, 3 pods) and a couple of thousand short ones (20 steps, 2 pods, classes
 mixed by seed). testbed/explorer/holes.py's KNOWN_HOLES lists what the explorer still finds,
 each with a seed that shows it: a class switched off, or a violation tolerated by its
-signature. REFIT_EXPLORER_SCHEDULES scales the number of schedules (``make bench`` runs the
+signature. Issue 41's classes (holes.FEATURES: LoRA adapters beside the base weights, pod
+groups) run in tests of their own, alone and with the holding classes, tolerating their known
+holes by signature. REFIT_EXPLORER_SCHEDULES scales the number of schedules (``make bench`` runs the
 long mode: ``python -m bench --only explorer``)."""
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import os
 import pytest
 
 from testbed.explorer import Config, run_schedule
-from testbed.explorer.holes import HOLDING, KNOWN_HOLES, REGRESSIONS, known, run_batch
+from testbed.explorer.explore import ADAPTER_CLASSES
+from testbed.explorer.holes import (
+    FEATURES,
+    HOLDING,
+    ISSUE_41,
+    KNOWN_HOLES,
+    REGRESSIONS,
+    known,
+    run_batch,
+)
 
 SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
 
@@ -49,6 +60,20 @@ def test_every_holding_class_at_once_keeps_the_invariants() -> None:
     _run(range(2000, 2000 + 100 * SCALE), frozenset(HOLDING))
 
 
+@pytest.mark.parametrize("fault", FEATURES)
+def test_each_feature_class_alone_keeps_the_invariants_but_its_known_holes(fault: str) -> None:
+    _run(range(3000, 3000 + 8 * SCALE), frozenset({fault}))
+
+
+def test_feature_classes_with_the_holding_ones_keep_the_invariants_but_known_holes() -> None:
+    """Adapters among every holding class, pod groups among them, and every feature class
+    at once (a pod group's hole ends most of those early)."""
+    adapters = frozenset(ADAPTER_CLASSES) | frozenset(HOLDING)
+    assert _run(range(4000, 4000 + 30 * SCALE), adapters) > 0
+    assert _run(range(4000, 4000 + 30 * SCALE), frozenset({"pod_groups", *HOLDING})) > 0
+    assert _run(range(4000, 4000 + 20 * SCALE), frozenset(FEATURES)) > 0
+
+
 def test_many_short_schedules_keep_the_invariants() -> None:
     """1,800 short schedules (about a minute of CPU): a failure prints its seed, its trace
     and the command that replays it."""
@@ -69,6 +94,16 @@ def test_the_schedules_that_found_fixed_holes_hold(name: str) -> None:
     classes, seeds = REGRESSIONS[name]
     for seed in seeds:
         result = run_schedule(Config(seed, classes))
+        unknown = [v for v in result.violations if known(v) is None]
+        assert not unknown, result.report()
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_41))
+def test_the_schedules_that_found_issue_41_hold(name: str) -> None:
+    """Each of issue 41's breaks of one traffic gate per pod, found on main before the fix,
+    replayed exactly (its steps, fleet, invariants ignored): nothing but a known hole."""
+    for config in ISSUE_41[name]:
+        result = run_schedule(config)
         unknown = [v for v in result.violations if known(v) is None]
         assert not unknown, result.report()
 
