@@ -67,24 +67,6 @@ KNOWN_HOLES: dict[str, Hole] = {
         excludes=False,
         signature=r"^\[creation-order\]",
     ),
-    "adapter_on_unprobed_base": Hole(
-        1,
-        frozenset({"adapter_refits"}),
-        "after the one-gate fix (b58e782): an adapter refit's pass runs on pod-1 before any "
-        "base pass has probed its base weights (its record's base_version is ''); the base "
-        "refit's pass then unloads every adapter at its drain, and the adapter refit turns "
-        "Succeeded counting pod-1, which holds no adapter: gate.base_moved_on never calls a "
-        "record without a base version moved on, and gate.adapter_missing does not hold the "
-        "pod out either. Also as liveness: the pod stays Ready, its adapter target never "
-        "loads the adapter again (the refit says 'N/N pods', or '1/1 ...; 2 moved on')",
-        "an adapter probed on no base version is counted (and targeted) after a base pass "
-        "unloaded it",
-        steps=10,
-        pods=2,
-        excludes=False,
-        signature=r"^\[succeeded-serving\] .*under adapter|"
-        r"^\[liveness\] .*serves adapter \S+ at None \(Ready=True",
-    ),
 }
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
 REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
@@ -119,6 +101,10 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
 # failed adapter pass left its staged name (policy@s2) loaded; (5) a group whose follower
 # was recreated Pending stayed half in traffic.
 ISSUE_41: dict[str, tuple[Config, ...]] = {
+    # Found on the first gate fix (b58e782): an adapter probed before any base pass named no
+    # base, so the base pass that unloaded it left it counted and served; it now names none
+    # (podflow.NO_BASE), and its refit loads it again (gate.adapter_missing).
+    "adapter_on_unprobed_base": (Config(1, frozenset({"adapter_refits"}), steps=10, pods=2),),
     "adapter_readmits_failed_base": (Config(1, frozenset({"weights_skew"}), steps=10, pods=2),),
     "failed_adapter_readmitted_by_base": (
         Config(

@@ -700,6 +700,9 @@ class Checker:
                 c.get("restartCount", 0) for c in doc["status"].get("containerStatuses") or []
             )
             counted = p is not None and p.uid == uid and p.outcome == "Succeeded"
+            # An adapter whose pod's base weights moved on to another version since: unloaded
+            # by that base pass, and no longer this refit's to count (BaseChanged).
+            counted = counted and not base_moved_on(PodView.from_pod(doc), p)
             # A container that restarted since its pass cannot be blamed on this status: the
             # tick decided from a list taken before (the restart is the next tick's to see).
             restarted = p is not None and p.restarts != restarts

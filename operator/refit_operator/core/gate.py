@@ -14,11 +14,11 @@ A unit is in traffic only when each of these holds (the first that does not is t
    and says they serve: a pass Succeeded, put them back (restored), or stages while they serve;
 3. every adapter record says the adapter serves, or that it serves nothing the pod must hold:
    a failed adapter holds the pod out until a pass of its track (a new adapter, a rollback);
-   a pass past its in-traffic steps holds it out; an adapter probed on another base version
-   than the one served now was unloaded when that base pass drained, so it is not served (its
-   track needs a refit for the new base); one probed on this base version but loaded in another
-   run, or before the base was reloaded, is missing: the pod waits out of traffic for its
-   track's target to load it again.
+   a pass past its in-traffic steps holds it out. An adapter the pod does not hold serves
+   nothing and holds nothing out: one probed on another base version than the one served now
+   (the base pass unloaded it at its drain; its track needs a refit for the new base), and one
+   this process lost, to a restart or to a reload of the same base version (``adapter_missing``:
+   its refit loads it again; until then clients asking the pod for it get vLLM's 404).
 
 docs/concepts.md, "One gate over many tracks", has the table ``tests/unit/test_gate.py`` holds.
 """
@@ -73,13 +73,27 @@ def base_moved_on(unit: PodView, record: Progress | None) -> bool:
 def adapter_missing(unit: PodView, record: Progress | None) -> bool:
     """Whether the adapter a Succeeded (or restored) record says the pod serves on its base is
     not loaded in this process: lost to a restart, or unloaded by a base pass that reloaded
-    the same version (its refit converges the pod: its probe reference still holds)."""
+    the same version. Not served, it holds nothing out; its refit, whose probe reference
+    still holds for this base, loads it again (decision: the pod is to do)."""
     if record is None or not record.adapter or not record.finished_pass:
         return False
     if record.outcome != "Succeeded" and not (record.restored and record.serving):
         return False
-    problem = _held_out(unit.with_record(record))
-    return problem is not None and problem.reason == Reason.AdapterMissing
+    base = unit.records.get("")
+    if base is None:
+        return not unit.same_run(record)
+    return _lost(unit, record, base, served(base))
+
+
+def _lost(unit: PodView, r: Progress, base: Progress, version: str) -> bool:
+    """A finished adapter record whose adapter this process no longer holds on the same base
+    version: the container restarted, or a pass of the base weights took the pod out of
+    traffic since it (and so unloads it at its drain, or did; one that never left traffic left
+    it as it was). A base pass still out of traffic serves no version yet: it counts."""
+    if version and r.base_version and r.base_version != version:
+        return False  # on another base: not served at all (base_moved_on), not missing
+    reloaded = bool(r.base_pass) and r.base_pass != base_key(base) and bool(base.left_traffic)
+    return not unit.same_run(r) or reloaded
 
 
 def loaded(base: Progress) -> str:
@@ -115,9 +129,8 @@ def _held_out(unit: PodView) -> Readiness | None:
     own = readiness(base)
     if own is not None and not own.ready:
         return own
-    version = served(base)
     for name in sorted(k for k in records if k):
-        problem = _adapter(unit, name, records[name], base, version)
+        problem = _adapter(unit, name, records[name])
         if problem is not None:
             return problem
     return None
@@ -142,10 +155,9 @@ def _run_changed(unit: PodView, p: Progress, what: str) -> Readiness | None:
     )
 
 
-def _adapter(
-    unit: PodView, name: str, r: Progress, base: Progress, version: str
-) -> Readiness | None:
-    """Why adapter ``name``'s record ``r`` holds the pod out (None: it does not)."""
+def _adapter(unit: PodView, name: str, r: Progress) -> Readiness | None:
+    """Why adapter ``name``'s record ``r`` holds the pod out (None: it does not): a failed
+    pass in this run, or one past its in-traffic steps."""
     if r.finished_pass and r.outcome != "Succeeded" and not r.restored:
         if not unit.same_run(r):
             return None  # the process that loaded it is gone (and a base pass ran since)
@@ -161,20 +173,7 @@ def _adapter(
         return Readiness(
             False, Reason.Refitting, f"adapter {name} refit to {r.version} in progress"
         )
-    serves = r.version if r.outcome == "Succeeded" else r.serving
-    if not serves:
-        return None  # a refused first adapter: the pod serves no adapter of this name
-    if r.base_version and r.base_version != version:
-        return None  # unloaded when the base moved on: its track needs a refit for it
-    # A base pass that took the pod out of traffic unloaded every adapter at its drain; one
-    # that never did (refused while staging, or staging now) left them as they were.
-    reloaded = bool(r.base_pass) and r.base_pass != base_key(base) and bool(base.left_traffic)
-    if not unit.same_run(r) or reloaded:
-        return Readiness(
-            False,
-            Reason.AdapterMissing,
-            f"adapter {name} {serves} is not loaded in this process (the container restarted "
-            "or the base weights were reloaded since): out of traffic until its track's "
-            "refit loads it again",
-        )
+    # Served, or not served at all, holds nothing out: a refused first adapter, one unloaded
+    # when the base moved on (its track needs a refit for the new base), one this process lost
+    # (its refit loads it again; until then clients asking for it get vLLM's 404).
     return None

@@ -126,7 +126,6 @@ class Reason(StrEnum):
     Refitting = "Refitting"  # out of traffic while its pass runs
     # --- the one gate over everything a pod serves (core/gate.py)
     NotProbed = "NotProbed"  # no pass has probed the pod's base weights
-    AdapterMissing = "AdapterMissing"  # an adapter its records say it serves is not loaded
     MemberNotRunning = "MemberNotRunning"  # a pod of the group is not running (Pending, gone)
     MemberReplaced = "MemberReplaced"  # a pod of the group is not the one the record names
     # An adapter refit whose pods' base weights moved on to another version: unloaded there
