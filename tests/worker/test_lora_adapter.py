@@ -99,6 +99,12 @@ async def run_pass(
                 progress = podflow.probe_judged(progress, outcome, time.time())
                 if outcome.verdict == "Pass":
                     progress = podflow.step_done(progress, step, 0.0, time.time())
+                    if step == Step.probeStaged:
+                        # As the operator's staged probe does once it passed: nothing staged
+                        # outlives it (the swap loads the files, checked again).
+                        await adapter_source.unload_staged(
+                            worker, progress, float(SEQ.step_timeout_seconds)
+                        )
                     if step == Step.probeStaged and after_staged_probe is not None:
                         await after_staged_probe()  # type: ignore[operator]
             elif step == sequences.RESTORE:

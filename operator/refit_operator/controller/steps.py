@@ -138,8 +138,9 @@ async def ready_step(run: StepRun) -> str:
 async def _vouch(run: StepRun, record: Progress, process: str | None) -> None:
     """Vouch for the process's weights when the gate over the pod with ``record`` (the pass's
     last) lets it in; the version vouched for is the base weights' it serves."""
-    if run.pod is None:  # a step run alone (the bench): no pod to judge, as before
-        await mark_ready(run.worker, record.version, run.t_step, process)
+    if run.pod is None:  # a step run alone (the bench, tests): no pod to judge
+        if not record.adapter:  # a weights pass vouches for its weights, as before
+            await mark_ready(run.worker, record.version, run.t_step, process)
         return
     unit = run.pod.with_record(record)
     if gate(unit, focus=record.track).ready:

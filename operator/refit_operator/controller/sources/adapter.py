@@ -63,11 +63,14 @@ async def _swap_adapter(run: StepRun) -> str:
     return ""
 
 
+async def unload_staged(worker: WorkerClient, progress: Progress, t_step: float) -> None:
+    """Unload the pass's staged name (not loaded: fine), once its probe judged it."""
+    staged = podflow.staged_adapter_name(progress.adapter, progress.version)
+    await worker.unload_adapter(staged, timeout=t_step)
+
+
 async def _unload_staged(run: StepRun) -> str:
-    p = run.progress
-    await run.worker.unload_adapter(
-        podflow.staged_adapter_name(p.adapter, p.version), timeout=run.t_step
-    )
+    await unload_staged(run.worker, run.progress, run.t_step)
     return ""
 
 
