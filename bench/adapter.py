@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from refit_operator.controller import sources
+from refit_operator.controller.sources import adapter as adapter_source
 from refit_operator.core import podflow, probe, sequences
 from refit_operator.core.api_spec import Sequence, Thresholds
 from refit_operator.core.sequences import Step
@@ -82,6 +83,8 @@ async def adapter_refit(w: WorkerClient, adapters: TinyAdapters, version: str) -
                 raise RuntimeError(f"adapter {version}: {step}: {outcome.message}")
             if step == Step.probe:
                 probed = time.perf_counter() - t
+            else:  # as the operator's staged probe: nothing staged outlives it
+                await adapter_source.unload_staged(w, progress, float(seq.step_timeout_seconds))
             continue
         await sources.execute_step(w, seq, progress, step, resumed=False)
     end = time.perf_counter()
