@@ -40,7 +40,7 @@ explorer").
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,25 +417,25 @@ class Checker:
         for name in set(self.gate_out_since) - set(units):
             del self.gate_out_since[name]
 
-    def _check_gate(self, refit: dict[str, Any], began: int) -> None:
-        """gate-held, after a completed tick of ``refit`` begun at revision ``began``."""
-        for name, members in sorted(self._unit_members().items()):
-            since = self.gate_out_since.get(name)
+    def _due(
+        self,
+        units: dict[str, list[dict[str, Any]]],
+        out_since: dict[str, int],
+        refit: dict[str, Any],
+        began: int,
+    ) -> Iterator[tuple[str, list[dict[str, Any]], int, list[str]]]:
+        """The units ``refit`` selects that were out (by ``out_since``) before its tick began
+        at revision ``began``, still in traffic and unclaimed: (name, members, since, the
+        members Ready). Each is one check."""
+        for name, members in sorted(units.items()):
+            since = out_since.get(name)
             if since is None or since > began:
                 continue
             if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
                 continue
             self.checks += 1
-            ready = [m["metadata"]["name"] for m in members if _gate(m)]
-            held, why = self._gate_of(members)
-            if _in_traffic_unclaimed(members) and not held:
-                self.violate(
-                    "gate-held",
-                    f"unit {name}: {', '.join(ready)} Ready while the gate holds it out "
-                    f"({why}) since revision {since}; a tick of refit "
-                    f"{refit['metadata']['name']} that began at revision {began} left it in "
-                    "traffic",
-                )
+            if _in_traffic_unclaimed(members):
+                yield name, members, since, [m["metadata"]["name"] for m in members if _gate(m)]
 
     def after_tick(self, refit: dict[str, Any] | None, began: int) -> None:
         """gate-held and group-withdrawn: a completed tick of ``refit`` that began at store
@@ -444,22 +444,29 @@ class Checker:
         holds the unit (its first write takes it out)."""
         if refit is None or refit["metadata"].get("deletionTimestamp"):
             return
-        self._check_gate(refit, began)
-        for key, members in sorted(self._group_members().items()):
-            since = self.out_since.get(key)
-            if since is None or since > began:
-                continue
-            if not any(_selects(refit, m["metadata"].get("labels") or {}) for m in members):
-                continue
-            self.checks += 1
-            ready = [m["metadata"]["name"] for m in members if _gate(m)]
+        tick = (
+            f"a tick of refit {refit['metadata']['name']} that began at revision {began} left "
+            "it in traffic"
+        )
+        for name, members, since, ready in self._due(
+            self._unit_members(), self.gate_out_since, refit, began
+        ):
+            held, why = self._gate_of(members)
+            if not held:
+                self.violate(
+                    "gate-held",
+                    f"unit {name}: {', '.join(ready)} Ready while the gate holds it out "
+                    f"({why}) since revision {since}; {tick}",
+                )
+        for key, members, since, ready in self._due(
+            self._group_members(), self.out_since, refit, began
+        ):
             why = self.group_out(key, members)
-            if _in_traffic_unclaimed(members) and why:
+            if why:
                 self.violate(
                     "group-withdrawn",
                     f"group {key}: {', '.join(ready)} Ready although {why} (so since "
-                    f"revision {since}); a tick of refit {refit['metadata']['name']} that "
-                    f"began at revision {began} left it in traffic",
+                    f"revision {since}); {tick}",
                 )
 
     def on_write(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
