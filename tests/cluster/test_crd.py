@@ -288,6 +288,8 @@ INVALID: list[tuple[str, Callable[[Manifest], None], str, str]] = [
      'Unsupported value: "Retry"'),
     ("queue-policy-unknown", _set("spec.queuePolicy", "Newest"), "spec.queuePolicy",
      'Unsupported value: "Newest"'),
+    ("on-base-refit-unknown", _set("spec.adapters.onBaseRefit", "Keep"),
+     "spec.adapters.onBaseRefit", 'Unsupported value: "Keep"'),
     ("ttl-negative", _set("spec.ttlSecondsAfterFinished", -1), "spec.ttlSecondsAfterFinished",
      "greater than or equal to 0"),
     ("ttl-not-integer", _set("spec.ttlSecondsAfterFinished", "1h"),
@@ -727,6 +729,9 @@ ADAPTER_INVALID = [
     # the staged-name pattern (<name>@<version>) has a message of its own
     ("name-staged", _set("spec.adapter.name", "policy@s2"), "must not contain '@'"),
     ("bad-version", _set("spec.adapter.version", "step 2"), "spec.adapter.version must be 1-63"),
+    # what a base refit does with held adapters: not a field of an adapter refit
+    ("with-adapters", _set("spec.adapters", {"onBaseRefit": "Unload"}),
+     "spec.adapters applies to a refit of the base weights"),
 ]  # fmt: skip
 
 

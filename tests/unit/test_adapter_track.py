@@ -197,3 +197,22 @@ def test_a_pass_records_that_its_pod_runs_lora_for_a_resumed_probe() -> None:
     del older["lora"]
     parsed = podflow.Progress.from_annotation(json.dumps(older))
     assert parsed is not None and not parsed.lora
+
+
+def test_a_base_refit_unloads_held_adapters_unless_told_to_reprobe_which_it_refuses() -> None:
+    """spec.adapters.onBaseRefit: Unload (the default, also when omitted) runs the refit as
+    before; Reprobe is not built yet, so the refit fails before any pod is asked (no preflight),
+    rather than run as if it said Unload. An adapter refit cannot carry the field."""
+    assert spec().adapters is None
+    unload = spec(adapters={})
+    assert unload.adapters is not None and unload.adapters.on_base_refit == "Unload"
+    assert admission.spec_problem(unload) is None and admission.spec_problem(spec()) is None
+    d = decide(observe(refit(unload), [pod("p0")]))
+    assert d.need_preflight and d.status.phase == "Preflight"
+    reprobe = spec(adapters={"onBaseRefit": "Reprobe"})
+    d = decide(observe(refit(reprobe), [pod("p0")]))
+    assert d.status.phase == "Failed" and not d.need_preflight and not d.start
+    assert d.status.conditions[0].reason == Reason.AdapterReprobeUnsupported
+    assert "not supported yet" in d.status.conditions[0].message
+    with pytest.raises(ValidationError):
+        spec(adapters={"onBaseRefit": "Keep"})

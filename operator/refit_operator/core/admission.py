@@ -57,6 +57,19 @@ def admission_problem(
     return None
 
 
+def spec_problem(spec: WeightRefitSpec) -> Problem | None:
+    """What the spec alone holds against the refit, judged before any pod is asked: a held
+    adapter's re-probe on a new base (spec.adapters.onBaseRefit Reprobe) is not built yet, and
+    a refit that asks for it must not run as if it had said Unload."""
+    if spec.adapters is not None and spec.adapters.on_base_refit == "Reprobe":
+        return Problem(
+            Reason.AdapterReprobeUnsupported,
+            "spec.adapters.onBaseRefit Reprobe is not supported yet: omit spec.adapters (or set "
+            "Unload) to unload the pods' adapters, then refit each adapter for the new base",
+        )
+    return None
+
+
 def adapter_problem(info: RefitInfo) -> Problem | None:
     """What keeps a pod from taking a LoRA adapter at runtime: vLLM started without LoRA, or
     without its runtime routes (they are not served at all then, so every load would 404)."""

@@ -217,6 +217,20 @@ class Adapter(ApiModel):
     '.', '_' or '-', starting and ending with a letter or digit, e.g. step-100."""
 
 
+class HeldAdapters(ApiModel):
+    """What a refit of the base weights does with the LoRA adapters the pods hold (docs/concepts.md,
+    "LoRA adapters"): an adapter was probed on the base it served with, and is served on no other
+    base unless a probe vouches for it there."""
+
+    on_base_refit: Literal["Unload", "Reprobe"] = "Unload"
+    """Unload (the default): the pass unloads every adapter the pod's records name at its drain,
+    and each adapter's track needs a refit for the new base (until then the pod serves its base
+    model; clients asking for the adapter get vLLM's 404). Reprobe: probe each adapter again on
+    the new base against a reference for it, and serve only those that pass. Reprobe is not
+    supported yet: a refit that asks for it fails before touching any pod
+    (AdapterReprobeUnsupported)."""
+
+
 class ManifestConfigMapRef(ApiModel):
     name: Annotated[str, crd(minLength=1, maxLength=253)]
     """Name of the ConfigMap."""
@@ -418,6 +432,11 @@ class WeightRefitSpec(ApiModel):
             " after creation; create a new WeightRefit",
         ),
         rule(
+            "!has(self.adapter) || !has(self.adapters)",
+            "spec.adapters applies to a refit of the base weights (spec.checkpoint or"
+            " spec.broadcast), not to an adapter refit",
+        ),
+        rule(
             "!has(self.broadcast) || (has(self.probe) && has(self.probe.reference) &&"
             " has(self.probe.reference.source) && self.probe.reference.source == 'ConfigMap')",
             "spec.broadcast needs spec.probe.reference.source ConfigMap (a broadcast has no"
@@ -452,6 +471,11 @@ class WeightRefitSpec(ApiModel):
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=1). Adapter refits of one name are a fleet of their own,
     with their own queue, history and rollback target, beside the refits of the base weights.
     Immutable after creation."""
+    # None: Unload (HeldAdapters' default); only a refit of the base weights may set it.
+    adapters: Annotated[HeldAdapters | None, immutable("to treat the adapters otherwise")] = None
+    """A refit of the base weights (checkpoint or broadcast) only: what it does with the LoRA
+    adapters the pods hold. Omitted: they are unloaded, and each adapter needs a refit for the
+    new base. Immutable after creation."""
     sequence: Annotated[
         Sequence,
         immutable(

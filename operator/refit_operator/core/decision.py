@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import plan, times
-from .admission import PreflightResult, fleet_layout, preflight_problem
+from .admission import PreflightResult, fleet_layout, preflight_problem, spec_problem
 from .api import (
     TERMINAL_PHASES,
     BroadcastRound,
@@ -209,6 +209,11 @@ def _decide(obs: Observed) -> Decision:
             st.previous = obs.previous
         transition("Preflight", "Preflight", "checking every pod of the fleet before touching any")
     if st.phase == "Preflight":
+        problem = spec_problem(spec)
+        if problem is not None:  # nothing is asked of any pod
+            transition("Failed", problem.reason, problem.message, "Warning")
+            d.idle = True
+            return d
         if obs.preflight is None:
             d.need_preflight = True
             return d

@@ -31,6 +31,8 @@ class Reason(StrEnum):
     # an adapter refit's name is a model the pods serve already and not this track's adapter
     # (the base model or one of its aliases in /v1/models, or an adapter loaded by others)
     AdapterNameConflict = "AdapterNameConflict"
+    # spec.adapters.onBaseRefit Reprobe: probing held adapters on a new base is not built yet
+    AdapterReprobeUnsupported = "AdapterReprobeUnsupported"
     UnsafeSleepLevel = "UnsafeSleepLevel"  # sleep level 2 would discard the KV cache scales
     ParallelLayoutMismatch = "ParallelLayoutMismatch"  # the pods report different TP/PP/DP
     # a pod runs workers whose answers the refit never hears: /get_world_size counts more
