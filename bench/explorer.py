@@ -7,13 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.results import Metric
-from testbed.explorer.holes import FEATURES, HOLDING, KNOWN_HOLES, run_batch
+from testbed.explorer.holes import FEATURES, HOLDING, KNOWN_HOLES, SOURCES, run_batch
 
 SHORT = 5000  # schedules of 20 steps over 2 pods, classes mixed by seed (--quick: 200)
 FULL = 500  # schedules of 40 steps over 3 pods (--quick: 20)
 # Schedules of 40 steps over 3 pods mixing issue 41's classes (adapters, pod groups) with the
 # holding ones (--quick: 20); their known holes are tolerated by signature.
 FEATURE_SCHEDULES = 500
+# Schedules of 40 steps over 3 pods with every weight-source class of holes.SOURCES on (a
+# drafter refitted with its target, stale in some refits) among the holding ones (--quick: 20).
+SOURCE_SCHEDULES = 300
 
 
 def suite(
@@ -28,8 +31,14 @@ def suite(
         steps=40, pods=3, pool=FEATURES + HOLDING,
     )  # fmt: skip
     log(f"explorer features: {features.summary()}")
+    sources = run_batch(
+        range(400_000, 400_000 + (20 if quick else SOURCE_SCHEDULES)),
+        steps=40, pods=3, always=frozenset(SOURCES),
+    )  # fmt: skip
+    log(f"explorer sources: {sources.summary()}")
     batches = (("20 steps, 2 pods", short), ("40 steps, 3 pods", full),
-               ("features, 40 steps, 3 pods", features))  # fmt: skip
+               ("features, 40 steps, 3 pods", features),
+               ("sources, 40 steps, 3 pods", sources))  # fmt: skip
     metrics = []
     for label, b in batches:
         metrics += [
@@ -57,12 +66,18 @@ def suite(
                 for r in b.failures
             ],
         }
-        for label, b in (("short", short), ("full", full), ("features", features))
+        for label, b in (
+            ("short", short),
+            ("full", full),
+            ("features", features),
+            ("sources", sources),
+        )
     }
     notes = [
         f"classes: {', '.join(HOLDING)}; switched off by known holes: "
         f"{', '.join(n for n, h in KNOWN_HOLES.items() if h.excludes)}; the features "
-        f"batch mixes in {', '.join(FEATURES)}",
+        f"batch mixes in {', '.join(FEATURES)}; the sources batch has {', '.join(SOURCES)} "
+        "on in every schedule",
         "Violations are schedules whose violations no known hole's signature explains; "
         "each failure's replay command is in the raw result.",
         "One process on a shared 2-core machine; rates are wall-clock.",

@@ -96,9 +96,16 @@ CLASSES = (
     "group_member_replace",  # a follower is deleted and created again at once
     "group_member_pending",  # a follower is deleted and created again Pending, Running later
     "group_leader_replace",  # a leader is deleted and created again, mid-pass if one runs
+    # The pods run a speculative drafter the worker refits from each checkpoint's drafter/
+    # (refit_info.drafter); a base refit created now carries a stale drafter/ (trained with
+    # another target): the target's probe passes, the drafter's acceptance does not.
+    "drafter_stale",
 )
 ADAPTER_CLASSES = frozenset({"adapter_refits", "adapter_bad", "adapter_fail", "weights_skew"})
 GROUP_CLASSES = frozenset(c for c in CLASSES if c == "pod_groups" or c.startswith("group_"))
+# Weight sources beyond checkpoints and adapters (drafters): out of every CI mix, so that
+# existing seeds keep their schedules; the bench's long mode runs them (holes.SOURCES).
+SOURCE_CLASSES = frozenset({"drafter_stale"})
 ADAPTER_NAMES = ("policy", "critic")
 ADAPTER_VERSIONS = [f"s{i}" for i in range(1, 9)]
 MAX_LORA_RANK = 16
@@ -187,10 +194,13 @@ class Explorer:
         # run on their own clock, and would otherwise reshuffle every other choice.
         self.lease_rng = random.Random(f"lease-{config.seed}")
         self.lease_seconds = self.lease_rng.choice(LEASE_SECONDS)
-        self.ckpt = checkpoints(ROOT, VERSIONS)
+        self.drafters = "drafter_stale" in self.on
+        self.ckpt = checkpoints(ROOT, VERSIONS, drafter=self.drafters)
+        self.stale_ckpt = checkpoints(ROOT, VERSIONS, drafter=self.drafters, stale=True)
         self.ips = (f"10.0.{i // 250}.{i % 250 + 1}" for i in range(10_000))
         self.sim = ExplorerSimServer([], str(ROOT), None)
         self.sim.latency = self._worker_latency
+        self.sim.drafter = "draft_model" if self.drafters else ""
         self.lora = bool(self.on & ADAPTER_CLASSES)
         self.grouped = bool(self.on & GROUP_CLASSES)
         self.adapter_ckpt: dict[tuple[str, str], str] = {}  # (name, version) -> directory
@@ -270,15 +280,21 @@ class Explorer:
             },
         )  # fmt: skip
 
-    def _create_refit(self, name: str | None = None, *, adapters: bool = True) -> None:
+    def _create_refit(
+        self, name: str | None = None, *, adapters: bool = True, stale: bool = False
+    ) -> None:
+        """A base refit of the next version (``stale``: its checkpoint's drafter/ holds a
+        drafter trained with another target)."""
         if adapters and self.lora and self.rng.random() < 0.5:
             self._create_adapter_refit(name)
             return
         version = VERSIONS[self.refits % len(VERSIONS)]
         self.refits += 1
         name = name or f"wr-{self.refits:03d}"
-        doc = self.store.create("WeightRefit", NS, finalized(self._refit(name, version)))
-        self._note(f"refit {name} created ({version}, {doc['metadata']['uid']})")
+        path = self.stale_ckpt[version] if stale else ""
+        doc = self.store.create("WeightRefit", NS, finalized(self._refit(name, version, path=path)))
+        what = f"{version}, stale drafter" if stale else version
+        self._note(f"refit {name} created ({what}, {doc['metadata']['uid']})")
 
     def _create_adapter_refit(self, name: str | None = None, bad: bool = False) -> None:
         """An adapter refit (spec.adapter) of one of two adapter names, the next version of
@@ -614,6 +630,9 @@ class Explorer:
             self._note(f"fault: {name}'s next weight read-back differs from its peers'")
         elif kind.startswith("group_"):
             await self._group_fault(kind)
+        elif kind == "drafter_stale":
+            if self.refits < self.cfg.max_refits + 2:
+                self._create_refit(adapters=False, stale=True)
 
     def _members(self, leaders: bool) -> list[dict[str, Any]]:
         return [p for p in self._pods()

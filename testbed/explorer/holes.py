@@ -16,7 +16,15 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .explore import ADAPTER_CLASSES, CLASSES, GROUP_CLASSES, Config, Result, run_schedule
+from .explore import (
+    ADAPTER_CLASSES,
+    CLASSES,
+    GROUP_CLASSES,
+    SOURCE_CLASSES,
+    Config,
+    Result,
+    run_schedule,
+)
 from .invariants import Violation
 
 
@@ -135,7 +143,10 @@ EXCLUDED = frozenset(name for name, h in KNOWN_HOLES.items() if h.excludes)
 # known holes above tolerated by signature; out of HOLDING, so CI's mixes (holes.mixed, the
 # 1,800 short schedules) keep the schedules they had. The bench's explorer suite mixes them in.
 FEATURES = tuple(c for c in CLASSES if c in ADAPTER_CLASSES | GROUP_CLASSES)
-HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED and c not in FEATURES)
+# Weight sources the explorer models beyond checkpoints and adapters (a drafter refitted with
+# its target): a couple of seeds in CI, the bench's long mode mixes them with the holding ones.
+SOURCES = tuple(c for c in CLASSES if c in SOURCE_CLASSES)
+HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED and c not in FEATURES and c not in SOURCES)
 
 
 def known(v: Violation) -> str | None:
@@ -189,13 +200,19 @@ class Batch:
 
 
 def run_batch(
-    seeds: Iterable[int], *, steps: int = 20, pods: int = 2, pool: tuple[str, ...] = HOLDING
+    seeds: Iterable[int],
+    *,
+    steps: int = 20,
+    pods: int = 2,
+    pool: tuple[str, ...] = HOLDING,
+    always: frozenset[str] = frozenset(),
 ) -> Batch:
-    """Short schedules over small fleets, classes of ``pool`` mixed by seed: CI's many
-    schedules, the bench's long mode."""
+    """Short schedules over small fleets, classes of ``pool`` mixed by seed (and ``always``
+    in every one): CI's many schedules, the bench's long mode."""
     batch = Batch()
     began = time.perf_counter()
     for seed in seeds:
-        batch.add(run_schedule(Config(seed, mixed(seed, pool), steps=steps, pods=pods)))
+        classes = mixed(seed, pool) | always
+        batch.add(run_schedule(Config(seed, classes, steps=steps, pods=pods)))
     batch.seconds = time.perf_counter() - began
     return batch

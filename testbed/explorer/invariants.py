@@ -273,10 +273,12 @@ class Checker:
                 continue  # not Ready: the container is down or not vouched for
             serves = self.sim.serves(ip)
             if serves is None or not self.sim.probed(ip):
+                stale = pod.drafter and pod.draft_rate() < 1
                 self.violate(
                     "ready-probed",
                     f"pod {name} is Ready but serves {pod.weight_version!r} "
-                    f"(loaded {pod.seed!r}, damaged={pod.weights_discarded}) "
+                    f"(loaded {pod.seed!r}, damaged={pod.weights_discarded}"
+                    f"{', beside a stale drafter' if stale else ''}) "
                     f"{'with' if self.sim.probed(ip) else 'without'} a probe of these weights "
                     "in this process",
                 )

@@ -102,6 +102,9 @@ class ExplorerSimServer(SimServer):
         # the staged name's weights wrong (its staged probe fails, nothing served changed),
         # "swap" the served name's (the probe after the swap fails).
         self.adapter_faults: dict[str, str] = {}
+        # The speculative method of the drafter every new pod runs ("" for none; explore.py
+        # turns it on with drafter_stale).
+        self.drafter = ""
 
     def add_pod(self, ip: str) -> None:
         self.pods[ip] = PodState(
@@ -110,6 +113,7 @@ class ExplorerSimServer(SimServer):
             self.admin_token is not None,
             max_lora_rank=self.max_lora_rank,
             runtime_lora_updating=self.max_lora_rank > 0,
+            drafter=self.drafter,
         )
         self.pods[ip].update_serving()
         self.truth[ip] = Truth()
@@ -230,12 +234,15 @@ class ExplorerSimServer(SimServer):
         self.pods[ip].faults[step] = Fault(kind, kw.get("value"), kw.get("code"), kw.get("times"))
 
     def serves(self, ip: str) -> str | None:
-        """The version the pod process serves, intact: None when down, dummy or damaged."""
+        """The version the pod process serves, intact: None when down, dummy or damaged, or
+        beside a drafter that does not draft for it."""
         pod = self.pods.get(ip)
         if pod is None or not pod.up or pod.seed is None or pod.weights_discarded:
             return None
         if pod.drift != 0.0 or pod.seed != pod.weight_version:
             return None
+        if pod.drafter and pod.draft_rate() < 1.0:
+            return None  # beside a stale drafter: its drafts are not the target's
         return pod.seed
 
     def adapters(self, ip: str) -> dict[str, str | None]:
@@ -388,12 +395,17 @@ def adapter_checkpoints(
     return out
 
 
-def checkpoints(root: Path, versions: list[str]) -> dict[str, str]:
-    """version -> path of a simulated checkpoint (made once; a checkpoint never changes)."""
+def checkpoints(
+    root: Path, versions: list[str], *, drafter: bool = False, stale: bool = False
+) -> dict[str, str]:
+    """version -> path of a simulated checkpoint (made once; a checkpoint never changes).
+    ``drafter``: each carries a drafter/ trained with its target (``stale``: with another
+    target, as a trainer that wrote last step's drafter would)."""
     out = {}
+    where = root / ("drafted-stale" if stale else "drafted") if drafter else root
     for v in versions:
-        d = root / v
+        d = where / v
         if not (d / "refit-manifest.json").exists():
-            make_sim_checkpoint(d, v)
+            make_sim_checkpoint(d, v, drafter=(f"{v}-stale" if stale else v) if drafter else None)
         out[v] = str(d)
     return out

@@ -45,6 +45,7 @@ from refit_worker.checkpoint import (
     verify_checkpoint,
     verify_params,
 )
+from refit_worker.drafter import drafter_directory
 from refit_worker.lora_adapter import check_adapter
 
 from testbed.simworker.errors import rpc_failure
@@ -121,6 +122,7 @@ class ExtensionRoutes:
                 tensor_parallel_size=pod.tensor_parallel_size,
                 max_lora_rank=pod.max_lora_rank,
                 runtime_lora_updating=pod.runtime_lora_updating,
+                drafter=pod.drafter,
             ).to_json_dict()
 
         return await self._rpc(request, pod, body, info)
@@ -129,9 +131,24 @@ class ExtensionRoutes:
         return await self._rpc(request, pod, body, self._preflight)
 
     def _preflight(self, pod: PodState, path: str) -> dict[str, Any]:
+        drafter = self._drafter(pod, path)  # DrafterMissing before any hashing
         directory, manifest = verify_checkpoint(path, pod.allowed_root)
         verify_params(manifest.tensors, SIM_PARAMS)
-        return self._checked(directory, manifest)
+        checked = self._checked(directory, manifest)
+        return checked if drafter is None else {**checked, "drafter": {"path": str(drafter)}}
+
+    @staticmethod
+    def _drafter(pod: PodState, path: str) -> Path | None:
+        """The drafter's checkpoint under ``path``, verified as the target's, when the pod runs
+        a drafter the worker refits (None otherwise); DrafterMissing without one, as the real
+        extension refuses it: before either model is touched. (Read from disk at the load:
+        the simulator stages only the target's bytes.)"""
+        if not pod.drafter:
+            return None
+        sub = drafter_directory(resolve_under_root(path, pod.allowed_root))
+        directory, manifest = verify_checkpoint(str(sub), pod.allowed_root)
+        verify_params(manifest.tensors, SIM_PARAMS)
+        return directory
 
     @staticmethod
     def _checked(directory: Path, manifest: contract.Manifest) -> dict[str, Any]:
@@ -174,6 +191,7 @@ class ExtensionRoutes:
             budget = parse_staging_budget(
                 text if text is not None else os.environ.get(STAGING_BUDGET_ENV)
             )
+            self._drafter(pod, path)  # refused before anything is staged
             previous, pod.staged = pod.staged, None
             staged = stage_checkpoint(path, pod.allowed_root, budget, previous=previous)
             if not staged.reused:
@@ -205,6 +223,7 @@ class ExtensionRoutes:
             try:
                 if not isinstance(version, str) or not version:
                     raise contract.RefitRejected("LoadFailed", "version must be a non-empty string")
+                drafter = self._drafter(pod, path)  # before either model is touched
                 if staged is None:
                     checked = self._preflight(pod, path)
                     pod.seed, pod.drift = read_sim_weights(Path(checked["path"]))
@@ -230,6 +249,8 @@ class ExtensionRoutes:
                     staged.release()
             pod.loaded_version, pod.loaded_path = version, path
             pod.weights_discarded = False
+            if drafter is not None:  # the drafter is reloaded right after its target
+                pod.drafter_seed = read_sim_weights(drafter)[0]
             # A dummy-started vLLM switches its load format on the first load from disk.
             switched, pod.load_format = (pod.load_format, "safetensors")
             return {

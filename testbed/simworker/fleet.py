@@ -18,7 +18,9 @@ the test ends)
     ``set_state(...)`` sets ``running``/``waiting`` (what /metrics reports),
     ``weight_version``, ``capabilities``, ``unsafe_reasons``, ``world_size``,
     ``tensor_parallel_size``, ``staging_budget``, ``max_lora_rank``,
-    ``runtime_lora_updating``; ``calls()`` lists the steps a pod served, in order
+    ``runtime_lora_updating``, ``drafter`` (the speculative method of a drafter the worker
+    refits, with vLLM's spec-decode counters on /metrics); ``calls()`` lists the steps a pod
+    served, in order
     (``call_log()`` with parameters, RPC bodies, fencing tokens, whether an
     ``Authorization`` header came (``auth``) and status codes; ``counts()`` per step);
     ``state()`` shows a pod's state (``staged``: the path and mode refit_stage holds, or

@@ -54,6 +54,9 @@ SIM_LORA_MODULES = {
 SIM_PARAMS = {SIM_TENSOR: ExpectedParam(dtype="F32", shape=(2,))}
 SIM_VLLM_VERSION = "0.32.0+sim"
 SIM_TOKEN_SECONDS = 0.0025  # per generated token after the first
+# A drafter on weights other than those trained with the target's: the share of its greedy
+# drafts accepted (tests/worker/test_drafter.py measured 0.32-0.46 on vLLM CPU; 1.00 fresh).
+SIM_STALE_DRAFT_RATE = 0.4
 # Behaviours of real vLLM that the simulator models but a vLLM CPU server cannot show, so
 # tests/worker/test_contract.py cannot compare them (see this module's docstring).
 SIM_UNSHOWN = {
@@ -81,13 +84,25 @@ def sim_logprobs(seed: str, token_ids: list[int] | tuple[int, ...]) -> list[floa
 
 
 def make_sim_checkpoint(
-    dir: Path, version: str, *, drift: float = 0.0, prompts: int = 3, length: int = 24
-) -> Path:
+    dir: Path, version: str, *, drift: float = 0.0, prompts: int = 3, length: int = 24,
+    drafter: str | None = None,
+) -> Path:  # fmt: skip
     """Write a checkpoint directory the simulator loads (weights, manifest, probe reference).
 
     ``drift`` is added to every logprob a pod scores after loading it; the reference in
     refit-probe.json stays drift-free, so a non-zero drift makes the probe see it.
+    ``drafter``: also a drafter's checkpoint in ``drafter/`` (contract.DRAFTER_DIR) trained
+    with the target of that version (``version`` for a fresh drafter; another: a stale one).
     """
+    _write_sim_weights(dir, version, drift)
+    _write_sim_probe(dir, version, prompts, length)
+    if drafter is not None:
+        _write_sim_weights(dir / contract.DRAFTER_DIR, drafter)
+    return dir
+
+
+def _write_sim_weights(dir: Path, seed: str, drift: float = 0.0) -> None:
+    """The simulated model's one tensor, its seed and drift in the header, and the manifest."""
     import numpy as np
     from safetensors.numpy import save_file  # only the test process writes checkpoints
 
@@ -95,11 +110,9 @@ def make_sim_checkpoint(
     save_file(
         {SIM_TENSOR: np.zeros(2, dtype=np.float32)},
         str(dir / SIM_WEIGHTS_FILE),
-        metadata={"seed": version, "drift": repr(float(drift))},
+        metadata={"seed": seed, "drift": repr(float(drift))},
     )
     write_manifest(dir)
-    _write_sim_probe(dir, version, prompts, length)
-    return dir
 
 
 def make_sim_adapter(

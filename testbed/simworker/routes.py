@@ -105,6 +105,15 @@ class VllmRoutes:
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{labels} {float(pod.waiting)}\n"
         )
+        if pod.drafter:  # vLLM's spec-decode counters, exported only with a drafter
+            text += (
+                "# HELP vllm:spec_decode_num_draft_tokens Number of draft tokens.\n"
+                "# TYPE vllm:spec_decode_num_draft_tokens counter\n"
+                f"vllm:spec_decode_num_draft_tokens_total{labels} {pod.drafted}\n"
+                "# HELP vllm:spec_decode_num_accepted_tokens Number of accepted tokens.\n"
+                "# TYPE vllm:spec_decode_num_accepted_tokens counter\n"
+                f"vllm:spec_decode_num_accepted_tokens_total{labels} {pod.accepted}\n"
+            )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def on_models(self, request: web.Request, pod: PodState, body: Any, fault: Any):
@@ -185,6 +194,7 @@ class VllmRoutes:
             generated, finish = 0, "abort"
         else:
             generated, finish = await pod.generate(max_tokens)
+            pod.draft((generated - 1) * len(prompts))
         choices = [
             self._choice(pod, i, ids, fault, generated, finish, adapter)
             for i, ids in enumerate(prompts)

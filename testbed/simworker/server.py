@@ -292,6 +292,7 @@ class SimServer(VllmRoutes, ExtensionRoutes):
                 "staging_budget",
                 "max_lora_rank",
                 "runtime_lora_updating",
+                "drafter",
             }
             bad = set(doc.get("set", {})) - settable
             if bad:

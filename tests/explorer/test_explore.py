@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from refit_operator.core import probe
 
 from testbed.explorer import Config, run_schedule
 from testbed.explorer.explore import ADAPTER_CLASSES
@@ -23,6 +24,7 @@ from testbed.explorer.holes import (
     ISSUE_41,
     KNOWN_HOLES,
     REGRESSIONS,
+    SOURCES,
     known,
     run_batch,
 )
@@ -128,3 +130,24 @@ def test_a_lease_created_anew_leaves_the_old_holders_passes_alone() -> None:
     classes = frozenset({"history_gc", "lease_delete", "worker_timeout"})
     result = run_schedule(Config(10681, classes, steps=20, pods=2))
     assert result.ok, result.report()
+
+
+def test_a_stale_drafter_is_kept_out_and_the_explorer_sees_one_let_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """drafter_stale (holes.SOURCES: out of CI's mixes, so their seeds keep their schedules;
+    the bench's long mode runs it among the holding classes): the pods run a drafter refitted
+    from each checkpoint's drafter/, and some refits carry one trained with another target.
+    Two seeds alone and two among the holding classes keep the invariants; with the
+    drafter's judgement switched off (the probe scores only the target), the same seed finds
+    a pod in traffic beside the stale drafter."""
+    assert SOURCES == ("drafter_stale",) and not set(SOURCES) & set(HOLDING)
+    drafters = frozenset(SOURCES)
+    _run(range(5000, 5002), drafters)
+    _run(range(5000, 5002), drafters | frozenset(HOLDING))
+    monkeypatch.setattr(probe, "judge_drafter", lambda outcome, *_: outcome)
+    result = run_schedule(Config(0, drafters))
+    assert any(
+        v.invariant == "ready-probed" and "beside a stale drafter" in v.message
+        for v in result.violations
+    ), result.report()

@@ -411,3 +411,44 @@ async def test_lora_adapters_serve_their_own_scores_until_a_restart(
         pod.base_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(v1)}
     ) as r:
         assert r.status == 401  # an admin path, though under /v1
+
+
+async def test_a_drafter_is_refitted_with_its_target_and_drafts_as_measured(
+    sim_fleet: Fleet, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """The simulated drafter holds to what tests/worker/test_drafter.py measures on real vLLM:
+    refit_info names it; a checkpoint without drafter/ is refused DrafterMissing by preflight,
+    stage and load with both models untouched; a load reloads the drafter from drafter/, and
+    the target accepts all the greedy drafts of a drafter trained with it and at most 0.6 of
+    one's on other weights (there 0.32-0.46). Without a drafter /metrics has no counters."""
+    (pod,) = sim_fleet(1, allowed_root=tmp_path, admin_token="t")
+    c = WorkerClient(pod.base_url, http=http, admin_token="t")
+    prompts = [[3, 4, 5, 6]]
+    with pytest.raises(WorkerError) as err:
+        await c.draft_acceptance(prompts)
+    assert err.value.kind == "protocol"  # no spec-decode counters: no drafter
+    pod.set_state(drafter="draft_model")
+    assert (await c.refit_info()).drafter == "draft_model"
+    assert await c.draft_acceptance(prompts) == (31.0, 31.0)  # as started: fresh
+    a = make_sim_checkpoint(tmp_path / "A", "A", drafter="A")
+    missing = make_sim_checkpoint(tmp_path / "B-no-drafter", "B")
+    stale = make_sim_checkpoint(tmp_path / "B-drafter-A", "B", drafter="A")
+    b = make_sim_checkpoint(tmp_path / "B", "B", drafter="B")
+    await c.load(str(a), "A")
+    for call in (c.preflight(str(missing)), c.stage(str(missing)), c.load(str(missing), "B")):
+        with pytest.raises(WorkerError) as err:
+            await call
+        assert err.value.code == "DrafterMissing" and contract.DRAFTER_DIR in err.value.message
+    assert pod.state()["loaded_version"] == "A"
+    drafted, accepted = await c.draft_acceptance(prompts)
+    assert drafted > 0 and accepted / drafted == 1.0  # untouched: A's drafter on A
+    await c.stage(str(b))
+    await c.load(str(b), "B")
+    drafted, accepted = await c.draft_acceptance(prompts)
+    assert accepted / drafted == 1.0
+    await c.load(str(stale), "B")
+    drafted, accepted = await c.draft_acceptance(prompts)
+    assert 0 < accepted / drafted <= 0.6  # B's target beside A's drafter
+    pod.crash()
+    pod.restart()
+    assert await c.draft_acceptance(prompts) == (31.0, 31.0)  # started fresh, counters too
