@@ -114,9 +114,25 @@ def test_a_failed_adapter_holds_its_pod_out_through_a_base_refit(harness, sim_fl
     assert served(sims[0]) == {"policy": "s2"}, served(sims[0])
     assert fleet.ready(fleet.pod("vllm-0")) is False
 
-    # A refit of the base weights passes on the pod, and unloads its adapters at the drain,
-    # but the failed adapter's record holds it out: no pass ending last sets the gate.
-    st = run(fleet, op, "base-v2", "v2", ckpt["v2"], sims[0].port)
+    # Re-probing held adapters on the new base is not built: such a base refit fails before
+    # it asks anything of a pod, and every pod stays as it was (spec.adapters.onBaseRefit).
+    for sim in sims:
+        sim.calls(clear=True)
+    before = [(served(sim), fleet.ready(fleet.pod(f"vllm-{i}"))) for i, sim in enumerate(sims)]
+    st = run(fleet, op, "base-v2-reprobe", "v2", ckpt["v2"], sims[0].port,
+             adapters={"onBaseRefit": "Reprobe"})  # fmt: skip
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (st["phase"], ready["reason"]) == ("Failed", "AdapterReprobeUnsupported"), st
+    assert "not supported yet" in ready["message"]
+    assert [sim.calls() for sim in sims] == [[], []]
+    assert [(served(sim), fleet.ready(fleet.pod(f"vllm-{i}"))) for i, sim in enumerate(sims)] == (
+        before
+    )
+    # A refit of the base weights (Unload, the default, said here) passes on the pod, and
+    # unloads its adapters at the drain, but the failed adapter's record holds it out: no
+    # pass ending last sets the gate.
+    st = run(fleet, op, "base-v2", "v2", ckpt["v2"], sims[0].port,
+             adapters={"onBaseRefit": "Unload"})  # fmt: skip
     assert st["phase"] == "Succeeded", st
     assert sims[0].state()["loaded_version"] == "v2" and served(sims[0]) == {}
     cond = condition(fleet, "vllm-0")
