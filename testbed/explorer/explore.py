@@ -97,8 +97,10 @@ CLASSES = (
     "group_member_pending",  # a follower is deleted and created again Pending, Running later
     "group_leader_replace",  # a leader is deleted and created again, mid-pass if one runs
     # The pods run a speculative drafter the worker refits from each checkpoint's drafter/
-    # (refit_info.drafter); a base refit created now carries a stale drafter/ (trained with
-    # another target): the target's probe passes, the drafter's acceptance does not.
+    # (refit_info.drafter). A base refit created now carries a stale drafter/ (trained with
+    # another target: the target's probe passes, the drafter's acceptance does not) or none
+    # (DrafterMissing, both models untouched); or a pod's next load leaves its drafter as it
+    # was (a worker that reloads the target only).
     "drafter_stale",
 )
 ADAPTER_CLASSES = frozenset({"adapter_refits", "adapter_bad", "adapter_fail", "weights_skew"})
@@ -196,7 +198,11 @@ class Explorer:
         self.lease_seconds = self.lease_rng.choice(LEASE_SECONDS)
         self.drafters = "drafter_stale" in self.on
         self.ckpt = checkpoints(ROOT, VERSIONS, drafter=self.drafters)
-        self.stale_ckpt = checkpoints(ROOT, VERSIONS, drafter=self.drafters, stale=True)
+        # A drafter fleet's refits with a stale drafter/, or with none (the plain checkpoints).
+        self.drafter_ckpt = {
+            "stale": checkpoints(ROOT, VERSIONS, drafter=self.drafters, stale=True),
+            "missing": checkpoints(ROOT, VERSIONS),
+        }
         self.ips = (f"10.0.{i // 250}.{i % 250 + 1}" for i in range(10_000))
         self.sim = ExplorerSimServer([], str(ROOT), None)
         self.sim.latency = self._worker_latency
@@ -281,19 +287,19 @@ class Explorer:
         )  # fmt: skip
 
     def _create_refit(
-        self, name: str | None = None, *, adapters: bool = True, stale: bool = False
+        self, name: str | None = None, *, adapters: bool = True, drafter: str = ""
     ) -> None:
-        """A base refit of the next version (``stale``: its checkpoint's drafter/ holds a
-        drafter trained with another target)."""
+        """A base refit of the next version (``drafter`` "stale": its checkpoint's drafter/
+        holds a drafter trained with another target; "missing": it has no drafter/)."""
         if adapters and self.lora and self.rng.random() < 0.5:
             self._create_adapter_refit(name)
             return
         version = VERSIONS[self.refits % len(VERSIONS)]
         self.refits += 1
         name = name or f"wr-{self.refits:03d}"
-        path = self.stale_ckpt[version] if stale else ""
+        path = self.drafter_ckpt[drafter][version] if drafter else ""
         doc = self.store.create("WeightRefit", NS, finalized(self._refit(name, version, path=path)))
-        what = f"{version}, stale drafter" if stale else version
+        what = f"{version}, {drafter} drafter" if drafter else version
         self._note(f"refit {name} created ({what}, {doc['metadata']['uid']})")
 
     def _create_adapter_refit(self, name: str | None = None, bad: bool = False) -> None:
@@ -631,8 +637,12 @@ class Explorer:
         elif kind.startswith("group_"):
             await self._group_fault(kind)
         elif kind == "drafter_stale":
-            if self.refits < self.cfg.max_refits + 2:
-                self._create_refit(adapters=False, stale=True)
+            how = r.choice(["stale", "stale", "missing", "load"])
+            if how == "load" and pod:
+                self.sim.drafter_faults.add(ip)
+                self._note(f"fault: {name}'s next load leaves its drafter as it was")
+            elif how != "load" and self.refits < self.cfg.max_refits + 2:
+                self._create_refit(adapters=False, drafter=how)
 
     def _members(self, leaders: bool) -> list[dict[str, Any]]:
         return [p for p in self._pods()
@@ -728,6 +738,7 @@ class Explorer:
         for _, pod in sorted(self.sim.pods.items()):
             pod.faults.clear()
         self.sim.adapter_faults.clear()
+        self.sim.drafter_faults.clear()
         await asyncio.sleep(35.0)  # answers in flight arrive or time out; crashed pods restart
         for replica in self.replicas:  # frozen processes run again
             self._thaw(replica)

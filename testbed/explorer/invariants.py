@@ -63,7 +63,7 @@ from refit_operator.core.podflow import (
 )
 from refit_operator.core.podview import PodView
 from refit_operator.core.reasons import Reason
-from refit_operator.core.sequences import ADAPTER_IN_TRAFFIC_STEPS, RESTORE
+from refit_operator.core.sequences import ADAPTER_IN_TRAFFIC_STEPS, FLOWS, RESTORE
 from refit_worker.contract import READINESS_GATE
 
 from .memcluster import Store
@@ -183,8 +183,13 @@ def _failed(p: Progress) -> bool:
 
 def _refused_in_traffic(p: Progress) -> bool:
     """An adapter's pass that ended before its swap: it changed nothing the pod serves (the
-    staged name was unloaded), whatever its record says of the pod's traffic."""
-    return p.source == "adapter" and p.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE)
+    staged name was unloaded), whatever its record says of the pod's traffic; or a weights
+    pass refused while it staged, before the pod left traffic (a checkpoint without the
+    drafter/ its pods need: DrafterMissing), which touched nothing either. ready-probed still
+    holds such a pod to what it serves."""
+    if p.source == "adapter":
+        return p.step in (*ADAPTER_IN_TRAFFIC_STEPS, RESTORE)
+    return p.step in FLOWS[p.source].serving_steps and not p.left_traffic
 
 
 class Checker:

@@ -105,6 +105,9 @@ class ExplorerSimServer(SimServer):
         # The speculative method of the drafter every new pod runs ("" for none; explore.py
         # turns it on with drafter_stale).
         self.drafter = ""
+        # Pods whose next load answers 200 but leaves the drafter's weights as they were
+        # (drafter_stale): a worker that reloads the target only.
+        self.drafter_faults: set[str] = set()
 
     def add_pod(self, ip: str) -> None:
         self.pods[ip] = PodState(
@@ -191,7 +194,11 @@ class ExplorerSimServer(SimServer):
             truth.generation += 1
             return self._refusal(request, "LoadFailed", "failed after touching the model")
         before = (pod.seed, pod.drift, pod.weights_discarded)
+        drafter = pod.drafter_seed
         response = await super()._serve(request, pod, step, body)
+        if step == contract.RPC_LOAD and response.status == 200 and pod.ip in self.drafter_faults:
+            self.drafter_faults.discard(pod.ip)
+            pod.drafter_seed = drafter
         if (pod.seed, pod.drift, pod.weights_discarded) != before or (
             step == contract.RPC_LOAD and response.status == 200
         ):

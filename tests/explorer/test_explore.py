@@ -137,7 +137,8 @@ def test_a_stale_drafter_is_kept_out_and_the_explorer_sees_one_let_in(
 ) -> None:
     """drafter_stale (holes.SOURCES: out of CI's mixes, so their seeds keep their schedules;
     the bench's long mode runs it among the holding classes): the pods run a drafter refitted
-    from each checkpoint's drafter/, and some refits carry one trained with another target.
+    from each checkpoint's drafter/; some refits carry one trained with another target, or
+    none, and some loads leave the drafter as it was.
     Two seeds alone and two among the holding classes keep the invariants; with the
     drafter's judgement switched off (the probe scores only the target), the same seed finds
     a pod in traffic beside the stale drafter."""
