@@ -4,9 +4,13 @@ forward pass over the probe reference may be skipped."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+from refit_operator.controller import inputs
+from refit_operator.controller.refit_state import RefitState, Tick
 from refit_operator.core.podview import PodView, images_in
 from refit_operator.core.preflight_cache import (
     FleetAnswers,
@@ -105,13 +109,13 @@ def test_the_forward_pass_is_skipped_only_where_it_tells_nothing_more(
     fleet.scored(POD, None)
     scored = fleet.of_process(POD)
     assert scored is not None
-    kept: list[PodAnswers | None] = {
+    choices: dict[str, list[PodAnswers | None]] = {
         "scored": [scored, replace(scored, scored_with=None)],
         "unscored": [replace(scored, scored_with=None)],
         "old": [replace(scored, info=replace(INFO, vocab_size=0, max_model_len=0))],
         "missing": [scored, None],
-    }[answers]
-    why = reference_unchecked(prompts, kept, key, "checkpoint")
+    }
+    why = reference_unchecked(prompts, choices[answers], key, "checkpoint")
     assert (why is None) == skipped, (case, why)
 
 
@@ -120,3 +124,21 @@ def test_the_image_is_read_from_the_pod_object() -> None:
     assert images_in(spec, {}) == "vllm=vllm/vllm-openai:v1"
     status = {"containerStatuses": [{"name": "vllm", "image": "x", "imageID": "sha256:aa"}]}
     assert images_in(spec, status) == "vllm=sha256:aa"  # the digest the kubelet pulled
+
+
+def test_one_configmap_holding_the_manifest_and_the_reference_is_read_once() -> None:
+    """RefitClient.broadcast writes both into <refit>-weights: the preflight read it twice."""
+    reads: list[str] = []
+
+    class Cluster:
+        async def read_data(self, kind: str, namespace: str, name: str) -> dict[str, str]:
+            reads.append(name)
+            return {"transfer-manifest.json": "m", "refit-probe.json": "r"}
+
+    async def main() -> list[str | None]:
+        t = Tick({}, SimpleNamespace(namespace="ns"), RefitState())  # type: ignore[arg-type]
+        keys = ("transfer-manifest.json", "refit-probe.json", "nope")
+        return [await inputs.value(Cluster(), t, "ConfigMap", "w", k) for k in keys]  # type: ignore[arg-type]
+
+    assert asyncio.run(main()) == ["m", "r", None]
+    assert reads == ["w"]

@@ -20,7 +20,7 @@ from ..core.podview import PodView
 from ..core.reasons import Problem, Reason
 from ..edges.cluster import AccessDenied, Kube
 from ..edges.worker_client import WorkerClient, WorkerError
-from .inputs import read_key
+from . import inputs
 from .refit_state import Tick
 from .sources import source_for
 
@@ -181,7 +181,7 @@ class Preflight:
         # A rollback probes the previous checkpoint against its own reference file.
         if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.path:
             cm = src.config_map_ref
-            text = await self.cluster.read_key("ConfigMap", view.namespace, cm.name, cm.key)
+            text = await inputs.value(self.cluster, t, "ConfigMap", cm.name, cm.key)
             if text is None:
                 raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
             reference = ProbeReference.from_json_dict(json.loads(text))
@@ -204,8 +204,8 @@ class Preflight:
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
-            value = await read_key(
-                self.cluster, "Secret", t.namespace, ref.name, ref.key,
+            value = await inputs.read_key(
+                self.cluster, t, "Secret", ref.name, ref.key,
                 missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
             )  # fmt: skip
             if isinstance(value, Problem):

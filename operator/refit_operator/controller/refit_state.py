@@ -109,6 +109,9 @@ class Tick:
     doc: dict[str, Any]  # the WeightRefit as read; its status is written against this read
     view: RefitView
     state: RefitState
+    # The Secrets' and ConfigMaps' data this tick read, by (kind, namespace, name): each is
+    # read once (controller/inputs.py). None: absent.
+    reads: dict[tuple[str, str, str], dict[str, str] | None] = field(default_factory=dict)
 
     @property
     def namespace(self) -> str:

@@ -113,7 +113,7 @@ async def load_manifest(t: Tick, cluster: Kube) -> Problem | None:
     assert b is not None
     ref = b.manifest.config_map_ref
     text = await read_key(
-        cluster, "ConfigMap", view.namespace, ref.name, ref.key,
+        cluster, t, "ConfigMap", ref.name, ref.key,
         missing=Reason.ManifestMissing, forbidden=Reason.ManifestForbidden,
     )  # fmt: skip
     if isinstance(text, Problem):
