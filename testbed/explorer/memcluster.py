@@ -462,8 +462,9 @@ class MemoryCluster(Cluster):
         self.on_send()
         self.store.events += 1
 
-    async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
+    async def read_data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
         await self._wait()
         doc = self.store.peek(kind, namespace, name)
-        value = ((doc or {}).get("data") or {}).get(key)
-        return value if isinstance(value, str) else None
+        if doc is None:
+            return None
+        return {k: v for k, v in (doc.get("data") or {}).items() if isinstance(v, str)}

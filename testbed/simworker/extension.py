@@ -52,6 +52,7 @@ from testbed.simworker.errors import rpc_failure
 from testbed.simworker.model import (
     SIM_BUFFER,
     SIM_LORA_MODULES,
+    SIM_MAX_MODEL_LEN,
     SIM_MODEL_ROOT,
     SIM_PARAMS,
     SIM_RANK_PREFIX,
@@ -66,6 +67,8 @@ from testbed.simworker.pod import PodState
 class ExtensionRoutes:
     """The refit_worker plugin's routes: ``on_<step>(request, pod, body, fault)`` answers one
     call to ``pod`` (an RPC's step is its method's name)."""
+
+    vocab: int  # the server's (refit_info reports it)
 
     async def on_refit_ready(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         if request.method == "POST":  # a pass vouches (admitted by the guard's rules above)
@@ -123,6 +126,8 @@ class ExtensionRoutes:
                 max_lora_rank=pod.max_lora_rank,
                 runtime_lora_updating=pod.runtime_lora_updating,
                 drafter=pod.drafter,
+                vocab_size=self.vocab,
+                max_model_len=SIM_MAX_MODEL_LEN,
             ).to_json_dict()
 
         return await self._rpc(request, pod, body, info)

@@ -37,6 +37,7 @@ from refit_worker.contract import ADAPTER_CONFIG_FILE
 from refit_worker.reference import write_reference
 
 SIM_VOCAB = 512
+SIM_MAX_MODEL_LEN = 512  # /v1/models and refit_info: a prompt must be shorter
 SIM_MODEL = "sim-model"
 SIM_MODEL_ROOT = "/models/sim-model"
 SIM_WEIGHTS_FILE = "model.safetensors"

@@ -69,6 +69,7 @@ from testbed.simworker.errors import (
 )
 from testbed.simworker.model import (
     SIM_ADAPTER_FILE,
+    SIM_MAX_MODEL_LEN,
     SIM_MODEL,
     SIM_MODEL_ROOT,
     SIM_RANK_PREFIX,
@@ -139,7 +140,7 @@ class VllmRoutes:
             "owned_by": "vllm",
             "root": SIM_MODEL_ROOT,
             "parent": None,
-            "max_model_len": 512,
+            "max_model_len": SIM_MAX_MODEL_LEN,
             "permission": [permission],
         }
         # vLLM's cards of the adapters loaded (ModelCard defaults: no max_model_len).
@@ -172,6 +173,14 @@ class VllmRoutes:
         for ids in prompts:
             if not ids:
                 return vllm_error(400, "The decoder prompt cannot be empty", "BadRequestError")
+            if len(ids) >= SIM_MAX_MODEL_LEN:  # vLLM's words, with the one token generated
+                return vllm_error(
+                    400,
+                    f"The decoder prompt (length {len(ids)}) plus the number of requested "
+                    f"output tokens (at least 1) is longer than the maximum model length of "
+                    f"{SIM_MAX_MODEL_LEN}.",
+                    "BadRequestError",
+                )
             for t in ids:
                 if not 0 <= t < self.vocab:
                     # One bad prompt fails the whole request, as in vLLM.

@@ -13,6 +13,7 @@ from testbed.controlplane import CRD_DIR, WEIGHTREFIT_CRD
 from testbed.fleet import make_checkpoints, start_fleet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+END = {"Succeeded", "Failed", "Halted"}
 
 # A fresh, uninterrupted pass: no read-back of the weight version before the load (nothing can
 # have loaded yet; a resumed or retried load reads back first, see test_operator_restart).
@@ -154,18 +155,24 @@ def test_latest_wins_supersedes_queued_refits(harness, sim_fleet, tmp_path):
 
 
 def test_late_and_restarted_pods_converge_before_ready(harness, sim_fleet, tmp_path):
+    """Late and restarted pods are refitted before they are Ready. Each pod process is asked
+    its refit_info once: the next refit of the unchanged fleet asks none (issue 43)."""
     fleet, op = harness
     sims = sim_fleet(3, allowed_root=tmp_path)
     for i in range(2):
         fleet.add_pod(f"pod-{i}", sims[i])
-    ckpt = make_checkpoints(tmp_path, "v1")
+    ckpt = make_checkpoints(tmp_path, "v1", "v2")
     op.start()
     fleet.apply_refit("wr", "v1", ckpt["v1"], sims[0].port)
     fleet.wait_phase("wr", "Succeeded", 60, op)
     fleet.add_pod("late", sims[2])
     fleet.wait_for(lambda: fleet.ready(fleet.pod("late")) is True, 60, "late pod Ready")
     assert sims[2].state()["weight_version"] == "v1"
+    assert sims[2].counts()["refit_info"] == 1  # its admission asked it
+    for sim in sims:
+        sim.calls(clear=True)
     # A container restart loses the weights: the pod is refitted again before Ready.
+    sims[1].crash()
     sims[1].restart()
     fleet.restart_container("pod-1")
     fleet.wait_for(lambda: sims[1].state()["weight_version"] == "v1", 60, "pod-1 refitted")
@@ -174,6 +181,21 @@ def test_late_and_restarted_pods_converge_before_ready(harness, sim_fleet, tmp_p
     fleet.wait_for(lambda: fleet.refit("wr")["status"]["updatedPods"] == 3, 15, "status")
     st = fleet.refit("wr")["status"]
     assert st["phase"] == "Succeeded" and st["targetPods"] == 3 and st["updatedPods"] == 3
+    # Another process answers: asked again; the others were not.
+    assert sims[1].counts()["refit_info"] == 1, sims[1].calls()
+    assert "refit_info" not in sims[0].calls() + sims[2].calls()
+    # A refit of the unchanged fleet takes every answer from the preflight cache
+    # (core/preflight_cache.py): no refit_info, no /get_world_size, and no forward pass
+    # beside each pod's probe (the pods' refit_info shows the reference fits the model).
+    for sim in sims:
+        sim.calls(clear=True)
+    fleet.apply_refit("wr-2", "v2", ckpt["v2"], sims[0].port)
+    assert fleet.wait_phase("wr-2", END, 60, op)["status"]["phase"] == "Succeeded"
+    for sim in sims:
+        counts = sim.counts()
+        assert counts["refit_info"] == counts["get_world_size"] == 0, sim.calls()
+        assert counts["completions"] == 1, sim.calls()  # its pass's probe
+        assert sim.state()["weight_version"] == "v2"
 
 
 def test_rollback_returns_moved_pods_to_the_previous_version(harness, sim_fleet, tmp_path):

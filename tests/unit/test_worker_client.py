@@ -461,6 +461,31 @@ async def test_a_call_right_after_a_rejection_is_not_hit_by_the_closed_connectio
         assert await c.is_paused() is False
 
 
+async def test_consecutive_requests_to_a_pod_reuse_one_connection(pod: SimPod) -> None:
+    """A pass's requests, and the next pass's within the keep-alive, share one pooled
+    connection; an RPC gets one of its own (a refusing RPC's connection is closed by vLLM)."""
+    opened: list[str] = []
+
+    async def count(session: Any, context: Any, params: Any) -> None:
+        opened.append("new")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(count)
+    async with worker_client.session([trace]) as http:
+        c = client(pod, http)
+        for _ in range(2):  # two passes' worth
+            await c.world_size()
+            await c.pause("keep")
+            assert await c.is_paused() is True
+            await c.resume()
+            await c.weight_version()
+            await c.requests_in_flight()
+        assert len(opened) == 1
+        await c.refit_info()
+        await c.world_size()
+        assert len(opened) == 2
+
+
 # --- transport failures against raw loopback sockets ------------------------------------
 # A raw asyncio server misbehaves at the socket level in ways no HTTP framework will: each
 # behaviour gets the connection after the request head was read.

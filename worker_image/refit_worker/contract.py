@@ -427,6 +427,12 @@ class RefitInfo:
     # checkpoint's DRAFTER_DIR (vLLM's speculative_config.method, "draft_model"); "" when
     # the engine runs none. Absent from older workers' answers: read as "".
     drafter: str = ""
+    # What the model scores: token ids from 0 below vocab_size (vLLM's model vocabulary), a
+    # prompt shorter than max_model_len (one token is generated after it). The fleet preflight
+    # checks a probe reference against them (core/preflight_cache.reference_fits). Absent from
+    # older workers' answers: 0, unknown.
+    vocab_size: int = 0
+    max_model_len: int = 0
 
     @property
     def layout(self) -> str:
@@ -474,6 +480,11 @@ class RefitInfo:
             runtime_lora_updating=_require(doc, "runtime_lora_updating", bool, where)
             if "runtime_lora_updating" in doc
             else False,
+            **{
+                key: _require(doc, key, int, where)
+                for key in ("vocab_size", "max_model_len")
+                if key in doc
+            },
         )
 
 

@@ -287,6 +287,8 @@ class RefitWorkerExtension:
             max_lora_rank=int(cfg.lora_config.max_lora_rank) if cfg.lora_config else 0,
             runtime_lora_updating=bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING),
             drafter=refitted,
+            vocab_size=int(cfg.model_config.get_vocab_size()),
+            max_model_len=int(cfg.model_config.max_model_len),
         )
         return info.to_json_dict()
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from refit_worker.contract import ProbeReference
 
-from ..core import checksums
+from ..core import checksums, preflight_cache
 from ..core.api_spec import Broadcast, Sequence, WeightRefitSpec
 from ..core.podflow import Progress
 from ..core.podview import PodView
@@ -61,9 +61,12 @@ class PassContext:
     # checksum the refit's status recorded for (version, layout), if any.
     readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)
     recorded_checksum: Callable[[str, str], str | None] = lambda v, lay: None
-    # Pods the fleet preflight admitted: name -> (uid, container restarts) then. The same pod
-    # with no restart since is not asked for its refit_info again.
-    admitted: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # Pods the fleet preflight admitted: name -> the process it admitted
+    # (preflight_cache.Identity). The same process is not asked for its refit_info again.
+    admitted: Mapping[str, preflight_cache.Identity] = field(default_factory=dict)
+    # What earlier preflights and admissions of the fleet's pods kept (core/preflight_cache):
+    # a late pod's admission judges a process it holds answers of without asking it again.
+    answers: preflight_cache.FleetAnswers = field(default_factory=preflight_cache.FleetAnswers)
     # Pods whose vLLM runs LoRA (refit_info.max_lora_rank > 0), as the preflight or a late
     # pod's admission found them: their probes score one prompt per request, as a batch of
     # prompt-logprob sequences kills vLLM 0.32's LoRA-enabled CPU engine. Added to by passes,

@@ -20,6 +20,7 @@ from ..core.decision import PodStart
 from ..core.gate import pass_readiness
 from ..core.podflow import Finished, Progress, RunStep, WaitUntil
 from ..core.podview import PodView
+from ..core.preflight_cache import Identity
 from ..core.reasons import Problem, Reason, pass_event, step_timeout
 from ..core.sequences import Step
 from ..edges import metrics
@@ -137,13 +138,20 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         return pod.group_problem
     if not pod.has_gate:
         return Problem(Reason.MissingReadinessGate, "the pod does not declare the readiness gate")
-    if ctx.admitted.get(pod.name) == (pod.uid, pod.restarts):
-        return None  # checked by the fleet preflight, and the container has not restarted
+    if ctx.admitted.get(pod.name) == Identity.of(pod):
+        return None  # checked by the fleet preflight, and the same process answers
     t_step = float(ctx.spec.sequence.step_timeout_seconds)
-    try:
-        info = await worker.refit_info(timeout=t_step)
-    except WorkerError:
-        return None  # transient or not: the first step meets it again, with retries
+    # The same process's answers, kept by an earlier preflight or admission, are not asked
+    # again (core/preflight_cache.py); they are judged as fresh ones.
+    kept = ctx.answers.get(pod)
+    if kept is not None:
+        info = kept.info
+    else:
+        try:
+            info = await worker.refit_info(timeout=t_step)
+        except WorkerError:
+            return None  # transient or not: the first step meets it again, with retries
+        ctx.answers.saw_info(pod, info)
     spec = ctx.spec
     source = source_for(spec)
     problem = admission_problem(info, spec.allow_unsafe_backends, spec.sequence.sleep_level,
@@ -156,10 +164,15 @@ async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Pr
         ctx.drafters[pod.name] = info.drafter
     if problem is not None:
         return problem
-    try:
-        size: int | str = await worker.world_size(timeout=t_step)
-    except WorkerError as e:  # it answered refit_info: no pass without the count
-        size = f"get_world_size failed ({e.kind}): {e.message}"
+    size: int | str
+    if kept is not None and kept.world_size is not None:
+        size = kept.world_size
+    else:
+        try:
+            size = await worker.world_size(timeout=t_step)
+            ctx.answers.saw_world_size(pod, size)
+        except WorkerError as e:  # it answered refit_info: no pass without the count
+            size = f"get_world_size failed ({e.kind}): {e.message}"
     return reach_problem(info, size) or await source.admit(ctx, pod, worker, t_step)
 
 

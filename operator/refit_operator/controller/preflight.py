@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from refit_worker.contract import ContractError, ProbeReference, RefitInfo
 
-from ..core import admission, probe
+from ..core import admission, preflight_cache, probe
 from ..core.admission import PreflightResult
 from ..core.podview import PodView
 from ..core.reasons import Problem, Reason
 from ..edges.cluster import AccessDenied, Kube
 from ..edges.worker_client import WorkerClient, WorkerError
-from .inputs import read_key
+from . import inputs
 from .refit_state import Tick
 from .sources import source_for
 
@@ -36,6 +35,8 @@ class Preflight:
     def __init__(self, cluster: Kube, client: Callable[[Tick, PodView], WorkerClient]) -> None:
         self.cluster = cluster
         self.client = client
+        # Per fleet, across refits: each pod's answers while its process is the same one.
+        self.fleets = preflight_cache.Fleets()
 
     async def run(self, t: Tick) -> PreflightResult:
         spec, pods = t.view.spec, t.state.listing.pods
@@ -49,34 +50,51 @@ class Preflight:
         reachable = sorted(pods, key=lambda p: p.name)
         sem = asyncio.Semaphore(PREFLIGHT_CONCURRENCY)
         t_step = float(spec.sequence.step_timeout_seconds)
+        # Answers of an earlier preflight of the fleet, of each pod's process now, are not
+        # asked again (core/preflight_cache.py): a refit of an unchanged fleet sends none.
+        kept = self.answers(t)
+        asked = [p for p in reachable if kept.get(p) is None]
 
-        async def each(ask: Callable[[WorkerClient], Awaitable[Any]], what: str) -> dict[str, Any]:
-            """Every reachable pod's answer, or why it gave none (a str)."""
+        async def ask(pod: PodView) -> tuple[RefitInfo | str, int | str]:
+            """The pod's refit_info and /get_world_size, or why it gave none (a str). Every
+            pod is asked both: a pod whose workers the calls do not all reach is refused
+            (admission.reach_problem), and a broadcast ranks each pod by the count."""
+            async with sem:
+                client = self.client(t, pod)
+                info: RefitInfo | str
+                size: int | str
+                try:
+                    info = await client.refit_info(timeout=t_step)
+                    kept.saw_info(pod, info)
+                except WorkerError as e:
+                    info = f"refit_info failed ({e.kind}): {e.message}"
+                try:
+                    size = await client.world_size(timeout=t_step)
+                    kept.saw_world_size(pod, size)
+                except WorkerError as e:
+                    size = f"get_world_size failed ({e.kind}): {e.message}"
+                return info, size
 
-            async def one(pod: PodView) -> Any:
-                async with sem:
-                    try:
-                        return await ask(self.client(t, pod))
-                    except WorkerError as e:
-                        return f"{what} failed ({e.kind}): {e.message}"
-
-            answers = await asyncio.gather(*map(one, reachable))
-            return dict(zip([p.name for p in reachable], answers, strict=True))
-
-        infos: dict[str, RefitInfo | str] = await each(
-            lambda c: c.refit_info(timeout=t_step), "refit_info"
-        )
-        identity = {p.name: (p.uid, p.restarts) for p in reachable}
+        fresh = dict(zip([p.name for p in asked], await asyncio.gather(*map(ask, asked)),
+                         strict=True))  # fmt: skip
+        infos: dict[str, RefitInfo | str] = {}
+        world_sizes: dict[str, int | str] = {}
+        for pod in reachable:
+            hit = kept.get(pod) if pod.name not in fresh else None
+            if hit is not None and hit.world_size is not None:
+                infos[pod.name], world_sizes[pod.name] = hit.info, hit.world_size
+            else:
+                infos[pod.name], world_sizes[pod.name] = fresh[pod.name]
         passes = t.state.passes
         source = source_for(spec)
         unsafe, level, adapter = (
             spec.allow_unsafe_backends, spec.sequence.sleep_level, not source.flow.reloads
         )  # fmt: skip
-        passes.admitted = {
-            name: identity[name]
-            for name, info in infos.items()
-            if admission.admission_problem(info, unsafe, level, adapter=adapter) is None
-        }
+        passes.admitted = preflight_cache.admitted_identities(
+            reachable,
+            [name for name, info in infos.items()
+             if admission.admission_problem(info, unsafe, level, adapter=adapter) is None],
+        )  # fmt: skip
         problem = None
         known = {name: info for name, info in infos.items() if isinstance(info, RefitInfo)}
         passes.lora = {name for name, info in known.items() if info.max_lora_rank > 0}
@@ -87,19 +105,28 @@ class Preflight:
                 t, reachable, self.cluster, lambda pod: self.client(t, pod)
             )
             if problem is None:
-                problem = await self.check_reference(t, reachable)
-        # Every refit: a pod whose workers the calls do not all reach is refused
-        # (admission.reach_problem); a broadcast also ranks each pod by this count.
-        world_sizes: dict[str, int | str] = await each(
-            lambda c: c.world_size(timeout=t_step), "get_world_size"
-        )
+                problem = await self.check_reference(t, reachable, kept)
         return PreflightResult(infos=infos, problem=problem, world_sizes=world_sizes)
 
-    async def check_reference(self, t: Tick, pods: list[PodView]) -> Problem | None:
-        """Fetch the probe reference and score it on one pod (one request for all prompts): a
-        reference the model cannot score fails the refit before any pod is touched. Scored on
-        a pod that serves (admission.reference_scorers); when every pod may be paused by an
-        earlier failed pass, each pod's probe scores it after its pass resumed the pod."""
+    def answers(self, t: Tick) -> preflight_cache.FleetAnswers:
+        """What earlier preflights of the refit's fleet kept, down to the pods listed now: the
+        preflight's, and a late pod's admission (pod_pass), take their answers from it."""
+        fleet = t.view.spec.fleet
+        groups = fleet.groups.model_dump_json() if fleet.groups is not None else ""
+        key = (t.namespace, fleet.selector.canonical(), groups)
+        return self.fleets.of(key, t.state.listing.pods)
+
+    async def check_reference(
+        self, t: Tick, pods: list[PodView], kept: preflight_cache.FleetAnswers
+    ) -> Problem | None:
+        """Fetch the probe reference and check that the model scores it: a reference the
+        model cannot score fails the refit before any pod is touched. Scored on one pod (one
+        request for all prompts), a pod that serves (admission.reference_scorers); when every
+        pod may be paused by an earlier failed pass, each pod's probe scores it after its pass
+        resumed the pod. No forward pass where it could tell nothing more than the pods'
+        answers (preflight_cache.reference_unchecked: every pass probes before its pod is back
+        in traffic, every pod's refit_info shows a vocabulary and model length that take the
+        token ids, and a pod already scored a reference with these credentials)."""
         view = t.view
         scorers = admission.reference_scorers(pods)
         pod = scorers[0] if scorers else pods[0]
@@ -116,9 +143,17 @@ class Preflight:
                 "scored by each pod's probe", view.namespace, view.name,
             )  # fmt: skip
             return None
+        prompts = [list(p.token_ids) for p in reference.prompts]
+        api_key = t.state.secrets.api_key
+        why = preflight_cache.reference_unchecked(
+            prompts, [kept.of_process(p) for p in pods], api_key, source_for(view.spec).kind
+        )
+        if why is None:
+            log.debug("%s/%s: reference checked without a forward pass", view.namespace, view.name)
+            return None
         try:
             await client.score_prompts(
-                [list(p.token_ids) for p in reference.prompts],
+                prompts,
                 timeout=float(view.spec.sequence.probe_timeout_seconds),
                 batch=pod.name not in t.state.passes.lora,
             )
@@ -135,6 +170,7 @@ class Preflight:
                     f"pod {pod.name} cannot score the reference: {e.message}",
                 )
             return Problem(Reason.PodUnreachable, f"pod {pod.name}: scoring failed: {e.message}")
+        kept.scored(pod, api_key)
         return None
 
     async def reference(self, t: Tick, path: str, client: WorkerClient) -> ProbeReference:
@@ -145,7 +181,7 @@ class Preflight:
         # A rollback probes the previous checkpoint against its own reference file.
         if src.source == "ConfigMap" and src.config_map_ref and path == view.spec.path:
             cm = src.config_map_ref
-            text = await self.cluster.read_key("ConfigMap", view.namespace, cm.name, cm.key)
+            text = await inputs.value(self.cluster, t, "ConfigMap", cm.name, cm.key)
             if text is None:
                 raise ValueError(f"ConfigMap {cm.name} has no key {cm.key!r}")
             reference = ProbeReference.from_json_dict(json.loads(text))
@@ -168,8 +204,8 @@ class Preflight:
                           (fleet.api_key_secret_ref, "api_key")):  # fmt: skip
             if ref is None:
                 continue
-            value = await read_key(
-                self.cluster, "Secret", t.namespace, ref.name, ref.key,
+            value = await inputs.read_key(
+                self.cluster, t, "Secret", ref.name, ref.key,
                 missing=Reason.SecretMissing, forbidden=Reason.SecretForbidden,
             )  # fmt: skip
             if isinstance(value, Problem):

@@ -473,7 +473,8 @@ class Engine:
             recorded_checksum=lambda v, layout: checksums.recorded(
                 view.status.checksums, v, layout
             ),
-            admitted=passes.admitted, lora=passes.lora, drafters=passes.drafters,
+            admitted=passes.admitted, answers=self.preflight.answers(t),
+            lora=passes.lora, drafters=passes.drafters,
             layout=view.status.layout,
             live=passes.live,
             broadcast=st.broadcast,

@@ -6,6 +6,7 @@ restart: caches are read again and passes resume from the pods' progress records
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..core import checksums
 from ..core.pod_state import RefitView
 from ..core.podflow import Progress
 from ..core.podview import PodView
+from ..core.preflight_cache import Identity
 from ..core.status import peer_nlls
 from .pass_context import BroadcastSource
 
@@ -38,7 +40,7 @@ class Passes:
     # The pod object (uid, address) each pass in flight drives: a pass belongs to that pod.
     driven: dict[str, PodView] = field(default_factory=dict)
     staged_ahead: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # pod -> stage
-    admitted: dict[str, tuple[str, int]] = field(default_factory=dict)  # see PassContext
+    admitted: Mapping[str, Identity] = field(default_factory=dict)  # see PassContext
     lora: set[str] = field(default_factory=set)  # see PassContext
     drafters: dict[str, str] = field(default_factory=dict)  # see PassContext
     live: dict[str, Progress] = field(default_factory=dict)  # progress of passes (pod_pass)
@@ -107,6 +109,9 @@ class Tick:
     doc: dict[str, Any]  # the WeightRefit as read; its status is written against this read
     view: RefitView
     state: RefitState
+    # The Secrets' and ConfigMaps' data this tick read, by (kind, namespace, name): each is
+    # read once (controller/inputs.py). None: absent.
+    reads: dict[tuple[str, str, str], dict[str, str] | None] = field(default_factory=dict)
 
     @property
     def namespace(self) -> str:

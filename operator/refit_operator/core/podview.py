@@ -50,6 +50,9 @@ class PodView:
     # Some pod of the unit has its weights-ready condition True (``ready`` is all of them):
     # a group half in traffic is withdrawn whole (core/gate.py).
     some_ready: bool | None = None
+    # What the containers run (images_in): another image is another process, whose refit_info
+    # the fleet preflight does not take from an earlier answer (core/preflight_cache.py).
+    image: str = ""
 
     def on_track(self, track: str) -> PodView:
         """The pod as a refit of ``track`` (WeightRefitSpec.track) sees it: that track's
@@ -174,6 +177,7 @@ class PodView:
             claim=Claim.from_annotation(annotations.get(CLAIM_ANNOTATION)),
             resource_version=meta.get("resourceVersion", ""),
             containers_up=containers_up_in(spec, status),
+            image=images_in(spec, status),
             adapter_records={
                 key.removeprefix(ADAPTER_PROGRESS_PREFIX): record
                 for key, text in annotations.items()
@@ -181,6 +185,16 @@ class PodView:
                 and (record := Progress.from_annotation(text)) is not None
             },
         )
+
+
+def images_in(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """The images the pod's containers run, by container name: the kubelet's imageID (the
+    digest it pulled) where it reports one, else the image it or the spec names."""
+    named = {str(c.get("name", "")): str(c.get("image", "")) for c in spec.get("containers") or []}
+    for c in status.get("containerStatuses") or []:
+        name = str(c.get("name", ""))
+        named[name] = str(c.get("imageID") or c.get("image") or named.get(name, ""))
+    return ",".join(f"{name}={image}" for name, image in sorted(named.items()))
 
 
 def containers_up_in(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:

@@ -198,7 +198,7 @@ class Kube(Protocol):
     async def event(
         self, namespace: str, involved: dict[str, Any], reason: str, message: str, etype: str
     ) -> None: ...
-    async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None: ...
+    async def read_data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None: ...
 
 
 @dataclass
@@ -417,8 +417,9 @@ class Cluster:
             log.warning("event %s on %s not recorded: %s", reason, meta["name"], e.reason)
 
     # ----------------------------------------------------------- Secrets, ConfigMaps
-    async def read_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
-        """A Secret's or ConfigMap's value; None when the object or key is absent."""
+    async def read_data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's or ConfigMap's values by key (a Secret's decoded); None when the object
+        is absent. One read for every key the caller wants (controller/inputs.Reads)."""
         try:
             if kind == "Secret":
                 resp = await self.core.read_namespaced_secret(
@@ -438,10 +439,13 @@ class Cluster:
                     "the chart's adminToken.secretNames or probeReferences.configMapNames)"
                 ) from e
             raise
-        if kind == "Secret":
-            raw = (doc.get("data") or {}).get(key)
-            if raw is None:
-                return None
-            return base64.b64decode(raw).decode().strip()
-        value = (doc.get("data") or {}).get(key)
-        return value if isinstance(value, str) else None
+        data = {k: v for k, v in (doc.get("data") or {}).items() if isinstance(v, str)}
+        if kind != "Secret":
+            return data
+        values = {}
+        for k, v in data.items():
+            try:
+                values[k] = base64.b64decode(v).decode().strip()
+            except (ValueError, UnicodeDecodeError):
+                continue  # not text: no token or key the operator reads
+        return values

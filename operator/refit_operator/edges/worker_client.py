@@ -67,16 +67,20 @@ DRAFT_METRICS = (
 DRAFT_PROBE_TOKENS = 32
 
 
-def session() -> aiohttp.ClientSession:
+def session(trace_configs: list[aiohttp.TraceConfig] | None = None) -> aiohttp.ClientSession:
     """The HTTP session for all pods of all fleets (create it inside the event loop). No cap on
     connections overall, since every pod runs its own pass at once; per pod, a pass makes one
     request at a time. Proxies from the environment are ignored (trust_env off): pods are
-    reached directly at their pod IPs. Idle connections expire before vLLM closes them
-    (contract.CLIENT_KEEPALIVE_SECONDS)."""
+    reached directly at their pod IPs. A pod's connections are pooled (no force_close), so
+    consecutive requests to it, the preflight's and its passes', reuse one connection (but an
+    RPC: see _request); idle ones expire before vLLM closes them
+    (contract.CLIENT_KEEPALIVE_SECONDS). ``trace_configs``: aiohttp's request tracing (the
+    tests count connections with it)."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
             limit=0, limit_per_host=4, keepalive_timeout=contract.CLIENT_KEEPALIVE_SECONDS
-        )
+        ),
+        trace_configs=trace_configs,
     )
 
 

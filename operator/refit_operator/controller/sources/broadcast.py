@@ -59,7 +59,11 @@ async def _receive(
     if ctx.broadcast is None:  # its manifest is gone: nothing to check a new send against
         assert ctx.source_problem is not None
         raise StepFailed(ctx.source_problem.reason, ctx.source_problem.message, final=True)
-    workers = await worker.world_size(timeout=t_step)  # the ranks this pod takes
+    # The ranks this pod takes: the count its preflight (or admission) had from this process.
+    kept = ctx.answers.get(pod)
+    workers = kept.world_size if kept is not None and kept.world_size is not None else None
+    if workers is None:
+        workers = await worker.world_size(timeout=t_step)
     try:
         rank, world = await ctx.broadcast.rounds.join(pod.name, float(b.timeout_seconds), workers)
     except TrainerTimeout as e:
@@ -109,7 +113,7 @@ async def load_manifest(t: Tick, cluster: Kube) -> Problem | None:
     assert b is not None
     ref = b.manifest.config_map_ref
     text = await read_key(
-        cluster, "ConfigMap", view.namespace, ref.name, ref.key,
+        cluster, t, "ConfigMap", ref.name, ref.key,
         missing=Reason.ManifestMissing, forbidden=Reason.ManifestForbidden,
     )  # fmt: skip
     if isinstance(text, Problem):
