@@ -122,12 +122,13 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             continue
         assert isinstance(action, RunStep)
         before = progress
-        progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
+        progress = await _run_step(ctx, pod, worker, progress, action.step, resumed, handle)
         _now(ctx, pod.name, progress)
         if progress.finished_pass:
             await _finish(ctx, handle, pod, progress)
         elif podflow.must_record(before, progress):
-            # Staged: this record takes the pod out of traffic, before the drain pauses it.
+            # A failed try, or the stage done: this record takes the pod out of traffic,
+            # before the drain pauses it.
             leaves = before.in_traffic and not progress.in_traffic
             await handle.record(progress, pass_readiness(pod, progress) if leaves else None)
 
@@ -170,10 +171,11 @@ async def _run_step(
     progress: Progress,
     step: Step,
     resumed: bool,
+    claimed: ClaimedPod,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
     began = times.monotonic()
-    run = StepRun(worker, ctx.spec.sequence, progress, resumed, ctx, pod)
+    run = StepRun(worker, ctx.spec.sequence, progress, resumed, ctx, pod, claimed)
     try:
         done = await run_step_code(run, step)
     except WorkerError as e:
