@@ -1,10 +1,11 @@
 """How many API requests one pass makes on its pod, per weight source: the real pass runner
 (controller/pod_pass.py, podflow, cluster.ClaimedPod) against the explorer's in-memory cluster,
-every step's worker calls left out (each step succeeds at once). Counts, not timings: the
-budget of issue 43 is at most two pod writes per pass where the pass starts out of traffic and
-three where the pod serves while the pass stages (claim, the record that takes it out before
-the drain, the last write), and no read of the pod unless its kubelet has yet to apply the
-condition the pass set False (docs/operator.md, "API writes per pod")."""
+every step's worker calls left out (each step succeeds at once). Counts, not timings: two pod
+writes per pass (the claim, which takes the pod out of traffic, and the last write) for a
+checkpoint or a broadcast; three for an adapter, whose staged load and probe run under the
+claim while the pod serves (claim, the record that takes it out before the drain, the last
+write); and no read of the pod unless its kubelet has yet to apply the condition the pass set
+False (docs/operator.md, "API writes per pod")."""
 
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ async def _two_passes(source: str, kubelet: bool) -> list[tuple[int, int, Progre
 # (writes, reads) of the first pass and of the next, without a kubelet (the simulated fleet)
 # and with one that lags the gate (each drain reads the pod until it is no longer Ready).
 BUDGET = {
-    # Out of traffic in the claim: claim + last write. Serving: claim, staged (out), last.
-    "checkpoint": ((2, 0), (3, 0)),
+    # Out of traffic in the claim: claim + last write. Serving: staged before the claim
+    # (unfenced, as a stage ahead of its turn), so the claim takes it out; then the last.
+    "checkpoint": ((2, 0), (2, 0)),
     # Nothing to stage: the claim takes any pod out, serving or not.
     "broadcast": ((2, 0), (2, 0)),
     # The base weights serve beside the adapter while it is staged and probed, every pass.

@@ -117,7 +117,9 @@ class Flow:
     staged_probe: Step | None  # a probe of what is staged beside what serves
     # The pass reloads the base weights: the reload-safety admission applies (core/admission).
     reloads: bool
-    # Rolling stages the next batch's weights while the current batch is out of traffic.
+    # The stage may run without a claim (no fencing token): Rolling stages the next batch's
+    # weights while the current batch is out of traffic, and a pass on a pod that serves
+    # stages before its claim, whose write then takes the pod out (pod_pass._stage_unclaimed).
     stages_ahead: bool
     # A finished refit can load its version again into a pod that joins or restarts later
     # (a broadcast's tensors are gone once sent: such a pod waits for the next refit).
