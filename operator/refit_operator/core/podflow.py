@@ -4,9 +4,10 @@ A pod's progress is stored on the pod itself (annotation ``refit.rollout.dev/pro
 so an operator that restarts resumes at the first step not recorded as done. It is recorded
 only where a write has a reason (``must_record``): when the pass starts (the claim), when it
 takes a pod that served through the staging out of traffic (before the drain pauses it), on
-every failed try, and when the pass ends: two pod writes per pass where the pass starts out of
-traffic, three where the pod serves while the pass stages (docs/operator.md, "API writes per
-pod"). A restart therefore repeats at most the steps since the last record, which is safe
+every failed try, and when the pass ends: two pod writes per pass in the common case (the
+claim takes the pod out of traffic: a checkpoint stages before it), three where the pod serves
+while the pass stages under its claim (an adapter's staged load and probe) (docs/operator.md,
+"API writes per pod and pass"). A restart therefore repeats at most the steps since the last record, which is safe
 because every step is idempotent; the one that is not safe to repeat blindly, the load, is
 preceded by a read-back of the pod's weight version whenever it may already have run
 (``must_read_back``, ``load_needed``).
