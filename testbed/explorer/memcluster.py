@@ -411,10 +411,11 @@ class MemoryCluster(Cluster):
             raise Store._missing("Pod", name)
         return doc
 
-    async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
+    async def _patch_pod_status(
+        self, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
         await self._send()  # sent: it lands even if the lease expires meanwhile
-        doc = self.store.patch_pod_status(namespace, name, clone(body))
-        return str(doc["metadata"]["resourceVersion"])
+        return clone(self.store.patch_pod_status(namespace, name, clone(body)))
 
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
         await self._wait()

@@ -157,9 +157,10 @@ def test_a_checkpoint_loads_and_a_broadcast_receives():
 
 
 def _recorded(p: Progress, now: float) -> tuple[list[Step], Progress]:
-    """Walk every step: the steps whose completion is recorded, and the pass at the end."""
+    """Walk every step from the pass's first: the steps whose completion is recorded, and the
+    pass at the end."""
     recorded = []
-    for step in STEPS:
+    for step in STEPS[STEPS.index(Step(p.step)) :]:
         after = podflow.step_done(p, step, 0.1, now)
         if podflow.must_record(p, after):
             recorded.append(step)
@@ -167,9 +168,14 @@ def _recorded(p: Progress, now: float) -> tuple[list[Step], Progress]:
     return recorded, p
 
 
-def test_progress_is_recorded_at_checkpoints_only():
+def test_progress_is_recorded_where_a_write_has_a_reason_only():
+    # Start is recorded by the caller (the claim). A pod out of traffic from the first write:
+    # nothing more until the end (its stage, repeated after a restart, changes nothing served).
     recorded, _ = _recorded(fresh(), 1.0)
-    # Start is recorded by the caller; then once staged (the pod leaves traffic), and at the end.
+    assert recorded == [Step.ready]
+    # A pod that serves through the staging: once staged (the record that takes it out of
+    # traffic, before the drain), and at the end.
+    recorded, _ = _recorded(serving_pass(), 1.0)
     assert recorded == [Step.stage, Step.ready]
 
 
@@ -370,7 +376,7 @@ def test_what_a_pod_serves():
 def broadcast_pass(serving: str = "v1") -> Progress:
     """A broadcast pass (no path) on a pod that serves ``serving``, at its receive step."""
     p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving=serving, source="broadcast")
-    for step in (Step.stage, Step.drain, Step.sleep, Step.wakeWeights, Step.load):
+    for step in (Step.drain, Step.sleep, Step.wakeWeights, Step.load):
         p = podflow.step_done(p, step, 0.0, 110.0)
     assert p.step == Step.receive
     return p
@@ -409,12 +415,17 @@ def test_a_receive_that_may_have_touched_the_model_fails_closed():
     assert p.outcome == "Failed" and not p.restored
 
 
-def test_a_broadcast_pass_is_recorded_where_a_checkpoint_pass_is():
+def test_a_broadcast_pass_leaves_traffic_in_its_first_write():
     p = podflow.start("wr", "uid-1", "v2", "", now=100.0, serving="v1", source="broadcast")
+    # Nothing to stage: the claim's write takes the pod out, the pass starts at the drain, and
+    # nothing is recorded between that write and the end.
+    assert p.step == Step.drain and not p.in_traffic and p.left_traffic == 100.0
+    assert readiness_of(p) == podflow.Readiness(False, "Refitting", "refit to v2 in progress")
     recorded, p = _recorded(p, 101.0)
-    # The skipped stage still ends the time in traffic, in the record it writes.
-    assert recorded == [Step.stage, Step.ready]
-    assert p.outcome == "Succeeded" and p.left_traffic == 101.0
+    assert recorded == [Step.ready]
+    assert p.outcome == "Succeeded" and p.left_traffic == 100.0
+    # What it served is still recorded: a receive refused untouched goes back to serving it.
+    assert p.serving == "v1"
 
 
 # Load refusals the worker raises before it touches the model, and failures after which the

@@ -15,7 +15,7 @@ from ..core.podflow import Progress
 from ..core.podview import PodView
 from ..core.reasons import Problem
 from ..core.sequences import Step
-from ..edges.cluster import Kube
+from ..edges.cluster import ClaimedPod, Kube
 from ..edges.worker_client import WorkerClient
 from .rounds import Rounds
 
@@ -104,6 +104,7 @@ class StepRun:
     # that need the pass's peers, rounds or probe reference cannot run so).
     ctx: PassContext | None = None
     pod: PodView | None = None
+    claimed: ClaimedPod | None = None  # the pass's hold of the pod (None: a step run alone)
 
     def in_pass(self, step: Step) -> tuple[PassContext, PodView]:
         if self.ctx is None or self.pod is None:

@@ -1,6 +1,8 @@
 """Runs one pod's refit pass: takes the pod's claim, executes the step podflow names
-(steps.STEP_CODE), records the progress on the pod at podflow's checkpoints, repeats until the
-pass ends. I/O only; what to do next, and what to record when, is always podflow's decision.
+(steps.STEP_CODE), records the progress on the pod where podflow says a write has a reason
+(``must_record``), repeats until the pass ends: two pod writes per pass in the common case,
+three for an adapter (docs/operator.md, "API writes per pod and pass"). I/O only; what to do
+next, and what to record when, is always podflow's decision.
 
 The live progress of every pass is also kept in memory (``PassContext.live``): the reconcile
 loop folds it into the WeightRefit status once per tick, so users see each pod's current step
@@ -104,6 +106,10 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             return progress
         # A pod that serves a probed version keeps serving while the checkpoint stages; any
         # other pod leaves traffic in the same write that claims it and records the new pass.
+        # A checkpoint is staged before the claim where it can be: then that one write also
+        # takes the pod out of traffic, and the pass writes the pod twice, not three times.
+        _now(ctx, pod.name, progress)
+        progress = await _stage_unclaimed(ctx, pod, progress)
         handle = await ctx.cluster.claim(
             ctx.namespace, pod, claim, progress, pass_readiness(pod, progress)
         )
@@ -123,14 +129,40 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
             continue
         assert isinstance(action, RunStep)
         before = progress
-        progress = await _run_step(ctx, pod, worker, progress, action.step, resumed)
+        progress = await _run_step(ctx, pod, worker, progress, action.step, resumed, handle)
         _now(ctx, pod.name, progress)
         if progress.finished_pass:
             await _finish(ctx, handle, pod, progress)
         elif podflow.must_record(before, progress):
-            # Staged: this record takes the pod out of traffic, before the drain pauses it.
+            # A failed try, or the stage done: this record takes the pod out of traffic,
+            # before the drain pauses it.
             leaves = before.in_traffic and not progress.in_traffic
             await handle.record(progress, pass_readiness(pod, progress) if leaves else None)
+
+
+async def _stage_unclaimed(ctx: PassContext, pod: PodView, progress: Progress) -> Progress:
+    """Stage the checkpoint of a pass that would stage while the pod serves, before the pass
+    claims the pod: without a fencing token, as the stage of the next batch ahead of its turn
+    is (reconcile_loop._stage_ahead): staging changes nothing a pass relies on (the load uses
+    staged bytes only if no file changed since), and no fenced call comes before the claim.
+    Staged, the pass is past its last step in traffic, so the claim's write is the one that
+    takes the pod out (before the drain pauses it). A try that fails changes nothing: the
+    claimed pass stages as before, with its retries, records and Events."""
+    flow = SOURCES[progress.source].flow
+    if not (flow.stages_ahead and progress.in_traffic and progress.step == flow.last_serving_step):
+        return progress
+    step = Step(progress.step)
+    began = times.monotonic()
+    run = StepRun(ctx.client(pod, None), ctx.spec.sequence, progress, False, ctx, pod)
+    try:
+        note = await run_step_code(run, step)
+    except (WorkerError, StepFailed):
+        return progress
+    assert isinstance(note, str), f"step {step!r} judges nothing"
+    seconds = times.monotonic() - began
+    metrics.step_finished(ctx.namespace, ctx.fleet, step, "success", seconds)
+    staged = replace(run.progress, staging=note) if note else run.progress
+    return podflow.step_done(staged, step, seconds, times.now())
 
 
 async def _admission(ctx: PassContext, pod: PodView, worker: WorkerClient) -> Problem | None:
@@ -183,10 +215,11 @@ async def _run_step(
     progress: Progress,
     step: Step,
     resumed: bool,
+    claimed: ClaimedPod,
 ) -> Progress:
     retries = ctx.spec.sequence.retries
     began = times.monotonic()
-    run = StepRun(worker, ctx.spec.sequence, progress, resumed, ctx, pod)
+    run = StepRun(worker, ctx.spec.sequence, progress, resumed, ctx, pod, claimed)
     try:
         done = await run_step_code(run, step)
     except WorkerError as e:

@@ -19,7 +19,7 @@ from ..core.podview import PodView
 from ..core.reasons import Reason
 from ..core.sequences import Step
 from ..edges import metrics
-from ..edges.cluster import ClaimLost
+from ..edges.cluster import ClaimedPod, ClaimLost
 from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext, StepCode, StepFailed, StepRun
 
@@ -31,7 +31,7 @@ KEEP_SETTLE_READS = 5
 
 async def drain_step(run: StepRun) -> str:
     if run.ctx is not None and run.pod is not None:
-        await _wait_out_of_endpoints(run.ctx, run.pod)
+        await _wait_out_of_endpoints(run.ctx, run.pod, run.claimed)
     await _wait_drain_delay(run.seq, run.progress)
     # The record before it set the readiness condition False.
     return await _drain(run.worker, run.seq, run.progress.version)
@@ -205,12 +205,18 @@ async def mark_ready(
             raise
 
 
-async def _wait_out_of_endpoints(ctx: PassContext, pod: PodView) -> None:
+async def _wait_out_of_endpoints(
+    ctx: PassContext, pod: PodView, claimed: ClaimedPod | None = None
+) -> None:
     """Before the drain pauses the pod: wait until its Ready condition is no longer True, i.e.
     the kubelet has applied the readiness condition the pass set False, so endpoints stop
     listing the pod. Requests that reach a paused vLLM wait and run after the resume, which
     comes before the probe: sent after the condition went False they would meet the new,
-    unprobed weights. A pod without a Ready condition (no kubelet) has nothing to wait for."""
+    unprobed weights. A pod without a Ready condition (no kubelet) has nothing to wait for.
+    The answer to the pass's last write already shows the condition (``claimed.ready``): the
+    pod is read only while that said Ready, i.e. to see the kubelet catch up."""
+    if claimed is not None and not claimed.ready:
+        return
     limit = float(ctx.spec.sequence.drain_timeout_seconds)
     deadline = times.monotonic() + limit
     while True:

@@ -1,12 +1,15 @@
 """The per-pod refit sequence as plain data: where a pod stands and what to do next.
 
 A pod's progress is stored on the pod itself (annotation ``refit.rollout.dev/progress``, JSON),
-so an operator that restarts resumes at the first step not recorded as done. It is recorded at
-the pass's checkpoints only (``must_record``): when the pass starts, once the new weights are
-loaded, on every failed try and when the pass ends; a thousand-pod refit would otherwise write
-each pod ten times. A restart therefore repeats at most the steps since the last checkpoint,
-which is safe because every step is idempotent; the one that is not safe to repeat blindly, the
-load, is preceded by a read-back of the pod's weight version whenever it may already have run
+so an operator that restarts resumes at the first step not recorded as done. It is recorded
+only where a write has a reason (``must_record``): when the pass starts (the claim), when it
+takes a pod that served through the staging out of traffic (before the drain pauses it), on
+every failed try, and when the pass ends: two pod writes per pass in the common case (the
+claim takes the pod out of traffic: a checkpoint stages before it), three where the pod serves
+while the pass stages under its claim (an adapter's staged load and probe) (docs/operator.md,
+"API writes per pod and pass"). A restart therefore repeats at most the steps since the last record, which is safe
+because every step is idempotent; the one that is not safe to repeat blindly, the load, is
+preceded by a read-back of the pod's weight version whenever it may already have run
 (``must_read_back``, ``load_needed``).
 """
 
@@ -23,7 +26,6 @@ from .api import PodProbe
 from .probe import ProbeOutcome
 from .reasons import Reason
 from .sequences import (
-    CHECKPOINT_STEPS,
     FINAL_CODES,
     FLOWS,
     LOAD_STEPS,
@@ -32,6 +34,7 @@ from .sequences import (
     UNTOUCHED_LOAD_CODES,
     Source,
     Step,
+    first_step,
     last_step_in_traffic,
     steps_of,
 )
@@ -206,8 +209,11 @@ def start(
     source: Source = "checkpoint",
     adapter: str = "",
 ) -> Progress:
-    """A new pass. A pod that serves a probed version (``serving``) keeps serving while the
-    checkpoint stages; any other pod leaves traffic in the pass's first write."""
+    """A new pass, at its source's first step. A pod that serves a probed version (``serving``)
+    keeps serving while the checkpoint stages; any other pod, and every pod of a pass with
+    nothing to stage (a broadcast), leaves traffic in the pass's first write."""
+    step = first_step(source)
+    stages = step in FLOWS[source].serving_steps
     return Progress(
         refit=refit,
         uid=uid,
@@ -217,12 +223,13 @@ def start(
         rollback=rollback,
         source=source,
         started=now,
+        step=step,
         restarts=restarts,
         incarnation=incarnation,
         serving=serving,
         serving_path=serving_path if serving else "",
         # An adapter pass leaves the base weights serving until its swap, adapter or not.
-        left_traffic=0.0 if serving or FLOWS[source].serves_beside else now,
+        left_traffic=0.0 if stages and (serving or FLOWS[source].serves_beside) else now,
         adapter=adapter,
     )
 
@@ -416,12 +423,16 @@ def probe_judged(progress: Progress, outcome: ProbeOutcome, now: float) -> Progr
 
 
 def must_record(before: Progress, after: Progress) -> bool:
-    """Whether the step that turned ``before`` into ``after`` is a checkpoint to record: the
-    pass ended, a try failed (attempts and backoff must survive a restart), or a checkpoint
-    step completed."""
+    """Whether the step that turned ``before`` into ``after`` must be recorded before the pass
+    goes on: the pass ended, a try failed (attempts and backoff must survive a restart), or
+    the step took the pod out of traffic (the stage of a pod that served through it, an
+    adapter's staged probe): that record sets the condition False before the drain pauses the
+    pod, and a restart past it resumes at the drain. A step that leaves the pod where it was
+    is not recorded: a restart repeats it (a stage or an adapter's staged load again), and
+    ``resumed`` counts the model as touched only past the record that took the pod out."""
     if after.finished_pass or after.attempts > before.attempts:
         return True
-    return before.step in CHECKPOINT_STEPS and after.step != before.step
+    return before.in_traffic and not after.in_traffic
 
 
 def must_read_back(progress: Progress, resumed: bool) -> bool:

@@ -66,11 +66,6 @@ ADAPTER_STEPS: tuple[Step, ...] = (
 # Before the swap the served adapter is untouched and the pod stays in traffic: a failure
 # there unloads the staged name and the old adapter serves on (``Progress.restored``).
 ADAPTER_IN_TRAFFIC_STEPS = frozenset({Step.stage, Step.loadAdapter, Step.probeStaged})
-# Steps after which the progress is recorded on the pod (besides start, failures and the end):
-# the end of staging (of the staged probe, for an adapter) is the write that takes the pod out
-# of traffic; a restart past it resumes at the drain, and the load's read-back keeps it from
-# loading twice.
-CHECKPOINT_STEPS = frozenset({Step.stage, Step.probeStaged})
 # Failures that repeating cannot fix: the worker refused the checkpoint, the probe judged.
 FINAL_CODES: frozenset[str] = frozenset(
     {
@@ -122,7 +117,9 @@ class Flow:
     staged_probe: Step | None  # a probe of what is staged beside what serves
     # The pass reloads the base weights: the reload-safety admission applies (core/admission).
     reloads: bool
-    # Rolling stages the next batch's weights while the current batch is out of traffic.
+    # The stage may run without a claim (no fencing token): Rolling stages the next batch's
+    # weights while the current batch is out of traffic, and a pass on a pod that serves
+    # stages before its claim, whose write then takes the pod out (pod_pass._stage_unclaimed).
     stages_ahead: bool
     # A finished refit can load its version again into a pod that joins or restarts later
     # (a broadcast's tensors are gone once sent: such a pod waits for the next refit).
@@ -159,6 +156,13 @@ RESTORE = Step.restore  # not in STEPS (Step.restore)
 def steps_of(source: Source) -> tuple[Step, ...]:
     """The ordered steps of a pass with this weight source."""
     return FLOWS[source].steps
+
+
+def first_step(source: Source) -> Step:
+    """The step a new pass of this weight source starts at: its first that does something (a
+    broadcast has nothing to stage, so its pass starts at the drain, out of traffic)."""
+    flow = FLOWS[source]
+    return next(s for s in flow.steps if s not in flow.skipped)
 
 
 def last_step_in_traffic(source: Source) -> Step:

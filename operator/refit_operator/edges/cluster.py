@@ -121,6 +121,13 @@ def _no_check() -> None:
     return None
 
 
+def kubelet_ready(doc: dict[str, Any]) -> bool:
+    """Whether the pod's ``Ready`` condition is True in ``doc``: endpoints may still list it.
+    False also where no kubelet reports one (a pod without a node)."""
+    conds = (doc.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
 @dataclass
 class ClaimedPod:
     """A pod this pass holds the claim of. Every write is one strategic-merge patch of
@@ -134,6 +141,11 @@ class ClaimedPod:
     resource_version: str
     uid: str  # the pod object claimed: a pod recreated under its name is another pod
     members: tuple[str, ...] = ()  # a pod group's followers: each readiness goes to them too
+    # The pod's Ready condition as the answer to the pass's last write showed it: False means
+    # endpoints no longer list it (or never did), so the drain needs no read of the pod to
+    # know (steps._wait_out_of_endpoints). The kubelet never turns it True again while the
+    # pass holds the readiness gate False.
+    ready: bool = True
 
     async def record(
         self, progress: Progress, readiness: Readiness | None = None, *, release: bool = False
@@ -148,17 +160,16 @@ class ClaimedPod:
         while True:
             body["metadata"]["resourceVersion"] = self.resource_version
             try:
-                self.resource_version = await self.cluster._patch_pod_status(
-                    self.namespace, self.name, body
-                )
+                doc = await self.cluster._patch_pod_status(self.namespace, self.name, body)
+                self.resource_version = str(doc["metadata"]["resourceVersion"])
+                self.ready = kubelet_ready(doc)
                 await self.cluster.mirror(self.namespace, self.members, readiness, before=False)
                 return
             except ApiException as e:
                 if e.status != 409:
                     raise
             metrics.api_retry("patch")
-            doc = await self.cluster.read_pod(self.namespace, self.name)
-            now = PodView.from_pod(doc)
+            now = PodView.from_pod(await self.cluster.read_pod(self.namespace, self.name))
             if now.uid != self.uid:
                 raise ClaimLost(f"pod {self.name}: replaced by another pod of that name")
             if now.claim != self.claim:
@@ -252,13 +263,15 @@ class Cluster:
         body["metadata"]["resourceVersion"] = pod.resource_version
         await self.mirror(namespace, pod.members, readiness, before=True)
         try:
-            rv = await self._patch_pod_status(namespace, pod.name, body)
+            doc = await self._patch_pod_status(namespace, pod.name, body)
         except ApiException as e:
             if e.status == 409:
                 raise PodBusy(f"pod {pod.name} changed since it was listed") from e
             raise
         await self.mirror(namespace, pod.members, readiness, before=False)
-        return ClaimedPod(self, namespace, pod.name, claim, rv, pod.uid, pod.members)
+        rv = str(doc["metadata"]["resourceVersion"])
+        return ClaimedPod(self, namespace, pod.name, claim, rv, pod.uid, pod.members,
+                          ready=kubelet_ready(doc))  # fmt: skip
 
     async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
         """Set the pod's readiness condition False, without a claim (taking a pod out of
@@ -294,14 +307,17 @@ class Cluster:
                 if e.status != 404:
                     raise
 
-    async def _patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> str:
-        """One strategic-merge patch of pods/status; the pod's new resourceVersion."""
+    async def _patch_pod_status(
+        self, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """One strategic-merge patch of pods/status; the pod as the write left it (its new
+        resourceVersion, its Ready condition: what a pass would otherwise read the pod for)."""
         self.before_write()
         resp = await self.core.patch_namespaced_pod_status(
             name, namespace, body, _content_type=SMP, _preload_content=False
         )
-        doc = await read_json(resp)
-        return str(doc["metadata"]["resourceVersion"])
+        doc: dict[str, Any] = await read_json(resp)
+        return doc
 
     # --------------------------------------------------------------- WeightRefits
     async def get_refit(self, namespace: str, name: str) -> dict[str, Any] | None:
