@@ -7,6 +7,7 @@ dicts (``_preload_content=False``) so nothing is lost to client-side model class
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -14,7 +15,7 @@ import secrets
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubernetes_asyncio import client, config
@@ -27,6 +28,7 @@ from ..core.podflow import Progress, Readiness, progress_annotation
 from ..core.podview import PodView
 from ..core.times import rfc3339
 from . import metrics
+from .pod_watch import PodWatch
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +194,7 @@ class Kube(Protocol):
     async def list_refits(self, namespace: str | None) -> list[dict[str, Any]]: ...
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
-    ) -> None: ...
+    ) -> dict[str, Any] | None: ...
     async def delete_refit(self, namespace: str, name: str) -> None: ...
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None: ...
     async def event(
@@ -205,6 +207,8 @@ class Kube(Protocol):
 class Cluster:
     api_client: client.ApiClient
     identity: str = "refit-operator"
+    # Each namespace's pods, kept by a watch (pod_watch.py): listed once, not per tick.
+    _pod_watches: dict[str, PodWatch] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Called before every write: raises when this replica may have lost its leadership.
@@ -222,15 +226,35 @@ class Cluster:
 
     # ---------------------------------------------------------------------- pods
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
-        resp = await self.core.list_namespaced_pod(
-            namespace, label_selector=selector, _preload_content=False
-        )
-        doc = await read_json(resp)
-        return [PodView.from_pod(item) for item in doc.get("items", [])]
+        """The namespace's pods that ``selector`` selects, as a LIST would return them, from
+        the namespace's watch (started by the first call: its one LIST)."""
+        return await self._pods(namespace).pods(selector)
+
+    def _pods(self, namespace: str) -> PodWatch:
+        watch = self._pod_watches.get(namespace)
+        if watch is None:
+            watch = self._pod_watches[namespace] = PodWatch(lambda: self.core, namespace)
+        return watch
+
+    def _pod_seen(self, namespace: str, doc: dict[str, Any]) -> None:
+        """A pod as one of our own reads or writes answered: the watch's copy is at least as
+        new from now on (the next tick decides from our last write, not from before it)."""
+        watch = self._pod_watches.get(namespace)
+        if watch is not None:
+            watch.put(doc)
+
+    async def close(self) -> None:
+        """Stop the pod watches."""
+        tasks = [w.task for w in self._pod_watches.values() if w.task is not None]
+        self._pod_watches.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)
         doc: dict[str, Any] = await read_json(resp)
+        self._pod_seen(namespace, doc)
         return doc
 
     async def claim(
@@ -301,6 +325,7 @@ class Cluster:
             name, namespace, body, _content_type=SMP, _preload_content=False
         )
         doc = await read_json(resp)
+        self._pod_seen(namespace, doc)
         return str(doc["metadata"]["resourceVersion"])
 
     # --------------------------------------------------------------- WeightRefits
@@ -331,14 +356,14 @@ class Cluster:
 
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
-    ) -> None:
+    ) -> dict[str, Any]:
         """Merge-patch a WeightRefit's status, conditional on ``resource_version`` when given
-        (409 then means someone else wrote it since it was read)."""
+        (409 then means someone else wrote it since it was read); the refit as written."""
         self.before_write()
         body: dict[str, Any] = {"status": status}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        await _done(
+        doc: dict[str, Any] = await read_json(
             await self.custom.patch_namespaced_custom_object_status(
                 API_GROUP,
                 api.VERSION,
@@ -350,6 +375,7 @@ class Cluster:
                 _preload_content=False,
             )
         )
+        return doc
 
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None:
         """Write the creation stamp on a WeightRefit that has none (times.CREATED_ANNOTATION);
