@@ -8,6 +8,7 @@ grow with pod events (a 1000-pod refit writes status once per tick, not once per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -555,6 +556,10 @@ class Engine:
             raise
         except PodBusy as e:
             log.info("%s: not started: %s", ctx.refit_name, e)
+            # The pods the tick decided from lagged the pod (a watch-fed list): read it, so
+            # that the next tick decides from it as it is, not from the same stale copy.
+            with contextlib.suppress(ApiException):
+                await self.cluster.read_pod(ctx.namespace, pod.name)
         except ClaimLost as e:
             log.warning("%s: pass stopped, another pass owns the pod: %s", ctx.refit_name, e)
         except LeadershipLost as e:

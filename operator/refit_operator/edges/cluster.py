@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FINALIZER = f"{API_GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
 SMP = "application/strategic-merge-patch+json"
+WITHDRAW_TRIES = 3  # a withdrawal that meets others' writes of the pod (the kubelet's)
 MERGE = "application/merge-patch+json"
 
 
@@ -287,16 +288,32 @@ class Cluster:
     async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
         """Set the pod's readiness condition False, without a claim (taking a pod out of
         traffic is safe whoever does it), conditional on the pod being exactly as listed: a
-        pass that claimed or recorded it since decides its readiness instead."""
+        pass that claimed or recorded it since decides its readiness instead. A pod changed
+        since only by others (the kubelet: a restart, its Ready condition; a list that
+        lagged) still carries the claim and records the decision read: withdrawn all the
+        same, conditional on the pod as read now."""
         out = Readiness(False, reason, message)
         body = {"metadata": {"resourceVersion": pod.resource_version},
                 "status": {"conditions": [_condition(out)]}}  # fmt: skip
         await self.mirror(namespace, pod.members, out, before=True)
-        try:
-            await self._patch_pod_status(namespace, pod.name, body)
-        except ApiException as e:
-            if e.status not in (404, 409):  # deleted, or changed since listed: not ours
+        for _ in range(WITHDRAW_TRIES):
+            try:
+                await self._patch_pod_status(namespace, pod.name, body)
+                return
+            except ApiException as e:
+                if e.status == 404:  # deleted: nothing left to take out of traffic
+                    return
+                if e.status != 409:
+                    raise
+            try:
+                now = PodView.from_pod(await self.read_pod(namespace, pod.name))
+            except ApiException as e:
+                if e.status == 404:
+                    return
                 raise
+            if (now.uid, now.claim, now.records) != (pod.uid, pod.claim, pod.records):
+                return  # a pass claimed or recorded it since: its readiness is the pass's
+            body["metadata"]["resourceVersion"] = now.resource_version
 
     async def mirror(
         self, namespace: str, names: Sequence[str], readiness: Readiness | None, *, before: bool
