@@ -293,8 +293,8 @@ class Cluster:
         lagged) still carries the claim and records the decision read: withdrawn all the
         same, conditional on the pod as read now."""
         out = Readiness(False, reason, message)
-        body = {"metadata": {"resourceVersion": pod.resource_version},
-                "status": {"conditions": [_condition(out)]}}  # fmt: skip
+        body: dict[str, Any] = {"metadata": {"resourceVersion": pod.resource_version},
+                                "status": {"conditions": [_condition(out)]}}  # fmt: skip
         await self.mirror(namespace, pod.members, out, before=True)
         for _ in range(WITHDRAW_TRIES):
             try:

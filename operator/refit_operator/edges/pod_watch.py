@@ -38,36 +38,42 @@ def _rv(doc: Mapping[str, Any]) -> int:
 _TERM = re.compile(r"\s*(?:[^,(]|\([^)]*\))+")
 
 
+def _holds(term: tuple[str, str, frozenset[str]], labels: Mapping[str, str]) -> bool:
+    op, key, values = term
+    if op == "exists":
+        return key in labels
+    if op == "absent":
+        return key not in labels
+    if op == "in":
+        return labels.get(key) in values
+    return labels.get(key) not in values  # "notin", and "!=" (one value)
+
+
 @functools.lru_cache(maxsize=256)
 def selector_matcher(selector: str) -> Callable[[Mapping[str, str]], bool]:
     """A kubectl label-selector string (what LabelSelector.canonical writes: ``k=v``,
     ``k!=v``, ``k``, ``!k``, ``k in (a,b)``, ``k notin (a,b)``) as a predicate over labels,
     as the API server applies it to a LIST."""
-    tests: list[Callable[[Mapping[str, str]], bool]] = []
+    terms: list[tuple[str, str, frozenset[str]]] = []
     for m in _TERM.finditer(selector):
         term = m.group(0).strip().lstrip(",").strip()
         if not term:
             continue
         sets = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", term)
         if sets:
-            key, op = sets[1], sets[2]
             values = frozenset(v.strip() for v in sets[3].split(",") if v.strip())
-            if op == "in":
-                tests.append(lambda ls, k=key, vs=values: ls.get(k) in vs)
-            else:
-                tests.append(lambda ls, k=key, vs=values: ls.get(k) not in vs)
+            terms.append((sets[2], sets[1], values))
         elif "!=" in term:
-            key, value = (s.strip() for s in term.split("!=", 1))
-            tests.append(lambda ls, k=key, v=value: ls.get(k) != v)
+            key, value = (x.strip() for x in term.split("!=", 1))
+            terms.append(("notin", key, frozenset([value])))
         elif "=" in term:
-            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
-            tests.append(lambda ls, k=key, v=value: ls.get(k) == v)
+            key, value = (x.strip() for x in term.replace("==", "=").split("=", 1))
+            terms.append(("in", key, frozenset([value])))
         elif term.startswith("!"):
-            absent = term[1:].strip()
-            tests.append(lambda ls, k=absent: k not in ls)
+            terms.append(("absent", term[1:].strip(), frozenset()))
         else:
-            tests.append(lambda ls, k=term: k in ls)
-    return lambda labels: all(t(labels) for t in tests)
+            terms.append(("exists", term, frozenset()))
+    return lambda labels: all(_holds(t, labels) for t in terms)
 
 
 class PodWatch:
