@@ -21,11 +21,19 @@ log = logging.getLogger(__name__)
 ACTIVE_INTERVAL = 1.0  # seconds between ticks while pods are moving
 IDLE_INTERVAL = 5.0  # while queued or watching a converged fleet for late pods
 DORMANT_INTERVAL = 60.0  # finished and no longer the fleet's target
-# A tick lists the fleet and decides over every pod: at 10,000 pods that is most of a second of
-# the event loop the passes share. Every pass that ends wakes the refit, so without a pause the
-# ticks of a large refit run back to back; after a tick that took t seconds, wakes wait at
-# least t * TICK_PAUSE (they coalesce meanwhile). Small fleets tick in milliseconds: no delay.
+# A tick decides over every pod: at 10,000 pods that is most of a second of the event loop the
+# passes and the lease renewals share. Every pass that ends wakes the refit, so without a pause
+# the ticks of a large refit run back to back; above PAUSE_ABOVE_PODS units, after a tick that
+# took t seconds, wakes wait at least t * TICK_PAUSE (they coalesce meanwhile). A smaller
+# fleet ticks in milliseconds: a hand-off (a round ready, a pass ended, the trainer's
+# announcement) is decided at once, not a pause later.
 TICK_PAUSE = 1.0
+PAUSE_ABOVE_PODS = 256
+
+
+def pause_after(seconds: float, pods: int, interval: float) -> float:
+    """How long wakes wait after a tick of ``seconds`` over ``pods`` units."""
+    return min(seconds * TICK_PAUSE, interval) if pods > PAUSE_ABOVE_PODS else 0.0
 
 
 def memo(engine: Engine, connection: kopf.ConnectionInfo) -> kopf.Memo:
@@ -70,11 +78,12 @@ async def refit_daemon(
     assert namespace is not None  # WeightRefit is namespaced
     eng = _engine(memo)
     loop = asyncio.get_running_loop()
+    fresh = True  # read the refit: the first tick, and every tick its interval brings
     while not stopped:
         interval = IDLE_INTERVAL
         began = loop.time()
         try:
-            d = await eng.tick(namespace, name)
+            d = await eng.tick(namespace, name, fresh=fresh)
             if d is None:
                 return
             interval = (
@@ -85,14 +94,16 @@ async def refit_daemon(
         except Exception as e:
             metrics.reconcile_error("api")
             log.exception("reconcile of %s/%s failed: %s", namespace, name, e)
-        pause = min((loop.time() - began) * TICK_PAUSE, interval)
-        await asyncio.sleep(pause)
-        wake = eng.state(uid).wake
+        st = eng.state(uid)
+        pause = pause_after(loop.time() - began, len(st.listing.pods), interval)
+        if pause:
+            await asyncio.sleep(pause)
         try:
-            await asyncio.wait_for(wake.wait(), timeout=interval - pause)
+            await asyncio.wait_for(st.wake.wait(), timeout=interval - pause)
+            fresh = False  # a hand-off: decide from the refit as the watch last showed it
         except TimeoutError:
-            pass
-        wake.clear()
+            fresh = True
+        st.wake.clear()
 
 
 @kopf.on.event(API_GROUP, api.VERSION, api.PLURAL)

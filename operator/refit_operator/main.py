@@ -78,7 +78,8 @@ async def run(args: argparse.Namespace) -> int:
     holder = asyncio.create_task(renewals.run())
     async with worker_client.session() as http:
         policy = history.Policy(args.history_limit)
-        engine = Engine(cluster.Cluster(api_client, identity), http, lease, policy)
+        kube = cluster.Cluster(api_client, identity)
+        engine = Engine(kube, http, lease, policy)
         await engine.sync(args.namespace or None)
         kopf_task = asyncio.create_task(
             kopf.operator(
@@ -92,6 +93,7 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.wait({kopf_task, holder}, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         await kopf_task
+        await kube.close()
     holder.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await holder

@@ -43,6 +43,7 @@ from .refit_error import RefitError
 
 log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_SECONDS = 600  # spec.broadcast.timeoutSeconds' default
+CREATED_KEPT = 16  # refits created and not yet waited for whose create answer is kept
 
 FAILED_PHASES: frozenset[api.Phase] = frozenset(api.TERMINAL_PHASES - {"Succeeded"})
 # The operator's per-pod Events: "pod NAME: Reason: message" (runner._finish).
@@ -156,6 +157,9 @@ class RefitClient:
         # Any: the generated client's signatures say `object` for custom resources (dicts).
         self.custom: Any = k8s.CustomObjectsApi(api_client)
         self.namespace = namespace or default_namespace(kubeconfig, context)
+        # (namespace, name) -> the WeightRefit as this client's create returned it: a wait
+        # for it watches from there instead of reading it first (one use each).
+        self._created: dict[tuple[str, str], dict[str, Any]] = {}
 
     def close(self) -> None:
         self.api_client.close()
@@ -214,9 +218,13 @@ class RefitClient:
                 max_tokens=reference_max_tokens,
             )
         try:
-            self.custom.create_namespaced_custom_object(
+            created = self.custom.create_namespaced_custom_object(
                 API_GROUP, api.VERSION, ns, api.PLURAL, stamped(body)
             )
+            if isinstance(created, dict) and "metadata" in created:
+                self._created[(ns, name)] = created
+                while len(self._created) > CREATED_KEPT:  # submitted, never waited for
+                    del self._created[next(iter(self._created))]
         except ApiException as e:
             if e.status != 409:
                 raise RefitError(f"creating WeightRefit {ns}/{name}: {_api_message(e)}") from e
@@ -314,6 +322,7 @@ class RefitClient:
         return self._send_rounds(
             name, ns, tensors, rendezvous, timeout,
             transfer_timeout_seconds or DEFAULT_TRANSFER_TIMEOUT_SECONDS, on_update, on_send,
+            created,
         )  # fmt: skip
 
     def _send_rounds(
@@ -326,13 +335,14 @@ class RefitClient:
         transfer_timeout: int,
         on_update: Callable[[dict[str, Any]], None] | None,
         on_send: Callable[[int, Any], None] | None,
+        created: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         from refit_worker import broadcast as wire
 
         watched = WatchedFailures()
         sent = 0
         last: dict[str, Any] | None = None
-        for status in self._statuses(name, ns, timeout):
+        for status in self._statuses(name, ns, timeout, created):
             last = _follow(status, last, on_update, watched)
             if _final(status):
                 return self._verdict(name, ns, status, watched)
@@ -407,20 +417,24 @@ class RefitClient:
         ns = namespace or self.namespace
         watched = WatchedFailures()
         last: dict[str, Any] | None = None
-        for status in self._statuses(name, ns, timeout):
+        for status in self._statuses(name, ns, timeout, self._created.pop((ns, name), None)):
             last = _follow(status, last, on_update, watched)
             if _final(status):
                 return self._verdict(name, ns, status, watched)
         raise AssertionError("unreachable: _statuses ends only by raising")
 
-    def _statuses(self, name: str, ns: str, timeout: float) -> Iterator[dict[str, Any]]:
+    def _statuses(
+        self, name: str, ns: str, timeout: float, created: dict[str, Any] | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The refit's status now and at each change after it, for as long as the caller
         iterates; RefitTimeout once ``timeout`` seconds have passed. A read, then a watch
         from the version just read (no change is missed between them); when the watch ends
-        (its timeout, an expired resourceVersion, a dropped connection) the same again."""
+        (its timeout, an expired resourceVersion, a dropped connection) the same again.
+        ``created``: the refit as this client's create returned it, which stands for the
+        first read (the watch starts from the version the create wrote)."""
         deadline = time.monotonic() + timeout
         while True:
-            doc = self.get(name, namespace=ns)
+            doc, created = created or self.get(name, namespace=ns), None
             status = doc.get("status") or {}
             yield status
             left = deadline - time.monotonic()

@@ -452,10 +452,17 @@ class Explorer:
         busy = replica.ticking.get(name)
         if busy is not None and not busy.done():
             return
-        self._note(f"{replica.name} ticks {name}")
-        replica.ticking[name] = asyncio.create_task(self._daemon_tick(replica, name))
+        # handlers.refit_daemon: a turn the engine woke (a hand-off) decides from the refit as
+        # the watch (late, coalesced, dropped) or its own last write showed it; a turn its
+        # interval brings reads it.
+        st = replica.engine.refits.get(replica.daemons.get(name, ""))
+        fresh = st is None or not st.wake.is_set()
+        if st is not None:
+            st.wake.clear()
+        self._note(f"{replica.name} ticks {name}" + ("" if fresh else " (woken)"))
+        replica.ticking[name] = asyncio.create_task(self._daemon_tick(replica, name, fresh))
 
-    async def _daemon_tick(self, replica: Replica, name: str) -> None:
+    async def _daemon_tick(self, replica: Replica, name: str, fresh: bool = True) -> None:
         """One turn of kopf's daemon of the refit, or of its deletion handler once the refit
         is being deleted (which removes kopf's finalizer when the engine releases it)."""
         eng = replica.engine
@@ -463,7 +470,7 @@ class Explorer:
         deleting = bool(seen and seen["metadata"].get("deletionTimestamp"))
         began = self.store.revision
         try:
-            d = await eng.tick(NS, name, deleting=deleting)
+            d = await eng.tick(NS, name, deleting=deleting, fresh=fresh or deleting)
         except LeadershipLost:
             self._note(f"{replica.name} tick {name}: leadership lost")
             return  # handlers.refit_daemon: the process is stopping
@@ -768,9 +775,7 @@ class Explorer:
                     st = replica.engine.refits.get(uid)
                     woken = st is not None and st.wake.is_set()
                     if woken or replica.due.get(name, 0.0) <= self.clock.elapsed:
-                        if st is not None:
-                            st.wake.clear()
-                        self._tick(replica, name)
+                        self._tick(replica, name)  # clears the wake (a hand-off's turn)
             await asyncio.sleep(ACTIVE_INTERVAL)
             if self.checker.converged() is None:
                 self._note("converged")

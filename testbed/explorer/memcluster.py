@@ -427,12 +427,14 @@ class MemoryCluster(Cluster):
 
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
-    ) -> None:
+    ) -> dict[str, Any]:
         await self._send()
         self.store.decided_from = LISTED_AT.get()
         self.store.decided_pods = LISTED_PODS.get()
         try:
-            self.store.patch_refit_status(namespace, name, clone(status), resource_version)
+            return clone(
+                self.store.patch_refit_status(namespace, name, clone(status), resource_version)
+            )
         finally:
             self.store.decided_from = None
             self.store.decided_pods = None

@@ -39,6 +39,17 @@ def test_refits_share_a_fleet_by_the_pods_they_select_not_by_selector_text() -> 
     assert idx.to_wake("ns", refs, "u-me") == ["u-a", "u-b"]
 
 
+def test_a_finish_wakes_the_queued_refits_and_the_previous_target_not_the_history() -> None:
+    idx = RefitIndex()
+    sel = {"matchLabels": {"app": "r"}}
+    for i in range(3):  # the history: each moved on from by the next
+        idx.observe(doc(f"s{i}", f"2026-01-01T00:00:0{i}Z", "Succeeded", sel))
+    idx.observe(doc("me", "2026-01-01T00:00:05Z", "Succeeded", sel))
+    idx.observe(doc("next", "2026-01-01T00:00:06Z", "Pending", sel))
+    refs = [idx.known[f"u-{n}"].ref() for n in ("s0", "s1", "s2", "me", "next")]
+    assert sorted(idx.to_wake("ns", refs, "u-me")) == ["u-next", "u-s2"]
+
+
 def test_deleted_refits_leave_the_index_and_collection_asks_once() -> None:
     idx = RefitIndex()
     sel = {"matchLabels": {"app": "r"}}

@@ -8,6 +8,7 @@ grow with pod events (a 1000-pod refit writes status once per tick, not once per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -38,7 +39,7 @@ from ..edges.worker_client import WorkerClient, WorkerError
 from .pass_context import PassContext
 from .pod_pass import run_pass
 from .preflight import Preflight
-from .refit_state import Listing, Passes, RefitState, Tick
+from .refit_state import Listing, Passes, RefitState, Tick, revision
 from .sources import source_for
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,6 @@ class WorkerFactory(Protocol):
         fence: int | None,
         before_call: Callable[[], None] | None,
     ) -> WorkerClient: ...
-
-
-def _revision(doc: dict[str, Any]) -> int:
-    rv = str(doc["metadata"].get("resourceVersion", ""))
-    return int(rv) if rv.isdigit() else 0
 
 
 def _replaced(driven: PodView | None, now: PodView) -> bool:
@@ -123,6 +119,10 @@ class Engine:
         self._trainer_sending(doc)
         if gone is not None:
             self._forget(gone)
+        elif not deleted:
+            st = self.refits.get(doc["metadata"]["uid"])
+            if st is not None:
+                st.saw(doc)
 
     def _forget(self, gone: Known) -> None:
         """Drop what was kept for a refit that no longer exists (a DELETED event, or missing
@@ -191,7 +191,7 @@ class Engine:
             # order they were stored, as the watch would have shown them: a refit nobody wrote
             # since its creation still has its creation's revision (etcd's, which grows with
             # every write). A write since (labels) may misplace it, only within its second.
-            docs.sort(key=lambda d: (d["metadata"]["creationTimestamp"], _revision(d)))
+            docs.sort(key=lambda d: (d["metadata"]["creationTimestamp"], revision(d)))
             for doc in docs:
                 self.observe(doc)
             for doc in docs:
@@ -225,10 +225,19 @@ class Engine:
             log.warning("%s/%s is gone; its deletion was not seen", namespace, gone.name)
             self._forget(gone)
 
-    async def tick(self, namespace: str, name: str, *, deleting: bool = False) -> Decision | None:
+    async def tick(
+        self, namespace: str, name: str, *, deleting: bool = False, fresh: bool = True
+    ) -> Decision | None:
         """One reconcile of a refit, as Argo Rollouts' reconcile: read the refit, observe its
-        pods, decide, act on the decision, write the status (at most once)."""
-        t = await self._read(namespace, name, deleting)
+        pods, decide, act on the decision, write the status (at most once).
+
+        ``fresh=False``: a hand-off (something the refit waited for happened: a round became
+        ready, a pass ended, the trainer announced): decide from the newest document the watch
+        or our own last write showed instead of reading it again. Its status write is
+        conditional on that document's resourceVersion: a stale one costs a conflict and a
+        read (_patch_status), never a status decided from an older one. Time-driven ticks
+        read the refit (a deletion the watch missed is found there)."""
+        t = await self._read(namespace, name, deleting, fresh)
         if t is None:
             return None
         obs = await self._observe(t)
@@ -244,16 +253,27 @@ class Engine:
         metrics.reconcile_done()
         return d
 
-    async def _read(self, namespace: str, name: str, deleting: bool) -> Tick | None:
-        """The refit as the API server has it now, with the spec it admitted; None, and
-        everything kept for it forgotten, when it no longer exists."""
-        since = self.index.seq
-        doc = await self.cluster.get_refit(namespace, name)
+    def _kept(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The newest document seen of refit ``name`` (RefitState.doc), if any."""
+        for k in self.index.known.values():
+            if k.namespace == namespace and k.name == name:
+                st = self.refits.get(k.uid)
+                return st.doc if st is not None else None
+        return None
+
+    async def _read(self, namespace: str, name: str, deleting: bool, fresh: bool) -> Tick | None:
+        """The refit as the API server has it now (or, for a hand-off, as last seen), with
+        the spec it admitted; None, and everything kept for it forgotten, when it no longer
+        exists."""
+        doc = None if fresh else self._kept(namespace, name)
         if doc is None:
-            for ghost in self.index.drop_missing(namespace, set(), since, name):
-                self._forget(ghost)
-            return None
-        self.observe(doc)
+            since = self.index.seq
+            doc = await self.cluster.get_refit(namespace, name)
+            if doc is None:
+                for ghost in self.index.drop_missing(namespace, set(), since, name):
+                    self._forget(ghost)
+                return None
+            self.observe(doc)
         meta = doc["metadata"]
         # Decide only with an order the object carries: the pods' progress records it, and the
         # next operator must compare them with the same one.
@@ -272,6 +292,7 @@ class Engine:
             namespace=namespace,
         )
         st = self.state(view.uid)
+        st.saw(doc)
         await self._resync(namespace, st.waiting)
         if spec is not asked and not st.reported.sequence_ignored:
             st.reported.sequence_ignored = True
@@ -352,21 +373,31 @@ class Engine:
             del live[name]
         return [replace(pod, progress=live[pod.name]) if pod.name in live else pod for pod in pods]
 
-    async def _patch_status(self, namespace: str, doc: dict[str, Any], new: dict[str, Any]) -> bool:
-        """Write the status decided from ``doc``, conditional on the status being still the
+    async def _patch_status(self, t: Tick, new: dict[str, Any]) -> bool:
+        """Write the status decided from ``t.doc``, conditional on the status being still the
         one read: a status decided from an older read (another replica's, or ours before a
-        pause) is never written. A conflict on the rest of the object (kopf's finalizer and
-        annotations) is retried on a fresh read. False when the status itself changed."""
+        pause, or a hand-off's stale document) is never written. A conflict on the rest of
+        the object (kopf's finalizer and annotations, the trainer's) is retried on a fresh
+        read. False when the status itself changed. The refit as written (or read again) is
+        what the next hand-off decides from."""
+        namespace, doc, st = t.namespace, t.doc, t.state
         name, rv = doc["metadata"]["name"], doc["metadata"].get("resourceVersion", "")
         for _ in range(5):
             try:
-                await self.cluster.patch_status(namespace, name, new, rv)
-                return True
+                written = await self.cluster.patch_status(namespace, name, new, rv)
             except ApiException as exc:
                 if exc.status != 409:
                     raise
+            else:
+                if written:
+                    st.saw(written)
+                else:  # a Kube that does not answer with the object: read it next time
+                    st.doc = None
+                return True
             metrics.api_retry("patch")
             fresh = await self.cluster.get_refit(namespace, name)
+            if fresh is not None:
+                st.saw(fresh)
             if fresh is None or fresh.get("status") != doc.get("status"):
                 return False
             rv = fresh["metadata"].get("resourceVersion", "")
@@ -526,6 +557,10 @@ class Engine:
             raise
         except PodBusy as e:
             log.info("%s: not started: %s", ctx.refit_name, e)
+            # The pods the tick decided from lagged the pod (a watch-fed list): read it, so
+            # that the next tick decides from it as it is, not from the same stale copy.
+            with contextlib.suppress(ApiException):
+                await self.cluster.read_pod(ctx.namespace, pod.name)
         except ClaimLost as e:
             log.warning("%s: pass stopped, another pass owns the pod: %s", ctx.refit_name, e)
         except LeadershipLost as e:
@@ -546,7 +581,7 @@ class Engine:
         new = d.status.dump()
         old = view.status.dump()
         if new != old and new != st.reported.written:
-            if not await self._patch_status(namespace, doc, new):
+            if not await self._patch_status(t, new):
                 st.wake.set()  # someone else wrote the status: decide again from a fresh read
                 return
             st.reported.written = new

@@ -93,12 +93,28 @@ class RefitState:
     readbacks: checksums.Readbacks = field(default_factory=checksums.Readbacks)
     waiting: bool = False  # another refit shares its pods and is not finished, or holds one
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # decide again now
+    # The newest document of the refit seen (a GET, a watch event, the answer to our own
+    # status write): what a hand-off's tick decides from instead of reading it again. Its
+    # status write is conditional on its resourceVersion, so a stale one is only a conflict.
+    doc: dict[str, Any] | None = None
+
+    def saw(self, doc: dict[str, Any]) -> None:
+        """Keep ``doc`` if it is newer than the one kept (resourceVersions are etcd's
+        revision: a watch event that arrives after our own write's answer is older)."""
+        if self.doc is None or revision(doc) >= revision(self.doc):
+            self.doc = doc
 
     def peer_nlls(self, version: str) -> list[float]:
         peers = self.listing.peers
         if version not in peers:
             peers[version] = sorted(peer_nlls(self.listing.pods, version))
         return peers[version]
+
+
+def revision(doc: dict[str, Any]) -> int:
+    """An object's resourceVersion as a number (0 when it is not one)."""
+    rv = str(doc["metadata"].get("resourceVersion", ""))
+    return int(rv) if rv.isdigit() else 0
 
 
 @dataclass(frozen=True)

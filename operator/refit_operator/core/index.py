@@ -175,15 +175,25 @@ class RefitIndex:
 
     def to_wake(self, namespace: str, fleet: Sequence[plan.RefitRef], uid: str) -> list[str]:
         """uids of the refits a finish of refit ``uid`` concerns: those of ``fleet`` that are
-        queued or active, or Succeeded (their pods may have moved on), or Superseded because
-        their pods moved on (they may be the target again); the rest are done."""
+        queued or active (one may start now), and of those the fleet served (Succeeded, or
+        Superseded because their pods moved on) the newest per selector: the fleet's previous
+        target, whose pods may have moved on, or which is the target again. An older one in
+        history was already moved on from by that one, so others' progress never wakes it
+        (each wake is a read of the refit and its pods); its dormant tick still comes."""
         names = {r.name for r in fleet}
-        return [
-            k.uid
-            for k in self.known.values()
-            if k.namespace == namespace and k.name in names and k.uid != uid
-            and (k.phase not in TERMINAL_PHASES or k.served)
-        ]  # fmt: skip
+        mine = [k for k in self.known.values()
+                if k.namespace == namespace and k.name in names and k.uid != uid]  # fmt: skip
+        newest: dict[str, Known] = {}
+        for k in mine:
+            if k.phase in TERMINAL_PHASES and k.served:
+                sel = k.spec.fleet.selector.canonical()
+                have = newest.get(sel)
+                if have is None or times.order_key(k.created, k.name) > times.order_key(
+                    have.created, have.name
+                ):
+                    newest[sel] = k
+        served = {k.uid for k in newest.values()}
+        return [k.uid for k in mine if k.phase not in TERMINAL_PHASES or k.uid in served]
 
     def to_wake_on_delete(self, gone: Known) -> list[str]:
         """uids of the refits a deletion of ``gone`` may concern: every refit of its namespace

@@ -7,6 +7,7 @@ dicts (``_preload_content=False``) so nothing is lost to client-side model class
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -14,7 +15,7 @@ import secrets
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubernetes_asyncio import client, config
@@ -27,11 +28,13 @@ from ..core.podflow import Progress, Readiness, progress_annotation
 from ..core.podview import PodView
 from ..core.times import rfc3339
 from . import metrics
+from .pod_watch import PodWatch
 
 log = logging.getLogger(__name__)
 
 FINALIZER = f"{API_GROUP}/safe-pods"  # kopf manages it (settings.persistence.finalizer)
 SMP = "application/strategic-merge-patch+json"
+WITHDRAW_TRIES = 3  # a withdrawal that meets others' writes of the pod (the kubelet's)
 MERGE = "application/merge-patch+json"
 
 
@@ -203,7 +206,7 @@ class Kube(Protocol):
     async def list_refits(self, namespace: str | None) -> list[dict[str, Any]]: ...
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
-    ) -> None: ...
+    ) -> dict[str, Any] | None: ...
     async def delete_refit(self, namespace: str, name: str) -> None: ...
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None: ...
     async def event(
@@ -216,6 +219,8 @@ class Kube(Protocol):
 class Cluster:
     api_client: client.ApiClient
     identity: str = "refit-operator"
+    # Each namespace's pods, kept by a watch (pod_watch.py): listed once, not per tick.
+    _pod_watches: dict[str, PodWatch] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Called before every write: raises when this replica may have lost its leadership.
@@ -233,15 +238,35 @@ class Cluster:
 
     # ---------------------------------------------------------------------- pods
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]:
-        resp = await self.core.list_namespaced_pod(
-            namespace, label_selector=selector, _preload_content=False
-        )
-        doc = await read_json(resp)
-        return [PodView.from_pod(item) for item in doc.get("items", [])]
+        """The namespace's pods that ``selector`` selects, as a LIST would return them, from
+        the namespace's watch (started by the first call: its one LIST)."""
+        return await self._pods(namespace).pods(selector)
+
+    def _pods(self, namespace: str) -> PodWatch:
+        watch = self._pod_watches.get(namespace)
+        if watch is None:
+            watch = self._pod_watches[namespace] = PodWatch(lambda: self.core, namespace)
+        return watch
+
+    def _pod_seen(self, namespace: str, doc: dict[str, Any]) -> None:
+        """A pod as one of our own reads or writes answered: the watch's copy is at least as
+        new from now on (the next tick decides from our last write, not from before it)."""
+        watch = self._pod_watches.get(namespace)
+        if watch is not None:
+            watch.put(doc)
+
+    async def close(self) -> None:
+        """Stop the pod watches."""
+        tasks = [w.task for w in self._pod_watches.values() if w.task is not None]
+        self._pod_watches.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)
         doc: dict[str, Any] = await read_json(resp)
+        self._pod_seen(namespace, doc)
         return doc
 
     async def claim(
@@ -276,16 +301,32 @@ class Cluster:
     async def withdraw(self, pod: PodView, namespace: str, reason: str, message: str) -> None:
         """Set the pod's readiness condition False, without a claim (taking a pod out of
         traffic is safe whoever does it), conditional on the pod being exactly as listed: a
-        pass that claimed or recorded it since decides its readiness instead."""
+        pass that claimed or recorded it since decides its readiness instead. A pod changed
+        since only by others (the kubelet: a restart, its Ready condition; a list that
+        lagged) still carries the claim and records the decision read: withdrawn all the
+        same, conditional on the pod as read now."""
         out = Readiness(False, reason, message)
-        body = {"metadata": {"resourceVersion": pod.resource_version},
-                "status": {"conditions": [_condition(out)]}}  # fmt: skip
+        body: dict[str, Any] = {"metadata": {"resourceVersion": pod.resource_version},
+                                "status": {"conditions": [_condition(out)]}}  # fmt: skip
         await self.mirror(namespace, pod.members, out, before=True)
-        try:
-            await self._patch_pod_status(namespace, pod.name, body)
-        except ApiException as e:
-            if e.status not in (404, 409):  # deleted, or changed since listed: not ours
+        for _ in range(WITHDRAW_TRIES):
+            try:
+                await self._patch_pod_status(namespace, pod.name, body)
+                return
+            except ApiException as e:
+                if e.status == 404:  # deleted: nothing left to take out of traffic
+                    return
+                if e.status != 409:
+                    raise
+            try:
+                now = PodView.from_pod(await self.read_pod(namespace, pod.name))
+            except ApiException as e:
+                if e.status == 404:
+                    return
                 raise
+            if (now.uid, now.claim, now.records) != (pod.uid, pod.claim, pod.records):
+                return  # a pass claimed or recorded it since: its readiness is the pass's
+            body["metadata"]["resourceVersion"] = now.resource_version
 
     async def mirror(
         self, namespace: str, names: Sequence[str], readiness: Readiness | None, *, before: bool
@@ -317,6 +358,7 @@ class Cluster:
             name, namespace, body, _content_type=SMP, _preload_content=False
         )
         doc: dict[str, Any] = await read_json(resp)
+        self._pod_seen(namespace, doc)
         return doc
 
     # --------------------------------------------------------------- WeightRefits
@@ -347,14 +389,14 @@ class Cluster:
 
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str = ""
-    ) -> None:
+    ) -> dict[str, Any]:
         """Merge-patch a WeightRefit's status, conditional on ``resource_version`` when given
-        (409 then means someone else wrote it since it was read)."""
+        (409 then means someone else wrote it since it was read); the refit as written."""
         self.before_write()
         body: dict[str, Any] = {"status": status}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        await _done(
+        doc: dict[str, Any] = await read_json(
             await self.custom.patch_namespaced_custom_object_status(
                 API_GROUP,
                 api.VERSION,
@@ -366,6 +408,7 @@ class Cluster:
                 _preload_content=False,
             )
         )
+        return doc
 
     async def stamp_refit(self, namespace: str, name: str, uid: str, stamp: str) -> None:
         """Write the creation stamp on a WeightRefit that has none (times.CREATED_ANNOTATION);
