@@ -110,9 +110,9 @@ def test_a_tick_writes_its_decision_once() -> None:
         writes: list[str] = []
         patch = bed.cluster.patch_status
 
-        async def counted(namespace: str, name: str, *args: Any, **kwargs: Any) -> None:
+        async def counted(namespace: str, name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
             writes.append(name)
-            await patch(namespace, name, *args, **kwargs)
+            return await patch(namespace, name, *args, **kwargs)
 
         bed.cluster.patch_status = counted  # type: ignore[method-assign]
         ticks: list[tuple[bool, int]] = []  # (decision changed the status, writes)

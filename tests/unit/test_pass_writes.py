@@ -20,6 +20,7 @@ from refit_operator.core.api_spec import WeightRefitSpec
 from refit_operator.core.decision import PodStart
 from refit_operator.core.podflow import Progress
 from refit_operator.core.podview import PodView
+from refit_operator.core.preflight_cache import Identity
 from refit_operator.core.sequences import Step
 
 from testbed.explorer.memcluster import MemoryCluster, Store, pod_body
@@ -93,7 +94,7 @@ def _ctx(cluster: CountingCluster, spec: WeightRefitSpec, name: str, pod: PodVie
         refit_uid=f"uid-{name}", refit_created="", fleet="rollout", spec=spec,
         client=lambda p, fence: None,  # type: ignore[arg-type,return-value]  # no step calls
         next_fence=lambda: 1, reference=None,  # type: ignore[arg-type]
-        peer_nlls=lambda v: [], admitted={pod.name: (pod.uid, pod.restarts)},
+        peer_nlls=lambda v: [], admitted={pod.name: Identity.of(pod)},
     )  # fmt: skip
 
 

@@ -7,10 +7,10 @@ takes a pod that served through the staging out of traffic (before the drain pau
 every failed try, and when the pass ends: two pod writes per pass in the common case (the
 claim takes the pod out of traffic: a checkpoint stages before it), three where the pod serves
 while the pass stages under its claim (an adapter's staged load and probe) (docs/operator.md,
-"API writes per pod and pass"). A restart therefore repeats at most the steps since the last record, which is safe
-because every step is idempotent; the one that is not safe to repeat blindly, the load, is
-preceded by a read-back of the pod's weight version whenever it may already have run
-(``must_read_back``, ``load_needed``).
+"API writes per pod and pass"). A restart therefore repeats at most the steps since the last
+record, which is safe because every step is idempotent; the one that is not safe to repeat
+blindly, the load, is preceded by a read-back of the pod's weight version whenever it may
+already have run (``must_read_back``, ``load_needed``).
 """
 
 from __future__ import annotations
