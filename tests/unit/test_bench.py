@@ -15,6 +15,7 @@ from bench.results import (
     SuiteResult,
     check_target,
     read_results,
+    regenerate_command,
     render_table,
     summarize,
     write_result,
@@ -124,8 +125,13 @@ def test_results_round_trip_and_render(tmp_path: Path) -> None:
     assert back["scale"].metrics[0].met is True and back["memory"].metrics[0].met is False
     table = write_table(tmp_path, ["scale", "memory"]).read_text()
     assert table == render_table([back["scale"], back["memory"]])
-    assert "| scale | wall | 2 | 1–3 (3) | s | < 30 | yes |" in table
-    assert "| memory | growth | 50.0 | (1) | MiB | <= 30 | **no** |" in table
+    assert (
+        "| scale | wall | 2 | 1–3 (3) | s | < 30 | yes | `python -m bench --only scale` |" in table
+    )
+    assert (
+        "| memory | growth | 50.0 | (1) | MiB | <= 30 | **no** | `python -m bench --only memory` |"
+        in table
+    )
     assert table.index("| scale |") < table.index("| memory |")
     assert "`python -m bench --only scale`" in table and "2 cores" in table
     assert "- wall: why" in table and "- a note" in table
@@ -152,7 +158,10 @@ def test_scale_object_size_and_the_10000_pod_targets() -> None:
     old = _run(1000, "AllAtOnce", 12.0, 4000)  # measured before sizes were recorded
     by_name = {m.name: m for m in metrics_of([old, big], [1000, 10000])}
     wall = by_name["AllAtOnce 10000 pods: wall apply->Succeeded"]
-    assert (wall.target, wall.met) == ("< 120", True)
+    assert (wall.target, wall.met) == ("<= 60", False)
+    writes = by_name["AllAtOnce 10000 pods: API writes per pod"]
+    assert (writes.target, writes.met) == ("<= 2.5", False)
+    assert by_name["AllAtOnce 1000 pods: API writes per pod"].target == "<= 10"
     size = by_name["AllAtOnce 10000 pods: WeightRefit object size"]
     assert (size.summary.median, size.unit, size.target, size.met) == (40.0, "KiB", "< 256", True)
     assert "[30.0]" in size.note
@@ -195,6 +204,38 @@ def test_a_partial_run_sits_beside_the_full_one(tmp_path: Path) -> None:
     table = write_table(tmp_path, ["scale"]).read_text()
     assert table.index("10 pods: wall") < table.index("10000 pods: wall")
     assert "`python -m bench --only scale --scale-sizes 10000`" in table
+
+
+def test_the_table_keeps_the_newest_row_per_metric_and_configuration(tmp_path: Path) -> None:
+    machine = {"cores": 2, "loadavg_before": [1.0, 1.0, 1.0]}
+
+    def run(date: str, lease: int, wall: float, command: str) -> SuiteResult:
+        return SuiteResult("scale", "Scale", command, date, machine,
+                           [Metric("AllAtOnce 10000 pods: wall", [wall], "s", note=f"w{wall}")],
+                           raw={"lease_seconds": lease})  # fmt: skip
+
+    cmd = "python -m bench --only scale --scale-sizes 10000"
+    write_result(tmp_path, run("2026-01-01 08:00 UTC", 15, 100.0, cmd), "a")
+    write_result(tmp_path, run("2026-01-03 08:00 UTC", 15, 90.0, cmd), "b")
+    write_result(tmp_path, run("2026-01-02 08:00 UTC", 5, 200.0,
+                               f"{cmd} --scale-lease-seconds 5 --out /tmp/x"), "c")  # fmt: skip
+    table = write_table(tmp_path, ["scale"]).read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| scale |")]
+    assert len(rows) == 2  # the older lease-15 run is gone: HISTORY.md's
+    assert "| AllAtOnce 10000 pods: wall (lease 15 s) | 90.0 |" in rows[1]
+    assert "| AllAtOnce 10000 pods: wall (lease 5 s) | 200.0 |" in rows[0]
+    # the command that rewrites the row here: no --out
+    assert rows[0].endswith(f"`{cmd} --scale-lease-seconds 5` |")
+    assert "w100.0" not in table and "w90.0" in table
+
+
+def test_the_regenerating_command_runs_the_suite_alone() -> None:
+    def cmd(command: str) -> str:
+        return regenerate_command(SuiteResult("memory", "", command, "", {}, []))
+
+    assert cmd("python -m bench") == "python -m bench --only memory"
+    assert cmd("python -m bench --only memory --out /tmp/o") == "python -m bench --only memory"
+    assert cmd("python -m bench --quick  (a remark)") == "python -m bench --only memory --quick"
 
 
 # --- soak -------------------------------------------------------------------------------------
@@ -339,3 +380,4 @@ def test_soak_trajectory_names_each_window_and_the_machines_load() -> None:
         for r, t, busy in [(0, 0.0, 10.0), (100, 50.0, 60.0)]
     ]  # fmt: skip
     assert soak.trajectory(run, 100) == ("1-100: 0.300 (1.00), 101-200: 0.500, 201-300: 0.300")
+
