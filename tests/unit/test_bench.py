@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from bench import apiserver, scale, soak
+from bench import apiserver, overhead, scale, soak
 from bench.results import (
     Metric,
     SuiteResult,
@@ -381,3 +382,64 @@ def test_soak_trajectory_names_each_window_and_the_machines_load() -> None:
     ]  # fmt: skip
     assert soak.trajectory(run, 100) == ("1-100: 0.300 (1.00), 101-200: 0.500, 201-300: 0.300")
 
+
+# --- overhead ---------------------------------------------------------------------------------
+def test_overhead_quantiles_and_ratios_of_one_run() -> None:
+    assert overhead.p90([float(x) for x in range(1, 11)]) == pytest.approx(9.1)  # numpy's
+    c = overhead.compare([200.0, 100.0, 300.0], [50.0, 100.0, 150.0])
+    assert (c.operator_p50, c.direct_p50, c.ratio_p50) == (200.0, 100.0, 2.0)
+    assert c.ratio_p90 == pytest.approx(280.0 / 140.0)
+    rows = {
+        m.name: m
+        for m in overhead.comparison_metrics(
+            "floor", [200.0, 100.0, 300.0], [50.0, 100.0, 150.0], "<= 100", ("<= 1.2", "<= 1.4")
+        )
+    }
+    assert rows["floor: operator-driven, p50"].met is False
+    assert rows["floor: operator-driven / direct, p50"].summary.median == 2.0
+    assert rows["floor: operator-driven / direct, p90"].target == "<= 1.4"
+
+
+def test_overhead_phases_tile_an_operator_driven_refit() -> None:
+    records = {
+        "pod-0": {"started": 10.10, "finished": 10.40,
+                  "step_seconds": {"drain": 0.02, "stage": 0.03, "load": 0.02, "probe": 0.05}},
+        # finished first: its slower stage is not on the path to Succeeded
+        "pod-1": {"started": 10.12, "finished": 10.35, "step_seconds": {"stage": 0.09}},
+    }  # fmt: skip
+    calls = {"pod-0": [{"step": "refit_info", "at": 10.03, "seconds": 0.01},
+                       {"step": "completions", "at": 10.05, "seconds": 0.02},
+                       {"step": "get_world_size", "at": 10.08, "seconds": 0.0},
+                       {"step": "completions", "at": 10.30, "seconds": 0.02}]}  # fmt: skip
+    s = overhead.OperatorSample(began=10.0, ended=10.5, created=10.01, records=records,
+                                calls=calls)  # fmt: skip
+    p = overhead.phases(s, ("stage", "load"))
+    assert p["total"] == 500.0 and p["submit"] == 10.0
+    assert p["submit -> first preflight call"] == 20.0 and p["preflight"] == 50.0
+    assert p["preflight -> pass start"] == 20.0
+    assert (p["pre-transfer steps"], p["transfer"], p["post-transfer steps"]) == (20, 50, 50)
+    assert p["claim + records"] == 180.0  # 300 ms of pass (first start -> last end) - steps
+    assert p["final reconcile"] == 100.0
+    tiled = sum(v for k, v in p.items() if k not in ("total", "pass (slowest pod)")
+                and not k.startswith("pod time"))  # fmt: skip
+    assert tiled == pytest.approx(p["total"])
+
+
+def test_overhead_alternates_the_sides_and_drops_each_warm_up() -> None:
+    order: list[tuple[str, int]] = []
+
+    def operator_side(i: int) -> overhead.OperatorSample:
+        order.append(("op", i))
+        return overhead.OperatorSample(began=0.0, ended=float(i))
+
+    async def direct_side(i: int) -> dict[str, float]:
+        order.append(("direct", i))
+        return {"pass_ms": float(i), "preflight_ms": 0.0}
+
+    ops, direct = asyncio.run(
+        overhead.alternate(3, "t", lambda _: None, operator_side, direct_side)
+    )
+    assert order == [("op", 0), ("direct", 0), ("direct", 1), ("op", 1),
+                     ("op", 2), ("direct", 2), ("direct", 3), ("op", 3)]  # fmt: skip
+    assert [s.ended for s in ops] == [1.0, 2.0, 3.0]
+    assert [d["pass_ms"] for d in direct] == [1.0, 2.0, 3.0]
