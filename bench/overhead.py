@@ -36,7 +36,7 @@ import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.results import Metric
@@ -137,11 +137,6 @@ class OperatorSample:
     def total_ms(self) -> float:
         return 1000 * (self.ended - self.began)
 
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> OperatorSample:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in names})
-
 
 def _ms(a: float, b: float) -> float:
     return round(1000 * (b - a), 2)
@@ -221,15 +216,11 @@ def phases(s: OperatorSample, transfer: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def phase_metrics(
-    label: str, samples: list[OperatorSample], transfer: tuple[str, ...]
-) -> list[Metric]:
+def phase_metrics(label: str, per: list[dict[str, float]]) -> list[Metric]:
     """One row per phase: its ms in each operator-driven sample (the table shows the p50)."""
-    per = [phases(s, transfer) for s in samples]
-    names = list(per[0])
     return [
         Metric(f"{label}: operator phase: {n}", [p[n] for p in per if n in p], "ms")
-        for n in names
+        for n in per[0]
         if n != "total"
     ]
 
@@ -421,7 +412,7 @@ def floor(n: int, log: Log) -> dict[str, Any]:
             if proc is not None:
                 stop(proc)
             fleet.close()
-    return {"operator": [sample_doc(s, CHECKPOINT_TRANSFER) for s in op_samples], "direct": direct}
+    return {"operator": [phases(s, CHECKPOINT_TRANSFER) for s in op_samples], "direct": direct}
 
 
 FLOOR = "floor, 2 simulated pods"
@@ -429,9 +420,9 @@ FLOOR = "floor, 2 simulated pods"
 
 def floor_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric]:
     """The floor's rows from its raw samples (``--reaggregate`` rebuilds them)."""
-    op_samples = [OperatorSample.from_json(d) for d in raw["operator"]]
+    per: list[dict[str, float]] = raw["operator"]  # each sample's phases
     direct = raw["direct"]
-    op_ms = [s.total_ms for s in op_samples]
+    op_ms = [p["total"] for p in per]
     pass_ms = [d["pass_ms"] for d in direct]
     with_preflight = [d["pass_ms"] + d["preflight_ms"] for d in direct]
     if log is not None:
@@ -447,18 +438,7 @@ def floor_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric
     metrics.append(Metric(
         f"{FLOOR}: operator-driven / direct incl. the preflight's pod calls, p50",
         [compare(op_ms, with_preflight).ratio_p50], "x"))  # fmt: skip
-    return metrics + phase_metrics(FLOOR, op_samples, CHECKPOINT_TRANSFER)
-
-
-def sample_doc(s: OperatorSample, transfer: tuple[str, ...]) -> dict[str, Any]:
-    """A sample for the result's raw: its fields (each call: step, arrival, seconds) and its
-    phases as measured."""
-    doc = asdict(s)
-    doc["calls"] = {
-        pod: [{k: c[k] for k in ("step", "at", "seconds") if k in c} for c in calls]
-        for pod, calls in s.calls.items()
-    }
-    return doc | {"phases": phases(s, transfer)}
+    return metrics + phase_metrics(FLOOR, per)
 
 
 # ------------------------------------------------------------------ 2. real vLLM broadcast
@@ -594,7 +574,7 @@ def vllm_broadcast(n: int, log: Log) -> dict[str, Any]:
         finally:
             if proc is not None:
                 stop(proc)
-    return {"operator": [sample_doc(s, BROADCAST_TRANSFER) for s in op_samples], "direct": direct}
+    return {"operator": [phases(s, BROADCAST_TRANSFER) for s in op_samples], "direct": direct}
 
 
 VLLM = "real vLLM, 2 pods, broadcast"
@@ -602,9 +582,9 @@ VLLM = "real vLLM, 2 pods, broadcast"
 
 def vllm_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric]:
     """The real-vLLM case's rows from its raw samples (``--reaggregate`` rebuilds them)."""
-    op_samples = [OperatorSample.from_json(d) for d in raw["operator"]]
+    per: list[dict[str, float]] = raw["operator"]  # each sample's phases
     direct = raw["direct"]
-    op_ms = [s.total_ms for s in op_samples]
+    op_ms = [p["total"] for p in per]
     pass_ms = [d["pass_ms"] for d in direct]
     if log is not None:
         _summary("vllm broadcast", log, op_ms, pass_ms)
@@ -617,7 +597,7 @@ def vllm_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric]
         d["preflight_ms"] for d in direct], "ms",
         note="refit_info and get_world_size on both pods, the reference scored on one: what "
         "the operator's preflight asks of the pods; not in the direct samples"))  # fmt: skip
-    return metrics + phase_metrics(VLLM, op_samples, BROADCAST_TRANSFER)
+    return metrics + phase_metrics(VLLM, per)
 
 
 def metrics_of(raw: Mapping[str, Any]) -> list[Metric]:
