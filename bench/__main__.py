@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = [
     "scale", "soak", "refit_vs_restart", "bandwidth", "probe_cost", "memory", "broadcast",
     "startup",
-    "explorer", "under_load", "grpo", "parallel", "adapter",
+    "explorer", "under_load", "grpo", "parallel", "adapter", "overhead",
 ]  # fmt: skip
 TITLES = {
     "scale": "control-plane scale (real API server + operator, simulated workers)",
@@ -34,6 +34,7 @@ TITLES = {
     "grpo": "a TRL GRPO run through Refit: each step's wait for its weights vs direct refits",
     "parallel": "a tensor-parallel pod vs a one-worker pod: time out of traffic, staging memory",
     "adapter": "a LoRA adapter refit vs a full-weights refit, same pod, same run (real vLLM)",
+    "overhead": "what the operator adds to a refit: operator-driven vs direct, same pods, one run",
 }
 
 
@@ -54,6 +55,8 @@ def run_one(
     soak_history_limit: int = 10,
     lease_seconds: int = 15,
     group_size: int = 1,
+    overhead_vllm_samples: int | None = None,
+    overhead_vllm: bool = True,
 ) -> tuple[list[Metric], dict[str, Any], list[str]]:
     if name == "soak":
         from bench import soak
@@ -108,6 +111,10 @@ def run_one(
         from bench import adapter
 
         return adapter.suite(quick, log)
+    if name == "overhead":
+        from bench import overhead
+
+        return overhead.suite(quick, log, overhead_vllm_samples, overhead_vllm)
     from bench import vllm_suites
 
     runner: Callable[[bool, Callable[[str], None]], tuple[list[Metric], dict, list[str]]] = {
@@ -162,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the operator's --history-limit in the soak (its default: 10)",
     )
     p.add_argument(
+        "--overhead-vllm-samples",
+        type=int,
+        help="samples per side of the overhead suite's real-vLLM case (default 10, --quick 5)",
+    )
+    p.add_argument(
+        "--overhead-no-vllm",
+        action="store_true",
+        help="the overhead suite's control-plane floor only (no vLLM server, no lock)",
+    )
+    p.add_argument(
         "--result-name",
         metavar="STEM",
         help="write the result to OUT/STEM.json instead of OUT/SUITE.json (one --only suite): "
@@ -170,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reaggregate",
         action="store_true",
-        help="rebuild the scale and soak results' metrics from their raw runs and rewrite the "
-        "table; run nothing",
+        help="rebuild the scale, soak and overhead results' metrics from their raw runs and "
+        "rewrite the table; run nothing",
     )
     args = p.parse_args(argv)
     if args.result_name and len(args.only or SUITES) != 1:
         p.error("--result-name needs exactly one --only suite")
     if args.reaggregate:
-        from bench import scale, soak
+        from bench import overhead, scale, soak
 
         for path in sorted(args.out.glob("*.json")):
             result = SuiteResult.from_json(json.loads(path.read_text()))
@@ -189,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                     {k: v for k, v in result.raw.items() if k not in soak.RAW_EXTRA}
                 )
                 result.metrics = soak.soak_metrics(run)
+            elif result.suite == "overhead":
+                result.metrics = overhead.metrics_of(result.raw)
             else:
                 continue
             write_result(args.out, result, path.stem)
@@ -215,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.soak_history_limit,
                 args.scale_lease_seconds,
                 args.scale_group_size,
+                args.overhead_vllm_samples,
+                not args.overhead_no_vllm,
             )
         except Exception as e:  # one failed suite must not lose the others' results
             log(f"{name}: FAILED: {type(e).__name__}: {e}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Any
 
 from aiohttp import web
@@ -173,6 +174,9 @@ class SimServer(VllmRoutes, ExtensionRoutes):
             # Which credential came along (not its value): the tests hold the operator to
             # sending the admin token only where it is needed, and only to vetted pods.
             "auth": "Authorization" in request.headers,
+            # When it arrived and how long the pod took (epoch seconds, the machine's clock):
+            # bench/overhead.py splits a refit's time between the pods and the operator.
+            "at": time.time(),
         }
         if isinstance(body, dict) and step != "completions":
             record["body"] = body
@@ -194,6 +198,7 @@ class SimServer(VllmRoutes, ExtensionRoutes):
         else:
             response = await self._serve(request, pod, step, body)
         record["status"] = response.status
+        record["seconds"] = time.time() - record["at"]
         return response
 
     def _deny(self, request: web.Request) -> web.Response | None:

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from bench import apiserver, scale, soak
+from bench import apiserver, overhead, scale, soak
 from bench.results import (
     Metric,
     SuiteResult,
     check_target,
     read_results,
+    regenerate_command,
     render_table,
     summarize,
     write_result,
@@ -124,8 +126,13 @@ def test_results_round_trip_and_render(tmp_path: Path) -> None:
     assert back["scale"].metrics[0].met is True and back["memory"].metrics[0].met is False
     table = write_table(tmp_path, ["scale", "memory"]).read_text()
     assert table == render_table([back["scale"], back["memory"]])
-    assert "| scale | wall | 2 | 1–3 (3) | s | < 30 | yes |" in table
-    assert "| memory | growth | 50.0 | (1) | MiB | <= 30 | **no** |" in table
+    assert (
+        "| scale | wall | 2 | 1–3 (3) | s | < 30 | yes | `python -m bench --only scale` |" in table
+    )
+    assert (
+        "| memory | growth | 50.0 | (1) | MiB | <= 30 | **no** | `python -m bench --only memory` |"
+        in table
+    )
     assert table.index("| scale |") < table.index("| memory |")
     assert "`python -m bench --only scale`" in table and "2 cores" in table
     assert "- wall: why" in table and "- a note" in table
@@ -152,7 +159,10 @@ def test_scale_object_size_and_the_10000_pod_targets() -> None:
     old = _run(1000, "AllAtOnce", 12.0, 4000)  # measured before sizes were recorded
     by_name = {m.name: m for m in metrics_of([old, big], [1000, 10000])}
     wall = by_name["AllAtOnce 10000 pods: wall apply->Succeeded"]
-    assert (wall.target, wall.met) == ("< 120", True)
+    assert (wall.target, wall.met) == ("<= 60", False)
+    writes = by_name["AllAtOnce 10000 pods: API writes per pod"]
+    assert (writes.target, writes.met) == ("<= 2.5", False)
+    assert by_name["AllAtOnce 1000 pods: API writes per pod"].target == "<= 10"
     size = by_name["AllAtOnce 10000 pods: WeightRefit object size"]
     assert (size.summary.median, size.unit, size.target, size.met) == (40.0, "KiB", "< 256", True)
     assert "[30.0]" in size.note
@@ -195,6 +205,38 @@ def test_a_partial_run_sits_beside_the_full_one(tmp_path: Path) -> None:
     table = write_table(tmp_path, ["scale"]).read_text()
     assert table.index("10 pods: wall") < table.index("10000 pods: wall")
     assert "`python -m bench --only scale --scale-sizes 10000`" in table
+
+
+def test_the_table_keeps_the_newest_row_per_metric_and_configuration(tmp_path: Path) -> None:
+    machine = {"cores": 2, "loadavg_before": [1.0, 1.0, 1.0]}
+
+    def run(date: str, lease: int, wall: float, command: str) -> SuiteResult:
+        return SuiteResult("scale", "Scale", command, date, machine,
+                           [Metric("AllAtOnce 10000 pods: wall", [wall], "s", note=f"w{wall}")],
+                           raw={"lease_seconds": lease})  # fmt: skip
+
+    cmd = "python -m bench --only scale --scale-sizes 10000"
+    write_result(tmp_path, run("2026-01-01 08:00 UTC", 15, 100.0, cmd), "a")
+    write_result(tmp_path, run("2026-01-03 08:00 UTC", 15, 90.0, cmd), "b")
+    write_result(tmp_path, run("2026-01-02 08:00 UTC", 5, 200.0,
+                               f"{cmd} --scale-lease-seconds 5 --out /tmp/x"), "c")  # fmt: skip
+    table = write_table(tmp_path, ["scale"]).read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| scale |")]
+    assert len(rows) == 2  # the older lease-15 run is gone: HISTORY.md's
+    assert "| AllAtOnce 10000 pods: wall (lease 15 s) | 90.0 |" in rows[1]
+    assert "| AllAtOnce 10000 pods: wall (lease 5 s) | 200.0 |" in rows[0]
+    # the command that rewrites the row here: no --out
+    assert rows[0].endswith(f"`{cmd} --scale-lease-seconds 5` |")
+    assert "w100.0" not in table and "w90.0" in table
+
+
+def test_the_regenerating_command_runs_the_suite_alone() -> None:
+    def cmd(command: str) -> str:
+        return regenerate_command(SuiteResult("memory", "", command, "", {}, []))
+
+    assert cmd("python -m bench") == "python -m bench --only memory"
+    assert cmd("python -m bench --only memory --out /tmp/o") == "python -m bench --only memory"
+    assert cmd("python -m bench --quick  (a remark)") == "python -m bench --only memory --quick"
 
 
 # --- soak -------------------------------------------------------------------------------------
@@ -339,3 +381,65 @@ def test_soak_trajectory_names_each_window_and_the_machines_load() -> None:
         for r, t, busy in [(0, 0.0, 10.0), (100, 50.0, 60.0)]
     ]  # fmt: skip
     assert soak.trajectory(run, 100) == ("1-100: 0.300 (1.00), 101-200: 0.500, 201-300: 0.300")
+
+
+# --- overhead ---------------------------------------------------------------------------------
+def test_overhead_quantiles_and_ratios_of_one_run() -> None:
+    assert overhead.p90([float(x) for x in range(1, 11)]) == pytest.approx(9.1)  # numpy's
+    c = overhead.compare([200.0, 100.0, 300.0], [50.0, 100.0, 150.0])
+    assert (c.operator_p50, c.direct_p50, c.ratio_p50) == (200.0, 100.0, 2.0)
+    assert c.ratio_p90 == pytest.approx(280.0 / 140.0)
+    rows = {
+        m.name: m
+        for m in overhead.comparison_metrics(
+            "floor", [200.0, 100.0, 300.0], [50.0, 100.0, 150.0], "<= 100", ("<= 1.2", "<= 1.4")
+        )
+    }
+    assert rows["floor: operator-driven, p50"].met is False
+    assert rows["floor: operator-driven / direct, p50"].summary.median == 2.0
+    assert rows["floor: operator-driven / direct, p90"].target == "<= 1.4"
+
+
+def test_overhead_phases_tile_an_operator_driven_refit() -> None:
+    records = {
+        "pod-0": {"started": 10.10, "finished": 10.40,
+                  "step_seconds": {"drain": 0.02, "stage": 0.03, "load": 0.02, "probe": 0.05}},
+        # finished first: its slower stage is not on the path to Succeeded
+        "pod-1": {"started": 10.12, "finished": 10.35, "step_seconds": {"stage": 0.09}},
+    }  # fmt: skip
+    calls = {"pod-0": [{"step": "refit_info", "at": 10.03, "seconds": 0.01},
+                       {"step": "completions", "at": 10.05, "seconds": 0.02},
+                       {"step": "get_world_size", "at": 10.08, "seconds": 0.0},
+                       {"step": "completions", "at": 10.30, "seconds": 0.02}]}  # fmt: skip
+    s = overhead.OperatorSample(began=10.0, ended=10.5, created=10.01, records=records,
+                                calls=calls)  # fmt: skip
+    p = overhead.phases(s, ("stage", "load"))
+    assert p["total"] == 500.0 and p["submit"] == 10.0
+    assert p["submit -> first preflight call"] == 20.0 and p["preflight"] == 50.0
+    assert p["preflight -> pass start"] == 20.0
+    assert (p["pre-transfer steps"], p["transfer"], p["post-transfer steps"]) == (20, 50, 50)
+    assert p["claim + records"] == 180.0  # 300 ms of pass (first start -> last end) - steps
+    assert p["final reconcile"] == 100.0
+    tiled = sum(v for k, v in p.items() if k not in ("total", "pass (slowest pod)")
+                and not k.startswith("pod time"))  # fmt: skip
+    assert tiled == pytest.approx(p["total"])
+
+
+def test_overhead_alternates_the_sides_and_drops_each_warm_up() -> None:
+    order: list[tuple[str, int]] = []
+
+    def operator_side(i: int) -> overhead.OperatorSample:
+        order.append(("op", i))
+        return overhead.OperatorSample(began=0.0, ended=float(i))
+
+    async def direct_side(i: int) -> dict[str, float]:
+        order.append(("direct", i))
+        return {"pass_ms": float(i), "preflight_ms": 0.0}
+
+    ops, direct = asyncio.run(
+        overhead.alternate(3, "t", lambda _: None, operator_side, direct_side)
+    )
+    assert order == [("op", 0), ("direct", 0), ("direct", 1), ("op", 1),
+                     ("op", 2), ("direct", 2), ("direct", 3), ("op", 3)]  # fmt: skip
+    assert [s.ended for s in ops] == [1.0, 2.0, 3.0]
+    assert [d["pass_ms"] for d in direct] == [1.0, 2.0, 3.0]
