@@ -33,7 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from refit_operator.core import api, times
 from refit_operator.core.api import SENDING_ANNOTATION
 from refit_operator.core.reasons import Reason
-from refit_worker.contract import API_GROUP, ContractError, ProbeReference
+from refit_worker.contract import API_GROUP, ContractError, ProbeReference, TransferManifest
 
 from .checkpoint_files import write_checkpoint_files
 from .kubeconfig import default_namespace, load_api_client
@@ -221,10 +221,7 @@ class RefitClient:
             created = self.custom.create_namespaced_custom_object(
                 API_GROUP, api.VERSION, ns, api.PLURAL, stamped(body)
             )
-            if isinstance(created, dict) and "metadata" in created:
-                self._created[(ns, name)] = created
-                while len(self._created) > CREATED_KEPT:  # submitted, never waited for
-                    del self._created[next(iter(self._created))]
+            self._keep_created(ns, name, created)
         except ApiException as e:
             if e.status != 409:
                 raise RefitError(f"creating WeightRefit {ns}/{name}: {_api_message(e)}") from e
@@ -276,11 +273,50 @@ class RefitClient:
         """
         from refit_worker import broadcast as wire  # torch: the trainer's environment only
 
-        ns = namespace or self.namespace
-        name = name or default_name(version)
         if drafter is not None:
             tensors = wire.with_drafter(tensors, drafter)
-        manifest = wire.build_manifest(tensors)
+        ns = namespace or self.namespace
+        name = self.create_broadcast(
+            wire.build_manifest(tensors), version, fleet_selector=fleet_selector,
+            rendezvous=rendezvous, reference=reference, namespace=ns, name=name,
+            transfer_timeout_seconds=transfer_timeout_seconds, **spec,
+        )  # fmt: skip
+        rounds = BroadcastRounds(self, name, ns, timeout, on_update)
+        transfer_timeout = transfer_timeout_seconds or DEFAULT_TRANSFER_TIMEOUT_SECONDS
+        for number, world in rounds:
+            try:
+                with wire.Sender(world, host=rendezvous[0], port=rendezvous[1],
+                                 timeout_seconds=transfer_timeout) as sender:  # fmt: skip
+                    rounds.announce(number)
+                    stats = sender.send(tensors)
+                if on_send is not None:
+                    on_send(number, stats)
+            except (wire.TransportError, RuntimeError, OSError) as e:
+                # The pods' receive fails too: the operator ends their passes, and the
+                # refit's verdict says what happened to the fleet.
+                log.warning("round %d of %s: the send failed: %s", number, name, e)
+        return rounds.verdict()
+
+    def create_broadcast(
+        self,
+        manifest: TransferManifest,
+        version: str,
+        *,
+        fleet_selector: Mapping[str, str] | str | api.LabelSelector,
+        rendezvous: tuple[str, int],
+        reference: ProbeReference | Mapping[str, Any] | Path,
+        namespace: str | None = None,
+        name: str | None = None,
+        transfer_timeout_seconds: int | None = None,
+        **spec: Any,
+    ) -> str:
+        """The first half of ``broadcast``, for a sender of its own (a trainer engine through
+        weight_sync.RefitWeightSyncClient): the ConfigMap ``<name>-weights`` with
+        ``manifest`` (the promise of the tensors to be sent) and the probe ``reference``, and
+        the WeightRefit pinning the manifest's digest; returns the refit's name. Follow its
+        rounds with ``BroadcastRounds``."""
+        ns = namespace or self.namespace
+        name = name or default_name(version)
         # The reference of the tensors this call sends, so of ``version``: the operator
         # refuses a ConfigMap reference of any other version (a stale one).
         doc = {**_reference_doc(reference), "version": version}
@@ -319,50 +355,16 @@ class RefitClient:
         core.patch_namespaced_config_map(
             f"{name}-weights", ns, {"metadata": {"ownerReferences": [owner]}}
         )
-        return self._send_rounds(
-            name, ns, tensors, rendezvous, timeout,
-            transfer_timeout_seconds or DEFAULT_TRANSFER_TIMEOUT_SECONDS, on_update, on_send,
-            created,
-        )  # fmt: skip
+        self._keep_created(ns, name, created)
+        return name
 
-    def _send_rounds(
-        self,
-        name: str,
-        ns: str,
-        tensors: Mapping[str, Any],
-        rendezvous: tuple[str, int],
-        timeout: float,
-        transfer_timeout: int,
-        on_update: Callable[[dict[str, Any]], None] | None,
-        on_send: Callable[[int, Any], None] | None,
-        created: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        from refit_worker import broadcast as wire
-
-        watched = WatchedFailures()
-        sent = 0
-        last: dict[str, Any] | None = None
-        for status in self._statuses(name, ns, timeout, created):
-            last = _follow(status, last, on_update, watched)
-            if _final(status):
-                return self._verdict(name, ns, status, watched)
-            ready = _round_ready(status)
-            if ready is None or ready[0] <= sent:
-                continue
-            number, world = ready
-            try:
-                with wire.Sender(world, host=rendezvous[0], port=rendezvous[1],
-                                 timeout_seconds=transfer_timeout) as sender:  # fmt: skip
-                    self._announce(name, ns, number)
-                    stats = sender.send(tensors)
-                if on_send is not None:
-                    on_send(number, stats)
-            except (wire.TransportError, RuntimeError, OSError) as e:
-                # The pods' receive fails too: the operator ends their passes, and the
-                # refit's verdict says what happened to the fleet.
-                log.warning("round %d of %s: the send failed: %s", number, name, e)
-            sent = number
-        raise AssertionError("unreachable: _statuses ends only by raising")
+    def _keep_created(self, ns: str, name: str, created: Any) -> None:
+        """The create's answer, for the wait that follows: it watches from its
+        resourceVersion instead of a GET."""
+        if isinstance(created, dict) and "metadata" in created:
+            self._created[(ns, name)] = created
+            while len(self._created) > CREATED_KEPT:  # submitted, never waited for
+                del self._created[next(iter(self._created))]
 
     def _announce(self, name: str, ns: str, number: int) -> None:
         """Tell the operator this process listens for round ``number`` (rounds.py)."""
@@ -500,6 +502,56 @@ class RefitClient:
             return
         finally:
             w.stop()
+
+
+class BroadcastRounds:
+    """The trainer's side of a broadcast refit's handshake (docs/broadcast.md, "The
+    handshake"), for whoever sends: iterating yields ``(round, world size)`` for each round
+    the operator reports ReceiversReady and that was not yielded before, and ends once the
+    refit's phase is final; the sender opens the rendezvous for that world, ``announce``s
+    the round, and sends. ``verdict()`` waits for the final phase (skipping rounds nobody
+    sends) and returns its status on Succeeded, raises RefitFailed with the operator's
+    reason otherwise, RefitTimeout once ``timeout`` seconds have passed since this was made.
+    """
+
+    def __init__(
+        self,
+        refits: RefitClient,
+        name: str,
+        namespace: str,
+        timeout: float,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.refits, self.name, self.namespace = refits, name, namespace
+        self.on_update = on_update
+        self.watched = WatchedFailures()
+        self.final: dict[str, Any] | None = None
+        created = refits._created.pop((namespace, name), None)  # create_broadcast's answer
+        self._statuses = refits._statuses(name, namespace, timeout, created)
+        self._yielded = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        last: dict[str, Any] | None = None
+        for status in self._statuses:
+            last = _follow(status, last, self.on_update, self.watched)
+            if _final(status):
+                self.final = status
+                return
+            ready = _round_ready(status)
+            if ready is not None and ready[0] > self._yielded:
+                self._yielded = ready[0]
+                yield ready
+
+    def announce(self, number: int) -> None:
+        """Tell the operator this process listens for round ``number`` (rounds.py)."""
+        self.refits._announce(self.name, self.namespace, number)
+
+    def verdict(self) -> dict[str, Any]:
+        if self.final is None:
+            for _ in self:
+                pass
+        assert self.final is not None  # _statuses ends only by raising
+        return self.refits._verdict(self.name, self.namespace, self.final, self.watched)
 
 
 def _follow(

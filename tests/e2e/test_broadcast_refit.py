@@ -1,7 +1,9 @@
 """Broadcast refits end to end on real parts: the `refit-operator` process on the real API
 server drives two real vLLM CPU servers (the refit-gloo engine, the admin guard, the worker
 extension), and a real trainer process (`testbed.broadcast_trainer`, through
-`refit_client.client`) sends the tensors over gloo once per round.
+`refit_client.client`) sends the tensors over gloo once per round; one test drives vLLM's
+own trainer engine in this process instead, through Refit's VLLMWeightSyncClient
+(examples/vllm_trainer_engine.py).
 
 Every pass reads back its pod's runtime weights after the load or receive (vLLM's weight
 checker and the buffers' digests, through the guard with the pass's fence): pods of one
@@ -30,10 +32,10 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from testbed.fleet import ENDED, Fleet
+from testbed.fleet import ADMIN_SECRET, ENDED, Fleet
 from testbed.operator_process import Operators
 from testbed.tiny_model import TinyModel
-from testbed.vllm_server import VllmServer, start_vllm_pods
+from testbed.vllm_server import VllmServer, free_port, start_vllm_pods
 from tests.fixtures.trainer import REPO, train, trainer_command
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -41,6 +43,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 PODS = ("vllm-0", "vllm-1")
 HOSTS = ("127.0.0.2", "127.0.0.3")
 TRANSFER_TIMEOUT = 15  # spec.broadcast.timeoutSeconds of the fault cases
+CORRUPTED = "model.layers.0.mlp.down_proj.weight"  # the tensor a fault changes
 # The refit RPCs plus the test-only hooks that skew a tensor after every load.
 HAZARDS = "tests.worker.hazard_extension.HazardExtension"
 
@@ -129,6 +132,68 @@ def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
     assert out["status"]["broadcast"]["worldSize"] == 2
     assert out["status"]["previous"]["refit"] == "to-a"
     assert fl.serving(PODS, servers) == {p: ("A-bcast", True) for p in PODS}
+
+
+def test_vllm_trainer_engine_refits_the_fleet_through_refit_client(
+    fleet, servers, tiny_model, monkeypatch, capsys
+):
+    """vLLM's own trainer flow (WeightTransferTrainerFactory.trainer_init, send_weights) with
+    the refit-gloo engine and Refit's VLLMWeightSyncClient, as examples/vllm_trainer_engine.py
+    runs it (its command line first): one send refits both pods through the operator (one
+    round, probed); a tensor changed after its promise is refused on both pods, which keep
+    serving the version before, and send_weights raises with the operator's reason."""
+    import torch
+    from refit_client import RefitClient, RefitFailed
+    from refit_client.refit_document import default_name
+    from refit_worker.broadcast import gloo_trainer
+    from transformers import AutoModelForCausalLM
+
+    from examples.vllm_trainer_engine import fleet_engine, main, refit
+
+    fl, op = fleet
+    spec = {"port": servers[0].port, "admin_token_secret": ADMIN_SECRET,
+            "sequence": {"sleepLevel": 1}}  # fmt: skip
+    b = tiny_model.checkpoints["B"]
+    argv = ["--model-dir", str(b), "--version", "B-engine", "--reference",
+            str(b / "refit-probe.json"), "--rendezvous", f"127.0.0.1:{free_port('127.0.0.1')}",
+            "--selector", "app=rollout", "--namespace", fl.ns, "--kubeconfig",
+            str(fl.cp.kubeconfig), "--timeout", "300", "--spec", json.dumps(spec)]  # fmt: skip
+    assert main(argv) == 0, (capsys.readouterr(), op.logs())
+    assert capsys.readouterr().out.strip().endswith("B-engine: Succeeded")
+    status = fl.refit(default_name("B-engine"))["status"]
+    assert status["broadcast"] == {"round": 1, "worldSize": 3, "receivers": 2,
+                                   "state": "Done"}  # fmt: skip
+    for name in PODS:
+        record = pod_record(fl, name)
+        assert (record["version"], record["source"]) == ("B-engine", "broadcast")
+        assert record["probe"]["verdict"] == "Pass", record
+    assert fl.serving(PODS, servers) == {p: ("B-engine", True) for p in PODS}
+
+    build = gloo_trainer.build_manifest
+
+    def promise_then_corrupt(tensors: dict[str, Any]) -> Any:
+        manifest = build(tensors)
+        tensors[CORRUPTED].add_(1.0)  # the bytes sent are no longer the ones promised
+        return manifest
+
+    monkeypatch.setattr(gloo_trainer, "build_manifest", promise_then_corrupt)
+    model = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    with RefitClient(namespace=fl.ns, kubeconfig=fl.cp.kubeconfig) as refits:
+        engine = fleet_engine(refits, model, ("127.0.0.1", free_port("127.0.0.1")),
+                              fleet_selector="app=rollout", timeout=300, **spec)  # fmt: skip
+        try:
+            with pytest.raises(RefitFailed) as failed:
+                refit(engine, "B-engine-2", tiny_model.reference("B"))
+        finally:
+            engine.shutdown()
+    e = failed.value
+    assert e.phase == "Halted", (e, op.logs())
+    assert {(f.pod, f.reason) for f in e.pod_failures} == {(p, "TransferMismatch") for p in PODS}
+    assert CORRUPTED in str(e), e
+    for name in PODS:
+        record = pod_record(fl, name)
+        assert (record["reason"], record["restored"]) == ("TransferMismatch", True), record
+    assert fl.serving(PODS, servers) == {p: ("B-engine", True) for p in PODS}
 
 
 @pytest.mark.parametrize(
