@@ -48,8 +48,9 @@ def sim_transfer_manifest(tensors: dict[str, str]) -> TransferManifest:
     out = {}
     for name, seed in tensors.items():
         param = SIM_PARAMS[name.removeprefix(DRAFTER_PREFIX)]
-        digest = tensor_digest(name, param.dtype, param.shape, seed.encode())
-        out[name] = TransferTensor(param.dtype, tuple(param.shape), digest)
+        shape = tuple(param.shape or ())
+        digest = tensor_digest(name, param.dtype, shape, seed.encode())
+        out[name] = TransferTensor(param.dtype, shape, digest)
     return manifest_of(out)
 
 
