@@ -804,6 +804,14 @@ class Checker:
         if (pod, "") not in targets:
             return True  # no base weights to converge it to: nothing brings it back
         restarts = _restarts(doc)
+        if _reason(doc) == Reason.NoRollbackTarget:
+            return True  # served a broadcast (never loaded again): waits for the next refit
+        base, mine = targets[(pod, "")], _record(doc)
+        if "broadcast" in base["spec"] and not (
+            mine is not None and mine.uid == base["metadata"]["uid"]
+            and mine.outcome == "Succeeded" and mine.restarts == restarts
+        ):  # fmt: skip
+            return True  # a Succeeded broadcast loads nobody again (joined, restarted)
         for track, p in _records(doc).items():
             target = targets.get((pod, track))
             if target is not None and target["metadata"]["uid"] == p.uid:
@@ -856,7 +864,12 @@ class Checker:
         container (no restart since), the pod serves that version, Ready. Its target takes
         it back only once it leaves traffic or restarts."""
         p = _record(pod, track)
-        if p is None or p.outcome != "Succeeded" or p.rollback or not ready:
+        if p is None or p.rollback or not ready:
+            return False
+        # A pass refused before it touched the model put back what the pod served: what
+        # it kept before, it keeps.
+        kept = p.version if p.outcome == "Succeeded" else p.serving if p.restored else None
+        if kept is None:
             return False
         restarts = sum(
             c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or []
@@ -869,8 +882,10 @@ class Checker:
             ),
             None,
         )
-        ended = refit is None or (refit.get("status") or {}).get("phase") in ("Halted", "Failed")
-        return ended and p.version == serves and p.restarts == restarts
+        # (A rolled back refit needs nothing of a pod that its refused pass left serving.)
+        ends = ("Halted", "Failed", "RolledBack") if p.restored else ("Halted", "Failed")
+        ended = refit is None or (refit.get("status") or {}).get("phase") in ends
+        return ended and kept == serves and p.restarts == restarts
 
     def _last_pass(self, pod: dict[str, Any], track: str = "") -> str:
         """The pod's last pass and what became of its refit (for the diagnosis)."""
