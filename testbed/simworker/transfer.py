@@ -101,6 +101,10 @@ class TransferRoutes:
 
     rendezvous: dict[tuple[str, int], Rendezvous]
     opened: dict[tuple[str, int], asyncio.Event]
+    # An engine that loads each tensor as it arrives, as vLLM's built-in NCCL engine does,
+    # so that a round refused at its end has touched the model (tests switch it on to show
+    # the explorer sees a pod put back in traffic on bytes nobody probed).
+    loads_as_it_receives = False
 
     def open_rendezvous(self, host: str, port: int, world_size: int) -> Rendezvous:
         """The trainer opens its rendezvous for a round (replacing the last round's)."""
@@ -184,6 +188,8 @@ class TransferRoutes:
                 problem = problem or ("TransferFailed", "the wire broke (after 0 tensors)")
         if sent is not None:
             current.received = sim_transfer_manifest(sent)
+            if self.loads_as_it_receives and promise is not None:
+                self._load(pod, sent)
         if problem is None and promise is not None and sent is not None:
             differ = sorted(
                 n for n, t in current.received.tensors.items()  # type: ignore[union-attr]
@@ -198,12 +204,16 @@ class TransferRoutes:
             current.state, current.code, current.detail = "refused", *problem
             return self._refused(request, *problem)
         assert sent is not None
+        self._load(pod, sent)
+        current.state = "loaded"
+        return web.json_response({"message": "Weights updated"})
+
+    @staticmethod
+    def _load(pod: PodState, sent: dict[str, str]) -> None:
         target, drafted = split_drafter(sent.items())
         pod.seed, pod.drift, pod.weights_discarded = target[0][1], 0.0, False
         if drafted:
             pod.drafter_seed = drafted[0][1]
-        current.state = "loaded"
-        return web.json_response({"message": "Weights updated"})
 
     @staticmethod
     def _check_promise(
