@@ -866,9 +866,10 @@ class Checker:
         p = _record(pod, track)
         if p is None or p.rollback or not ready:
             return False
-        # A pass refused before it touched the model put back what the pod served: what
-        # it kept before, it keeps.
-        kept = p.version if p.outcome == "Succeeded" else p.serving if p.restored else None
+        # A pass refused before it touched the model put back (or never took away) what the
+        # pod served: what it kept before, it keeps.
+        untouched = p.restored or (p.outcome != "Succeeded" and _refused_in_traffic(p))
+        kept = p.version if p.outcome == "Succeeded" else p.serving if untouched else None
         if kept is None:
             return False
         restarts = sum(
@@ -883,7 +884,7 @@ class Checker:
             None,
         )
         # (A rolled back refit needs nothing of a pod that its refused pass left serving.)
-        ends = ("Halted", "Failed", "RolledBack") if p.restored else ("Halted", "Failed")
+        ends = ("Halted", "Failed", "RolledBack") if untouched else ("Halted", "Failed")
         ended = refit is None or (refit.get("status") or {}).get("phase") in ends
         return ended and kept == serves and p.restarts == restarts
 
