@@ -15,7 +15,8 @@ FULL = 500  # schedules of 40 steps over 3 pods (--quick: 20)
 # holding ones (--quick: 20); their known holes are tolerated by signature.
 FEATURE_SCHEDULES = 500
 # Schedules of 40 steps over 3 pods with every weight-source class of holes.SOURCES on (a
-# drafter refitted with its target, stale in some refits) among the holding ones (--quick: 20).
+# drafter refitted with its target, stale in some refits; broadcast refits whose trainer is
+# late, dies or sends wrong bytes) among the holding ones (--quick: 20).
 SOURCE_SCHEDULES = 300
 
 

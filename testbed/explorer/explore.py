@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import random
 import tempfile
@@ -34,10 +35,14 @@ from refit_operator.edges.worker_client import WorkerClient
 from refit_operator.handlers import ACTIVE_INTERVAL, DORMANT_INTERVAL, IDLE_INTERVAL
 from refit_worker.checkpoint import manifest as checkpoint_manifest
 from refit_worker.checkpoint import staging as checkpoint_staging
-from refit_worker.contract import RPC_INFO, RPC_LOAD, RPC_STAGE
+from refit_worker.contract import PROBE_FILE, RPC_INFO, RPC_LOAD, RPC_STAGE
+
+from testbed.simworker.transfer import sim_transfer_manifest
 
 from . import invariants
 from .memcluster import Event, MemoryCluster, MemoryLeases, Store, clone, finalized, pod_body
+from .trainer import FAULTS as TRAINER_FAULTS
+from .trainer import SimTrainer
 from .vtime import Stalled, VirtualClock, VirtualLoop
 from .workers import (
     BAD_ADAPTER,
@@ -102,15 +107,21 @@ CLASSES = (
     # (DrafterMissing, both models untouched); or a pod's next load leaves its drafter as it
     # was (a worker that reloads the target only).
     "drafter_stale",
+    # A broadcast refit (spec.broadcast) created now, its weights sent by a simulated trainer
+    # (trainer.py) that is on time, late (announces each round seconds after ReceiversReady),
+    # dies mid-send, or sends bytes other than those it promised.
+    "broadcast_rounds",
 )
 ADAPTER_CLASSES = frozenset({"adapter_refits", "adapter_bad", "adapter_fail", "weights_skew"})
 GROUP_CLASSES = frozenset(c for c in CLASSES if c == "pod_groups" or c.startswith("group_"))
 # Weight sources beyond checkpoints and adapters (drafters): out of every CI mix, so that
 # existing seeds keep their schedules; the bench's long mode runs them (holes.SOURCES).
-SOURCE_CLASSES = frozenset({"drafter_stale"})
+SOURCE_CLASSES = frozenset({"drafter_stale", "broadcast_rounds"})
 ADAPTER_NAMES = ("policy", "critic")
 ADAPTER_VERSIONS = [f"s{i}" for i in range(1, 9)]
 MAX_LORA_RANK = 16
+TRAINER_HOST = "10.9.0.1"  # where the pods reach a broadcast's simulated trainer
+TRAINER_PORT = 29500  # each broadcast refit's rendezvous: this port + its number
 
 
 @dataclass
@@ -214,6 +225,7 @@ class Explorer:
             self.sim.max_lora_rank = MAX_LORA_RANK
             self.adapter_ckpt = adapter_checkpoints(ROOT, list(ADAPTER_NAMES), ADAPTER_VERSIONS)
         self.adapter_refits: dict[str, int] = {}  # adapter name -> refits created
+        self.trainers: set[asyncio.Task[None]] = set()  # broadcast_rounds' trainers running
         self.session = InProcessSession(self.sim)
         self.replicas: list[Replica] = []
         self.processes = 0
@@ -260,14 +272,20 @@ class Explorer:
         return {LWS_GROUP_LABEL: f"g{i // 2}", LWS_INDEX_LABEL: str(i % 2)}
 
     def _refit(
-        self, name: str, version: str, adapter: str | None = None, path: str = ""
+        self,
+        name: str,
+        version: str,
+        adapter: str | None = None,
+        path: str = "",
+        broadcast: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         r = self.rng
         sleep_level = r.choice([0, 1])
         strategy, max_unavailable = r.choice([("AllAtOnce", None), ("Rolling", 1)])
         return build_refit(
             name, path or self.ckpt[version], version, fleet_selector=dict(FLEET), port=8000,
-            adapter=adapter,
+            adapter=adapter, broadcast=broadcast,
+            probe_reference_config_map=f"{name}-weights" if broadcast else None,
             spec_fields={"fleet": {"groups": {}}} if self.grouped else None,
             strategy=strategy, max_unavailable=max_unavailable,
             on_failure=r.choice(["Halt", "Rollback"]),
@@ -315,6 +333,40 @@ class Explorer:
         body = self._refit(name, version, adapter=adapter, path=path)
         doc = self.store.create("WeightRefit", NS, finalized(body))
         self._note(f"refit {name} created (adapter {adapter} {version}, {doc['metadata']['uid']})")
+
+    def _create_broadcast_refit(self) -> None:
+        """A broadcast refit of the next version, as RefitClient.broadcast creates one (its
+        ConfigMap with the promise and the probe reference first), and its trainer."""
+        r = self.rng
+        fault = r.choice(TRAINER_FAULTS)
+        version = VERSIONS[self.refits % len(VERSIONS)]
+        self.refits += 1
+        name = f"wr-{self.refits:03d}"
+        trainer = SimTrainer(
+            self.store, self.sim, self._note, NS, name, version, TRAINER_HOST,
+            TRAINER_PORT + self.refits, fault, delay=r.choice((0.5, 5.0, 40.0)),
+            die_round=r.choice((1, 2)), drafter=self.drafters,
+        )  # fmt: skip
+        promise = sim_transfer_manifest(trainer.promise())
+        reference = json.loads((Path(self.ckpt[version]) / PROBE_FILE).read_text())
+        self.store.create("ConfigMap", NS, {"metadata": {"name": f"{name}-weights"}, "data": {
+            "transfer-manifest.json": json.dumps(promise.to_json_dict()),
+            PROBE_FILE: json.dumps({**reference, "version": version}),
+        }})  # fmt: skip
+        source = {
+            "rendezvous": {"host": trainer.host, "port": trainer.port},
+            "manifest": {"configMapRef": {"name": f"{name}-weights"}, "digest": promise.digest},
+            "timeoutSeconds": r.choice((10, 30)),
+        }
+        doc = self.store.create(
+            "WeightRefit", NS, finalized(self._refit(name, version, broadcast=source))
+        )
+        what = {"late": f"late by {trainer.delay}s", "dies": f"dies in round {trainer.die_round}"}
+        self._note(f"refit {name} created (broadcast {version}, trainer "
+                   f"{what.get(fault, fault)}, {doc['metadata']['uid']})")  # fmt: skip
+        task = asyncio.create_task(trainer.run())
+        self.trainers.add(task)
+        task.add_done_callback(self.trainers.discard)
 
     def _replica(self, installation: str) -> Replica:
         """A new operator process of ``installation``, wired as main.run wires it: its own
@@ -650,6 +702,9 @@ class Explorer:
                 self._note(f"fault: {name}'s next load leaves its drafter as it was")
             elif how != "load" and self.refits < self.cfg.max_refits + 2:
                 self._create_refit(adapters=False, drafter=how)
+        elif kind == "broadcast_rounds":
+            if self.refits < self.cfg.max_refits + 2:
+                self._create_broadcast_refit()
 
     def _members(self, leaders: bool) -> list[dict[str, Any]]:
         return [p for p in self._pods()
@@ -807,7 +862,8 @@ class Explorer:
         for replica in self.replicas:
             await self._stop(replica)
         self.session.close()
-        for task in list(self.sim.restart_tasks):  # containers still due to come back
+        # Containers still due to come back, trainers still sending
+        for task in [*self.sim.restart_tasks, *self.trainers]:
             task.cancel()
         await asyncio.sleep(0)
 

@@ -144,7 +144,8 @@ EXCLUDED = frozenset(name for name, h in KNOWN_HOLES.items() if h.excludes)
 # 1,800 short schedules) keep the schedules they had. The bench's explorer suite mixes them in.
 FEATURES = tuple(c for c in CLASSES if c in ADAPTER_CLASSES | GROUP_CLASSES)
 # Weight sources the explorer models beyond checkpoints and adapters (a drafter refitted with
-# its target): a couple of seeds in CI, the bench's long mode mixes them with the holding ones.
+# its target, a trainer's broadcast): a few seeds in CI, the bench's long mode mixes them with
+# the holding ones.
 SOURCES = tuple(c for c in CLASSES if c in SOURCE_CLASSES)
 HOLDING = tuple(c for c in CLASSES if c not in EXCLUDED and c not in FEATURES and c not in SOURCES)
 

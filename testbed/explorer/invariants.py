@@ -799,16 +799,32 @@ class Checker:
         refits its base weights), and one a pass of another refit than its target failed on
         (docs/concepts.md, "Convergence": pods a newer refit failed stay out with their
         reason; an adapter whose swapped-in version failed, until the track is refit or
-        rolled back). An adapter's pass refused before its swap changed nothing the pod
-        serves: no excuse."""
+        rolled back); and, as docs/broadcast.md says, one that has nothing to roll back to
+        (NoRollbackTarget), or whose base target is a Succeeded broadcast it did not receive
+        in this run: each waits for the next refit. An adapter's pass refused before its swap
+        changed nothing the pod serves: no excuse. (A group's record is of its run: every
+        member's restarts.)"""
         if (pod, "") not in targets:
             return True  # no base weights to converge it to: nothing brings it back
         restarts = _restarts(doc)
+        unit = self._units().get(pod)  # a group's record counts every member's restarts
+
+        def this_run(p: Progress) -> bool:
+            return unit.same_run(p) if unit is not None else p.restarts == restarts
+
+        if _reason(doc) == Reason.NoRollbackTarget:
+            return True  # served a broadcast (never loaded again): waits for the next refit
+        base, mine = targets[(pod, "")], _record(doc)
+        if "broadcast" in base["spec"] and not (
+            mine is not None and mine.uid == base["metadata"]["uid"]
+            and mine.outcome == "Succeeded" and this_run(mine)
+        ):  # fmt: skip
+            return True  # a Succeeded broadcast loads nobody again (joined, restarted)
         for track, p in _records(doc).items():
             target = targets.get((pod, track))
             if target is not None and target["metadata"]["uid"] == p.uid:
                 continue  # its target's own pass failed: the target tries it again
-            if _failed(p) and p.restarts == restarts and not _refused_in_traffic(p):
+            if _failed(p) and this_run(p) and not _refused_in_traffic(p):
                 return True
         return False
 
@@ -856,7 +872,13 @@ class Checker:
         container (no restart since), the pod serves that version, Ready. Its target takes
         it back only once it leaves traffic or restarts."""
         p = _record(pod, track)
-        if p is None or p.outcome != "Succeeded" or p.rollback or not ready:
+        if p is None or p.rollback or not ready:
+            return False
+        # A pass refused before it touched the model put back (or never took away) what the
+        # pod served: what it kept before, it keeps.
+        untouched = p.restored or (p.outcome != "Succeeded" and _refused_in_traffic(p))
+        kept = p.version if p.outcome == "Succeeded" else p.serving if untouched else None
+        if kept is None:
             return False
         restarts = sum(
             c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or []
@@ -869,8 +891,10 @@ class Checker:
             ),
             None,
         )
-        ended = refit is None or (refit.get("status") or {}).get("phase") in ("Halted", "Failed")
-        return ended and p.version == serves and p.restarts == restarts
+        # (A rolled back refit needs nothing of a pod that its refused pass left serving.)
+        ends = ("Halted", "Failed", "RolledBack") if untouched else ("Halted", "Failed")
+        ended = refit is None or (refit.get("status") or {}).get("phase") in ends
+        return ended and kept == serves and p.restarts == restarts
 
     def _last_pass(self, pod: dict[str, Any], track: str = "") -> str:
         """The pod's last pass and what became of its refit (for the diagnosis)."""

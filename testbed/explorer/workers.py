@@ -37,11 +37,15 @@ from testbed.simworker import (
     make_sim_checkpoint,
 )
 
+# vLLM's RL routes of a broadcast's receive (testbed.simworker.transfer): the engine core's.
+TRANSFER_STEPS = (
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+)  # fmt: skip
 # What vLLM's engine core runs one at a time (utility calls between steps): a call that
 # outlives its client still holds the core, and the next one waits for it.
 ENGINE_CORE_STEPS = frozenset(RPC_STEPS) | {
     "pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "update_weight_version",
-    "weight_checker",
+    "weight_checker", *TRANSFER_STEPS,
 }  # fmt: skip
 
 
@@ -200,7 +204,7 @@ class ExplorerSimServer(SimServer):
             self.drafter_faults.discard(pod.ip)
             pod.drafter_seed = drafter
         if (pod.seed, pod.drift, pod.weights_discarded) != before or (
-            step == contract.RPC_LOAD and response.status == 200
+            step in (contract.RPC_LOAD, "update_weights") and response.status == 200
         ):
             truth.generation += 1
         if step == "load_lora_adapter" and response.status == 200 and isinstance(body, dict):

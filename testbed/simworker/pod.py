@@ -81,6 +81,11 @@ HTTP_STEPS = {
     "/v1/unload_lora_adapter": "unload_lora_adapter",
     contract.WEIGHT_CHECKER_PATH: "weight_checker",
     contract.WORLD_SIZE_PATH: "get_world_size",
+    # vLLM's RL routes a broadcast's receive calls (testbed.simworker.transfer)
+    "/init_weight_transfer_engine": "init_weight_transfer_engine",
+    "/start_weight_update": "start_weight_update",
+    "/update_weights": "update_weights",
+    "/finish_weight_update": "finish_weight_update",
     "/collective_rpc": "collective_rpc",
 }
 RPC_STEPS = (
@@ -91,6 +96,7 @@ RPC_STEPS = (
     contract.RPC_PROBE_REFERENCE,
     contract.RPC_BUFFER_DIGESTS,
     contract.RPC_ADAPTER_CHECK,
+    contract.RPC_RECEIVED,
 )
 # vLLM serves its runtime LoRA routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
 LORA_STEPS = frozenset({"load_lora_adapter", "unload_lora_adapter"})
@@ -161,6 +167,8 @@ class PodState:
     drafted: float = 0.0
     accepted: float = 0.0
     staged: StagedCheckpoint | None = None  # what refit_stage holds (process memory)
+    # The refit-gloo engine's group and rounds (testbed.simworker.transfer; process memory)
+    transfer: Any = None
     faults: dict[str, Fault] = field(default_factory=dict)
     fences: fence.FenceTracker = field(default_factory=fence.FenceTracker)
     ready_mark: readiness.ReadyMark = field(default_factory=readiness.ReadyMark)
@@ -180,6 +188,7 @@ class PodState:
         self.generating = 0
         self.asleep = set()
         self.staged = None  # so is what was staged
+        self.transfer = None  # and the transfer engine's group and rounds
         self.adapters = {}  # and the adapters loaded
         self.drafter_seed, self.drafted, self.accepted = None, 0.0, 0.0  # its drafter too
         self.fences.reset()  # the mark is process memory

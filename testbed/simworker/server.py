@@ -40,9 +40,10 @@ from testbed.simworker.pod import (
     PodState,
 )
 from testbed.simworker.routes import VllmRoutes
+from testbed.simworker.transfer import Rendezvous, TransferRoutes
 
 
-class SimServer(VllmRoutes, ExtensionRoutes):
+class SimServer(VllmRoutes, ExtensionRoutes, TransferRoutes):
     """One simulator process: its pods (``pods``: address -> PodState), their sites and the
     control API. A subclass can serve without sockets (testbed/explorer/workers.py overrides
     ``_listen``, ``_unlisten``, ``crash``, ``restart`` and ``_serve``)."""
@@ -64,6 +65,9 @@ class SimServer(VllmRoutes, ExtensionRoutes):
         }
         for pod in self.pods.values():
             pod.update_serving()
+        # Broadcast rounds: the rendezvous a trainer in this process opened (transfer.py).
+        self.rendezvous: dict[tuple[str, int], Rendezvous] = {}
+        self.opened: dict[tuple[str, int], asyncio.Event] = {}
         self.port = 0
         self.sites: dict[str, web.TCPSite] = {}
         self.restart_tasks: set[asyncio.Task[None]] = set()

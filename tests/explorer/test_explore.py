@@ -28,6 +28,7 @@ from testbed.explorer.holes import (
     known,
     run_batch,
 )
+from testbed.simworker.transfer import TransferRoutes
 
 SCALE = int(os.environ.get("REFIT_EXPLORER_SCHEDULES", "1"))
 
@@ -142,8 +143,8 @@ def test_a_stale_drafter_is_kept_out_and_the_explorer_sees_one_let_in(
     Two seeds alone and two among the holding classes keep the invariants; with the
     drafter's judgement switched off (the probe scores only the target), the same seed finds
     a pod in traffic beside the stale drafter."""
-    assert SOURCES == ("drafter_stale",) and not set(SOURCES) & set(HOLDING)
-    drafters = frozenset(SOURCES)
+    assert "drafter_stale" in SOURCES and not set(SOURCES) & set(HOLDING)
+    drafters = frozenset({"drafter_stale"})
     _run(range(5000, 5002), drafters)
     _run(range(5000, 5002), drafters | frozenset(HOLDING))
     monkeypatch.setattr(probe, "judge_drafter", lambda outcome, *_: outcome)
@@ -151,4 +152,35 @@ def test_a_stale_drafter_is_kept_out_and_the_explorer_sees_one_let_in(
     assert any(
         v.invariant == "ready-probed" and "beside a stale drafter" in v.message
         for v in result.violations
+    ), result.report()
+
+
+def test_broadcast_rounds_keep_the_invariants_whatever_the_trainer_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """broadcast_rounds (holes.SOURCES, out of CI's mixes): broadcast refits whose simulated
+    trainer (testbed/explorer/trainer.py) is on time, late, dies mid-send, or sends bytes
+    other than it promised, received by the pods through the operator's own receive
+    (controller/sources/broadcast.py, rounds.py). Four seeds alone and four among the holding
+    classes keep every invariant (a failed or mismatched receive never in traffic on what it
+    did not probe, a Succeeded refit's units serving its version, the gate the pure one);
+    between them the trainer does each of its four things. With an engine that loads each
+    tensor as it arrives (vLLM's built-in NCCL engine), a round refused at its end has touched
+    the model, and the operator, which takes TransferMismatch for untouched, puts the pod back
+    in traffic on bytes nobody probed: the same seed finds it."""
+    assert "broadcast_rounds" in SOURCES
+    broadcast = frozenset({"broadcast_rounds"})
+    traces = []
+    for seed in range(6000, 6004):
+        for classes in (broadcast, broadcast | frozenset(HOLDING)):
+            result = run_schedule(Config(seed, classes))
+            assert not [v for v in result.violations if known(v) is None], result.report()
+            traces += result.trace
+    seen = "\n".join(traces)
+    for what in ("trainer ontime", "trainer late by", "died mid-send", "trainer wrong"):
+        assert what in seen, what
+    monkeypatch.setattr(TransferRoutes, "loads_as_it_receives", True)
+    result = run_schedule(Config(6000, broadcast))
+    assert any(
+        v.invariant == "ready-probed" and "~changed" in v.message for v in result.violations
     ), result.report()
