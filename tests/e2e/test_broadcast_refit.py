@@ -114,9 +114,10 @@ def test_broadcast_refit_all_at_once_then_rolling(fleet, servers, tiny_model):
         # fp32 pods against B's fp32 reference: the broadcast loaded B exactly.
         assert record["probe"]["verdict"] == "Pass"
         assert record["probe"]["maxAbsLogprobDiff"] < 1e-4, record["probe"]
-        # Nothing staged or read from files: the weights came in the receive step.
+        # Nothing staged or read from files: the weights came in the receive step (a stage
+        # that leaves the pod where it was is not recorded at all).
         assert record["step_seconds"]["receive"] > 0, record["step_seconds"]
-        assert record["step_seconds"]["stage"] < 0.05, record["step_seconds"]
+        assert record["step_seconds"].get("stage", 0.0) < 0.05, record["step_seconds"]
     assert fl.serving(PODS, servers) == {p: ("B-bcast", True) for p in PODS}
     # Read back after the receive: both pods hold the same runtime weights.
     read = {(pod_record(fl, n)["layout"], pod_record(fl, n)["checksum"]) for n in PODS}
