@@ -52,7 +52,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from refit_operator.core import api
@@ -60,6 +60,9 @@ from refit_operator.core import api
 from ..client import RefitClient
 from ..refit_document import default_name, parse_selector
 from .trl import ROUTES, choice_tokens, fleet_groups, rollout_endpoints
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue as MPQueue
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +156,15 @@ class SyncRecord:
 class RefitWeightTransfer:
     """TRL's ``weight_transfer`` (see the module's docstring). ``model`` is the trainer's model
     (its weights at each sync are the ones streamed): the probe reference is scored with it.
+    ``AsyncGRPOTrainer`` builds its model from a path, so set it once the trainer is built
+    (``transfer.model = trainer.model``); a sync without it raises.
     ``spec`` adds to or overrides the refit's spec keywords (RefitClient.broadcast);
     ``sequence`` in it merges over ``drainMode: keep``."""
 
     def __init__(
         self,
         client: RefitClient,
-        model: Any,
+        model: Any = None,
         *,
         fleet_selector: str | Mapping[str, str],
         port: int,
@@ -202,6 +207,8 @@ class RefitWeightTransfer:
 
         from ..client import RefitFailed, RefitTimeout
 
+        if self.model is None:
+            raise ValueError("RefitWeightTransfer.model is unset: set it to the trainer's model")
         version = f"{self.prefix}-v{len(self.syncs) + 1}"
         rec = SyncRecord(version, default_name(version), time.monotonic())
         # The trainer does not step while it syncs: the live tensors are the version's.
@@ -259,7 +266,7 @@ class Consumed:
     max_abs_logprob_diff: float | None = None  # trainer vs fleet, samples served at this version
 
 
-class StalenessQueue(queue.Queue):
+class StalenessQueue(queue.Queue[Any]):
     """The queue TRL's trainer drains: ``get`` hands over only samples ``stale_reason`` lets
     through for the version the trainer trains from now, dropping (and counting) the rest."""
 
@@ -319,8 +326,9 @@ class RefitRolloutWorker:
         }  # fmt: skip
         self.concurrency, self.mismatch_model = concurrency, mismatch_model
         self.http = httpx.Client(timeout=request_timeout)
-        self.rollout_buffer = StalenessQueue(self, queue_maxsize)
-        self.metrics_queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4096)
+        # Typed as TRL's RolloutWorkerProtocol says (its attributes are invariant).
+        self.rollout_buffer: queue.Queue[Any] | MPQueue[Any] = StalenessQueue(self, queue_maxsize)
+        self.metrics_queue: queue.Queue[Any] | MPQueue[Any] = queue.Queue(maxsize=4096)
         self.model_version = 0
         self.dropped: Counter[str] = Counter()  # reason kind -> samples
         self.drop_examples: dict[str, str] = {}  # reason kind -> its first full reason
