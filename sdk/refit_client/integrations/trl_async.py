@@ -345,6 +345,7 @@ class RefitRolloutWorker:
     # ------------------------------------------------------------------- TRL's protocol
     def start(self) -> None:
         self._sample_class = _served_sample_class()
+        self._last_put = time.monotonic()
         for i in range(self.concurrency):
             t = threading.Thread(target=self._run, name=f"refit-rollout-{i}", daemon=True)
             t.start()
