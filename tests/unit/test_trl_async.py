@@ -147,3 +147,58 @@ def test_the_worker_generates_on_units_in_traffic_at_any_version() -> None:
 def test_a_worker_refuses_a_negative_bound() -> None:
     with pytest.raises(ValueError, match="max_staleness -1"):
         worker(-1)
+
+
+def test_a_full_queue_drops_its_oldest_sample_for_the_new_one() -> None:
+    """Generation never waits on the trainer: the freshest samples are the ones kept."""
+    w = RefitRolloutWorker(
+        CLIENT, fleet_selector="app=x", port=8000, prompts=["p"], reward_funcs=[],
+        tokenizer=None, num_generations=2, max_tokens=4, max_staleness=2,
+        version_prefix="run", queue_maxsize=2,
+    )  # fmt: skip
+    for v in ("run-v1", "run-v2", "run-v3"):
+        w._put(sample(v))
+    w.update_model_version(3)
+    assert [w.rollout_buffer.get(timeout=0).served for _ in range(2)] == [("run-v2",), ("run-v3",)]
+    report = w.report()
+    assert report["dropped"] == {"evicted": 1}
+    assert report["dropExamples"]["evicted"].endswith("served at run-v1")
+
+
+def test_the_transfer_keeps_the_last_versions_weights_as_published(monkeypatch) -> None:
+    """model_at gives a model at the weights a version was published with, not the live ones
+    the optimizer stepped since, even with the live model's forward patched the way TRL's
+    add_fused_lm_head does (a closure over the live model); only the last keep_versions."""
+    import torch
+    from refit_worker import reference
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(reference, "reference_from_model", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    ))  # fmt: skip
+    live_forward = model.forward
+    model.forward = lambda *a, **k: live_forward(*a, **k)  # type: ignore[method-assign]
+    client: Any = SimpleNamespace(broadcast=lambda *a, **k: None)
+    t = RefitWeightTransfer(
+        client, model, fleet_selector="app=x", port=8000, probe_token_ids=[[1, 2]],
+        rendezvous=("127.0.0.1", 1), version_prefix="run", keep_versions=2,
+    )  # fmt: skip
+    x = torch.tensor([[1, 2, 3]])
+    logits = {}
+    for n in (1, 2, 3):
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float(n))
+            logits[f"run-v{n}"] = model(input_ids=x).logits
+        t.send_weights(iter(model.named_parameters()))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(9.0)  # the optimizer's next step, in place
+    assert t.model_at("run-v1") is None and t.model_at("other-v3") is None
+    for version in ("run-v2", "run-v3", "run-v2"):
+        at = t.model_at(version)
+        assert at is not model and float(at.model.norm.weight[0]) == float(version[-1])
+        with torch.no_grad():
+            assert torch.allclose(at(input_ids=x).logits, logits[version]), version
+    assert [s.phase for s in t.syncs] == ["Succeeded"] * 3

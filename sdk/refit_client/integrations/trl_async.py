@@ -34,8 +34,9 @@ versions the pod **served** it with (vLLM's weight-version spans: with ``keep`` 
 frozen by a refit names both versions), not the trainer's counter. The queue the trainer
 drains (``StalenessQueue``) never hands over a sample whose served versions fall outside
 ``max_staleness`` of the version the consuming step trains from (``stale_reason``); it counts
-each drop by its reason (``report()``). TRL's own check on ``model_version`` then sees the
-oldest served version, so it agrees.
+each drop by its reason (``report()``). Generation never waits on the trainer: a full queue
+drops its oldest sample for the new one (``evicted``). TRL's own check on ``model_version``
+then sees the oldest served version, so it agrees.
 
 TRL and torch are imported lazily (the operator's environment has neither).
 """
@@ -119,7 +120,7 @@ def reason_kind(reason: str) -> str:
     return reason.split(":", 1)[0] if reason.split(":", 1)[0] in DROP_KINDS else "spans"
 
 
-DROP_KINDS = ("unknown", "foreign", "ahead", "stale")
+DROP_KINDS = ("unknown", "foreign", "ahead", "stale")  # "evicted" is the full queue's
 
 
 def plain_attention(model: Any) -> contextlib.AbstractContextManager[None]:
@@ -159,7 +160,8 @@ class RefitWeightTransfer:
     ``AsyncGRPOTrainer`` builds its model from a path, so set it once the trainer is built
     (``transfer.model = trainer.model``); a sync without it raises.
     ``spec`` adds to or overrides the refit's spec keywords (RefitClient.broadcast);
-    ``sequence`` in it merges over ``drainMode: keep``."""
+    ``sequence`` in it merges over ``drainMode: keep``. ``keep_versions``: how many of the last
+    published versions' weights to keep a copy of, for ``model_at`` (0: none)."""
 
     def __init__(
         self,
@@ -174,6 +176,7 @@ class RefitWeightTransfer:
         refit_timeout: float = 600,
         spec: Mapping[str, Any] | None = None,
         groups: api.Groups | Mapping[str, str] | None = None,
+        keep_versions: int = 0,
     ) -> None:
         if not probe_token_ids:
             raise ValueError("probe_token_ids is empty: the operator's probe needs prompts")
@@ -185,6 +188,11 @@ class RefitWeightTransfer:
         sequence = {**ASYNC_SEQUENCE, **dict(given.pop("sequence", None) or {})}
         self.spec, self.groups = fleet_groups({**ASYNC_SPEC, **given, "sequence": sequence}, groups)
         self.syncs: list[SyncRecord] = []
+        self.keep_versions = keep_versions
+        self._kept: dict[str, dict[str, Any]] = {}  # version -> its tensors (copies)
+        self._scratch: Any = None  # a copy of the model, holding _scratch_version's weights
+        self._scratch_version = ""
+        self._kept_lock = threading.Lock()
 
     @property
     def version(self) -> str:
@@ -214,6 +222,7 @@ class RefitWeightTransfer:
         # The trainer does not step while it syncs: the live tensors are the version's.
         tensors = {name: t.detach().cpu().contiguous() for name, t in iterator}
         rec.tensors = len(tensors)
+        self._keep(version, tensors)
         with plain_attention(self.model):
             ref = reference.reference_from_model(
                 self.model, self.probe_token_ids, version=version,
@@ -236,6 +245,41 @@ class RefitWeightTransfer:
             rec.ended = time.monotonic()
         rec.phase = "Succeeded"
         log.info("published %s (%s) in %.1f s", version, rec.refit, rec.ended - rec.began)
+
+    def _keep(self, version: str, tensors: Mapping[str, Any]) -> None:
+        if self.keep_versions <= 0:
+            return
+        with self._kept_lock:
+            # Copies: the trainer's optimizer steps the live tensors in place after the sync.
+            self._kept[version] = {name: t.clone() for name, t in tensors.items()}
+            while len(self._kept) > self.keep_versions:
+                del self._kept[next(iter(self._kept))]
+
+    def model_at(self, version: str) -> Any:
+        """A copy of the trainer's model holding the weights this transfer published as
+        ``version`` (None when it no longer keeps them, or never published it): what the
+        fleet served that version with, for the trainer-vs-fleet logprob mismatch. One copy (a
+        transformers model of the same class and config), reloaded when asked for another
+        version."""
+        import copy
+
+        with self._kept_lock:
+            weights = self._kept.get(version)
+            if weights is None:
+                return None
+            if self._scratch is None:
+                # Built from the config, not deep-copied: TRL patches the model's forward with
+                # a closure over the live model (add_fused_lm_head), which a copy would share.
+                live = self.model
+                self._scratch = type(live)(copy.deepcopy(live.config)).to(live.dtype)
+                self._scratch.load_state_dict(live.state_dict())
+                self._scratch.eval()
+            if self._scratch_version != version:
+                got = self._scratch.load_state_dict(weights, strict=False)
+                if got.unexpected_keys:
+                    raise ValueError(f"published tensors the model lacks: {got.unexpected_keys}")
+                self._scratch_version = version
+            return self._scratch
 
     def destroy(self) -> None:
         """Nothing held between syncs (the client is the caller's)."""
@@ -263,7 +307,11 @@ class Consumed:
     samples: int = 0
     served: Counter[str] = field(default_factory=Counter)
     staleness: Counter[int] = field(default_factory=Counter)
-    max_abs_logprob_diff: float | None = None  # trainer vs fleet, samples served at this version
+    max_abs_logprob_diff: float | None = None  # trainer vs fleet, at the version served
+    mismatch_samples: int = 0  # the samples that went into max_abs_logprob_diff
+    # Served at two versions (a keep refit froze it): its later tokens attended to KV the
+    # earlier weights computed, which no single forward of the trainer reproduces.
+    mixed_samples: int = 0
 
 
 class StalenessQueue(queue.Queue[Any]):
@@ -285,9 +333,13 @@ class RefitRolloutWorker:
     """TRL's ``rollout_worker`` (see the module's docstring). ``prompts``: the prompt texts,
     cycled; ``reward_funcs`` are called as TRL calls them (``prompts``, ``completions``,
     ``completion_ids`` keywords). ``concurrency`` groups are generated at once (spread over
-    the admitted units). ``mismatch_model``: the trainer's model, to report per version the
-    largest |trainer logprob - fleet logprob| over consumed samples served entirely at the
-    version the trainer holds then (off by default: a forward per such sample)."""
+    the admitted units). When the queue is full the oldest sample in it is dropped (counted
+    ``evicted``) for the new one: generation never waits on the trainer, and what the trainer
+    takes is the freshest. ``model_at``: version -> the trainer's model at the weights it
+    published as that version, or None (``RefitWeightTransfer.model_at`` with
+    ``keep_versions``), to report per version trained from the largest |trainer logprob -
+    fleet logprob| over the consumed samples served entirely at one version it still has (off
+    by default: a forward per such sample)."""
 
     def __init__(
         self,
@@ -309,7 +361,7 @@ class RefitRolloutWorker:
         concurrency: int = 2,
         queue_maxsize: int = 256,
         request_timeout: float = 120,
-        mismatch_model: Any = None,
+        model_at: Callable[[str], Any] | None = None,
     ) -> None:
         if not prompts:
             raise ValueError("prompts is empty")
@@ -324,7 +376,7 @@ class RefitRolloutWorker:
             "n": num_generations, "temperature": temperature, "max_tokens": max_tokens,
             "logprobs": 0, **(sampling or {}),
         }  # fmt: skip
-        self.concurrency, self.mismatch_model = concurrency, mismatch_model
+        self.concurrency, self.model_at = concurrency, model_at
         self.http = httpx.Client(timeout=request_timeout)
         # Typed as TRL's RolloutWorkerProtocol says (its attributes are invariant).
         self.rollout_buffer: queue.Queue[Any] | MPQueue[Any] = StalenessQueue(self, queue_maxsize)
@@ -388,22 +440,27 @@ class RefitRolloutWorker:
             step.samples += 1
             step.served.update(sample.served)
             step.staleness[consuming - min(numbers)] += 1
-        if self.mismatch_model is not None and sample.served == (f"{self.prefix}-v{consuming}",):
-            diff = self._mismatch(sample)
-            step.max_abs_logprob_diff = max(step.max_abs_logprob_diff or 0.0, diff)
+            step.mixed_samples += len(sample.served) > 1
+        model = None
+        if self.model_at is not None and len(sample.served) == 1:
+            model = self.model_at(sample.served[0])
+        if model is not None:
+            diff = self._mismatch(model, sample)
+            with self._lock:
+                step.mismatch_samples += 1
+                step.max_abs_logprob_diff = max(step.max_abs_logprob_diff or 0.0, diff)
         return True
 
-    def _mismatch(self, sample: Any) -> float:
+    def _mismatch(self, model: Any, sample: Any) -> float:
         from .trl import max_abs_logprob_diff
 
         mask = sample.completion_mask.tolist()
         start = mask.index(1) if 1 in mask else len(mask)
         ids = sample.input_ids.tolist()
-        with plain_attention(self.mismatch_model):
+        with plain_attention(model):
             return max_abs_logprob_diff(
-                self.mismatch_model, [ids[:start]], [ids[start:]],
-                [sample.old_log_probs.tolist()[start:]],
-            )  # fmt: skip
+                model, [ids[:start]], [ids[start:]], [sample.old_log_probs.tolist()[start:]]
+            )
 
     def report(self) -> dict[str, Any]:
         """What the run consumed and dropped: per version trained from, the samples, the
@@ -420,6 +477,8 @@ class RefitRolloutWorker:
                         "served": dict(c.served),
                         "staleness": {str(k): n for k, n in sorted(c.staleness.items())},
                         "maxAbsLogprobDiff": c.max_abs_logprob_diff,
+                        "mismatchSamples": c.mismatch_samples,
+                        "mixedVersionSamples": c.mixed_samples,
                     }
                     for v, c in sorted(self.consumed.items())
                 },
@@ -456,11 +515,25 @@ class RefitRolloutWorker:
     def _put(self, sample: Any) -> None:
         while not self._stop.is_set():
             try:
-                self.rollout_buffer.put(sample, timeout=0.5)
+                self.rollout_buffer.put_nowait(sample)
                 self._last_put = time.monotonic()
                 return
             except queue.Full:
-                continue
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Drop the queue's oldest sample, past the staleness check (queue.Queue's own get)."""
+        try:
+            old = queue.Queue.get(self.rollout_buffer, False)  # type: ignore[arg-type]
+        except queue.Empty:
+            return
+        with self._lock:
+            self.dropped["evicted"] += 1
+            self.drop_examples.setdefault(
+                "evicted",
+                "evicted: the queue was full; the oldest sample, served at "
+                + (", ".join(old.served) or "unknown versions"),
+            )
 
     def _group(self, group: int, unit: str, url: str) -> list[Any]:
         """One prompt's ``n`` completions from one unit, scored, as samples."""
