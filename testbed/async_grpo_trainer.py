@@ -108,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             client, fleet_selector=args.selector, port=args.fleet_port,
             probe_token_ids=probe_ids, rendezvous=(args.host, args.port),
             version_prefix=args.prefix, refit_timeout=240, spec=json.loads(args.spec),
+            keep_versions=args.max_staleness + 2,  # every version a sample may be trained from
         )  # fmt: skip
         worker = RefitRolloutWorker(
             client, fleet_selector=args.selector, port=args.fleet_port, prompts=PROMPTS,
             reward_funcs=[reward_red], tokenizer=tok, num_generations=8, max_tokens=12,
             max_staleness=args.max_staleness, version_prefix=args.prefix, concurrency=2,
-            request_timeout=120, queue_maxsize=32,  # two steps' worth: little goes stale
+            request_timeout=120, queue_maxsize=32,  # two steps' worth, the freshest kept
+            model_at=transfer.model_at,
         )  # fmt: skip
         config = AsyncGRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="async-grpo-"), use_cpu=True, bf16=False,
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
             rollout_worker=worker, weight_transfer=transfer, callbacks=[Log()],
         )  # fmt: skip
-        transfer.model = worker.mismatch_model = trainer.model
+        transfer.model = trainer.model
         try:
             trainer.train()
             out["end"] = {"phase": "Succeeded"}
