@@ -180,7 +180,7 @@ def test_the_transfer_keeps_the_last_versions_weights_as_published(monkeypatch) 
         num_attention_heads=2, num_key_value_heads=1,
     ))  # fmt: skip
     live_forward = model.forward
-    model.forward = lambda *a, **k: live_forward(*a, **k)  # type: ignore[method-assign]
+    model.forward = lambda *a, **k: live_forward(*a, **k)
     client: Any = SimpleNamespace(broadcast=lambda *a, **k: None)
     t = RefitWeightTransfer(
         client, model, fleet_selector="app=x", port=8000, probe_token_ids=[[1, 2]],
