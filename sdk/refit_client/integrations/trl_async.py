@@ -385,7 +385,8 @@ class RefitRolloutWorker:
         self.dropped: Counter[str] = Counter()  # reason kind -> samples
         self.drop_examples: dict[str, str] = {}  # reason kind -> its first full reason
         self.consumed: dict[int, Consumed] = {}
-        self.finished: list[tuple[float, str, tuple[str, ...]]] = []  # (when, unit, served)
+        # (when, unit, served, completion tokens) per completion, time.monotonic()
+        self.finished: list[tuple[float, str, tuple[str, ...], int]] = []
         self._lock = threading.Lock()
         self._work = itertools.count()
         self._stop = threading.Event()
@@ -554,7 +555,7 @@ class RefitRolloutWorker:
             got.append((c_ids, c_lp, served, why))
             completions.append(self.tok.decode(c_ids, skip_special_tokens=True))
         with self._lock:
-            self.finished.extend((done, unit, g[2]) for g in got)
+            self.finished.extend((done, unit, g[2], len(g[0])) for g in got)
         columns = [
             [np.nan if r is None else float(r) for r in
              f(prompts=[prompt] * len(got), completions=completions,
