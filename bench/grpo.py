@@ -127,16 +127,21 @@ def grpo_metrics(
     ]  # fmt: skip
 
 
+def token_rate(finished: list[list[Any]], a: float, b: float) -> float:
+    """Completion tokens per second of the completions (testbed.async_grpo_trainer's
+    ``finished``: when, unit, served, tokens) that finished in [a, b)."""
+    return sum(int(f[3]) for f in finished if a <= f[0] < b) / (b - a)
+
+
 def keep_refit_throughput(
     syncs: list[dict[str, Any]], finished: list[list[Any]]
 ) -> tuple[list[float], list[float]]:
-    """Completion tokens per second the fleet finished (testbed.async_grpo_trainer's
-    ``finished``: when, unit, served, tokens) during each sync after the first (the worker
-    runs through them), and in each gap between two of them."""
+    """Completion tokens per second the fleet finished during each sync after the first (the
+    worker runs through them), and in each gap between two of them."""
     windows = [(float(s["began"]), float(s["ended"])) for s in syncs[1:]]
 
     def rate(a: float, b: float) -> float:
-        return sum(int(f[3]) for f in finished if a <= f[0] < b) / (b - a)
+        return token_rate(finished, a, b)
 
     during = [rate(a, b) for a, b in windows if b > a]
     gaps = itertools.pairwise(windows)
@@ -156,17 +161,27 @@ def async_metrics(sync_run: dict[str, Any], async_run: dict[str, Any]) -> list[M
     async run), and per optimizer step the wall time and the refit time of each integration
     (a grpo_trainer and an async_grpo_trainer document, same pods)."""
     during, between = keep_refit_throughput(async_run["syncs"], async_run["finished"])
-    steady = sum(between) / len(between)
+    quiet = async_run["steady"]
+    # One-second slices of the steady window: samples comparable to a refit's.
+    edges = [quiet["began"] + i for i in range(int(quiet["ended"] - quiet["began"]) + 1)]
+    steady = [token_rate(quiet["finished"], a, b) for a, b in itertools.pairwise(edges)]
+    if not steady:
+        raise ValueError("the steady window is shorter than a second")
+    steady_mean = sum(steady) / len(steady)
     sync_steps = sorted((int(k), v) for k, v in sync_run["steps"].items())
     sync_ends = [v["optimizer_end_at"] for _, v in sync_steps if "optimizer_end_at" in v]
     async_ends = [v["at"] for _, v in sorted((int(k), v) for k, v in async_run["steps"].items())]
     return [
         Metric("async: fleet completion tokens/s during a Rolling keep refit", during, "tok/s",
                note="each sync after the first: one pod out at a time, drainMode keep"),
+        Metric("async: fleet completion tokens/s in steady state", steady, "tok/s",
+               note="each second of the same worker generating after training: no refit, "
+                    "the trainer idle"),
+        Metric("async: throughput during a Rolling keep refit / steady state", [
+            d / steady_mean for d in during], "x", note="each refit's over the steady mean"),
         Metric("async: fleet completion tokens/s between refits", between, "tok/s",
-               note="each gap between two syncs: the trainer stepping"),
-        Metric("async: throughput during a refit / between refits", [
-            d / steady for d in during], "x", note="each refit's over the gaps' mean"),
+               note="each gap between two syncs: the trainer's step, sharing the 2 cores "
+                    "with the pods"),
         Metric("wall per optimizer step: sync (GRPOTrainer, AllAtOnce)",
                step_walls(sync_ends), "s", note="optimizer step end to the next's"),
         Metric("wall per optimizer step: async (AsyncGRPOTrainer, Rolling keep)",
@@ -219,7 +234,8 @@ def suite(quick: bool, log: Log) -> SuiteOut:
             raise RuntimeError(f"the GRPO run ended {run['end']}")
         raw["loadavg_async"] = loadavg()
         async_run = train(fleet, servers, tiny, work / "async.json", "--steps", str(n_steps),
-                          "--prefix", "async", module="testbed.async_grpo_trainer")  # fmt: skip
+                          "--prefix", "async", "--steady-seconds", "10",
+                          module="testbed.async_grpo_trainer")  # fmt: skip
         if async_run["end"] != {"phase": "Succeeded"}:
             raise RuntimeError(f"the async GRPO run ended {async_run['end']}")
         steps = turnarounds(run)
@@ -233,6 +249,7 @@ def suite(quick: bool, log: Log) -> SuiteOut:
     raw.update(
         records=run["records"], turnarounds=[asdict(t) for t in steps], direct=direct,
         async_syncs=async_run["syncs"], async_steps=async_run["steps"],
+        async_steady_window=[async_run["steady"]["began"], async_run["steady"]["ended"]],
         async_consumption=async_run["consumption"],
         bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
     )  # fmt: skip
@@ -256,6 +273,9 @@ def suite(quick: bool, log: Log) -> SuiteOut:
         "completions of 12 tokens a group, max_staleness 2), Rolling maxUnavailable 1 with "
         "drainMode keep, sleep level 1; the worker's 2 threads each send one group at a time "
         "to the pods in traffic, so its throughput is the client's as much as the fleet's. "
+        "Steady state: 10 s of the same worker, fresh, after training (same process, pods "
+        "and version). Between refits the trainer computes on the same 2 cores as the pods "
+        "(nice 10), which starves them: not a steady state. "
         "Its steps do not wait for rollouts the way the sync run's do: the sync wall per "
         "step includes generating the step's 16 completions.",
     ]

@@ -12,7 +12,8 @@ gets no peak FLOPs instead of asking CUDA for the device's name
 
 Writes one JSON document: the syncs (version, refit, when, phase, reason), what the trainer
 consumed per version and dropped (RefitRolloutWorker.report), every completion's finish time,
-unit and served versions, the losses and rewards TRL logged per step, and how training ended.
+unit, served versions and tokens, the losses and rewards TRL logged per step, and how training
+ended; with ``--steady-seconds`` also the fleet's steady state after training (``steady``).
 
     python -m testbed.async_grpo_trainer --kubeconfig K --namespace NS --fleet-port 8000 \\
         --port 29600 --model-dir CKPT --probe-texts texts.txt --out run.json \\
@@ -61,6 +62,17 @@ def cpu_shims() -> list[str]:
     return ["packing._flash_attn", "get_peak_flops_per_device"]
 
 
+def steady(worker: RefitRolloutWorker, seconds: float) -> dict[str, Any]:
+    """The fleet's steady state for the same client: ``worker`` (shaped as the run's) generates
+    for ``seconds`` with the trainer idle and no refit; its window and completions."""
+    began = time.monotonic()
+    worker.start()
+    time.sleep(seconds)
+    ended = time.monotonic()
+    worker.stop()
+    return {"began": began, "ended": ended, "finished": [list(f) for f in worker.finished]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kubeconfig", required=True)
@@ -77,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="async", help="versions are PREFIX-vN")
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--spec", default="{}", help="more spec fields, as client keywords (JSON)")
+    p.add_argument("--steady-seconds", type=float, default=0.0,
+                   help="after training: generate this long, no refit, no training")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -110,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
             version_prefix=args.prefix, refit_timeout=240, spec=json.loads(args.spec),
             keep_versions=args.max_staleness + 2,  # every version a sample may be trained from
         )  # fmt: skip
-        worker = RefitRolloutWorker(
-            client, fleet_selector=args.selector, port=args.fleet_port, prompts=PROMPTS,
-            reward_funcs=[reward_red], tokenizer=tok, num_generations=8, max_tokens=12,
-            max_staleness=args.max_staleness, version_prefix=args.prefix, concurrency=2,
-            request_timeout=120, queue_maxsize=32,  # two steps' worth, the freshest kept
-            model_at=transfer.model_at,
-        )  # fmt: skip
+
+        def new_worker() -> RefitRolloutWorker:
+            return RefitRolloutWorker(
+                client, fleet_selector=args.selector, port=args.fleet_port, prompts=PROMPTS,
+                reward_funcs=[reward_red], tokenizer=tok, num_generations=8, max_tokens=12,
+                max_staleness=args.max_staleness, version_prefix=args.prefix, concurrency=2,
+                request_timeout=120, queue_maxsize=32,  # two steps' worth, the freshest kept
+                model_at=transfer.model_at,
+            )  # fmt: skip
+
+        worker = new_worker()
         config = AsyncGRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="async-grpo-"), use_cpu=True, bf16=False,
             dtype="float32", per_device_train_batch_size=16, num_generations=8,
@@ -145,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         out["syncs"] = [asdict(s) for s in transfer.syncs]
         out["consumption"] = worker.report()
         out["finished"] = [list(f) for f in worker.finished]
+        if args.steady_seconds > 0 and out["end"] == {"phase": "Succeeded"}:
+            out["steady"] = steady(new_worker(), args.steady_seconds)
     out["losses_finite"] = all(math.isfinite(s.get("loss") or 0.0) for s in steps.values())
     args.out.write_text(json.dumps(out, indent=1, sort_keys=True, default=str))
     return 0

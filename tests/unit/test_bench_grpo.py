@@ -81,6 +81,9 @@ def async_run() -> dict[str, Any]:
                      [13.0, "b", ["v2"], 6],  # between
                      [14.5, "a", ["v2"], 3]],  # during 14-15
         "steps": {"1": {"at": 12.5}, "2": {"at": 15.5}},
+        "steady": {"began": 20.0, "ended": 22.5,  # two whole seconds: 20-21, 21-22
+                   "finished": [[20.5, "a", ["v3"], 4], [21.2, "b", ["v3"], 2],
+                                [22.2, "a", ["v3"], 50]]},
     }  # fmt: skip
 
 
@@ -92,9 +95,9 @@ def test_throughput_during_each_refit_and_between_them() -> None:
 
 def test_the_async_rows_compare_both_integrations_per_step() -> None:
     rows = {m.name: m for m in async_metrics(run(), async_run())}
-    assert rows["async: throughput during a refit / between refits"].samples == pytest.approx(
-        [10 / 3, 1.0]
-    )
+    assert rows["async: fleet completion tokens/s in steady state"].samples == [4.0, 2.0]
+    ratio = rows["async: throughput during a Rolling keep refit / steady state"]
+    assert ratio.samples == pytest.approx([10 / 3, 1.0])  # over the steady mean, 3
     assert rows["wall per optimizer step: sync (GRPOTrainer, AllAtOnce)"].samples == [100.0]
     assert rows["wall per optimizer step: async (AsyncGRPOTrainer, Rolling keep)"].samples == [3.0]
     assert rows["refit per step: sync (publish + operator)"].samples == [3.5, 3.5]
