@@ -31,7 +31,8 @@ TITLES = {
     "startup": "vLLM imports and server starts with and without the venv's bytecode",
     "explorer": "the fault explorer's long mode: seeded schedules against the real Engine",
     "under_load": "refits under live traffic per drain mode vs the same refits idle (real vLLM)",
-    "grpo": "a TRL GRPO run through Refit: each step's wait for its weights vs direct refits",
+    "grpo": "TRL GRPO runs through Refit: each step's wait for its weights vs direct refits; "
+    "async vs sync per step, fleet throughput during a Rolling keep refit",
     "parallel": "a tensor-parallel pod vs a one-worker pod: time out of traffic, staging memory",
     "adapter": "a LoRA adapter refit vs a full-weights refit, same pod, same run (real vLLM)",
     "overhead": "what the operator adds to a refit: operator-driven vs direct, same pods, one run",

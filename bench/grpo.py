@@ -16,11 +16,18 @@ broadcast refit cycle (bench.broadcast.broadcast_cycle: the operator's step code
 WorkerClient, this process the trainer) on both pods at once, as AllAtOnce refits them, with
 the same model's tensors (the tiny model's checkpoint B: the trainer's architecture, fp32,
 the same bytes). The ratio: the operator-driven refit (publish + operator) over the direct one.
+
+Then, on the same pods and operator, the same number of steps of TRL's AsyncGRPOTrainer
+(testbed/async_grpo_trainer.py, as the async test in tests/e2e/test_trl_training.py: a sync
+per optimizer step, each a Rolling keep WeightRefit, while RefitRolloutWorker generates): the
+fleet's completion tokens per second during each refit against between refits (same run), the
+wall time per optimizer step and the refit time per step of both integrations.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -120,6 +127,74 @@ def grpo_metrics(
     ]  # fmt: skip
 
 
+def token_rate(finished: list[list[Any]], a: float, b: float) -> float:
+    """Completion tokens per second of the completions (testbed.async_grpo_trainer's
+    ``finished``: when, unit, served, tokens) that finished in [a, b)."""
+    return sum(int(f[3]) for f in finished if a <= f[0] < b) / (b - a)
+
+
+def keep_refit_throughput(
+    syncs: list[dict[str, Any]], finished: list[list[Any]]
+) -> tuple[list[float], list[float]]:
+    """Completion tokens per second the fleet finished during each sync after the first (the
+    worker runs through them), and in each gap between two of them."""
+    windows = [(float(s["began"]), float(s["ended"])) for s in syncs[1:]]
+
+    def rate(a: float, b: float) -> float:
+        return token_rate(finished, a, b)
+
+    during = [rate(a, b) for a, b in windows if b > a]
+    gaps = itertools.pairwise(windows)
+    between = [rate(x[1], y[0]) for x, y in gaps if y[0] > x[1]]
+    if not during or not between:
+        raise ValueError(f"too few syncs to compare: {len(syncs)}")
+    return during, between
+
+
+def step_walls(ends: list[float]) -> list[float]:
+    """The wall time of each optimizer step after the first: the gaps between their ends."""
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def async_metrics(sync_run: dict[str, Any], async_run: dict[str, Any]) -> list[Metric]:
+    """The async rows: fleet throughput during a Rolling keep refit over between refits (the
+    async run), and per optimizer step the wall time and the refit time of each integration
+    (a grpo_trainer and an async_grpo_trainer document, same pods)."""
+    during, between = keep_refit_throughput(async_run["syncs"], async_run["finished"])
+    quiet = async_run["steady"]
+    # One-second slices of the steady window: samples comparable to a refit's.
+    edges = [quiet["began"] + i for i in range(int(quiet["ended"] - quiet["began"]) + 1)]
+    steady = [token_rate(quiet["finished"], a, b) for a, b in itertools.pairwise(edges)]
+    if not steady:
+        raise ValueError("the steady window is shorter than a second")
+    steady_mean = sum(steady) / len(steady)
+    sync_steps = sorted((int(k), v) for k, v in sync_run["steps"].items())
+    sync_ends = [v["optimizer_end_at"] for _, v in sync_steps if "optimizer_end_at" in v]
+    async_ends = [v["at"] for _, v in sorted((int(k), v) for k, v in async_run["steps"].items())]
+    return [
+        Metric("async: fleet completion tokens/s during a Rolling keep refit", during, "tok/s",
+               note="each sync after the first: one pod out at a time, drainMode keep"),
+        Metric("async: fleet completion tokens/s in steady state", steady, "tok/s",
+               note="each second of the same worker generating after training: no refit, "
+                    "the trainer idle"),
+        Metric("async: throughput during a Rolling keep refit / steady state", [
+            d / steady_mean for d in during], "x", note="each refit's over the steady mean"),
+        Metric("async: fleet completion tokens/s between refits", between, "tok/s",
+               note="each gap between two syncs: the trainer's step, sharing the 2 cores "
+                    "with the pods"),
+        Metric("wall per optimizer step: sync (GRPOTrainer, AllAtOnce)",
+               step_walls(sync_ends), "s", note="optimizer step end to the next's"),
+        Metric("wall per optimizer step: async (AsyncGRPOTrainer, Rolling keep)",
+               step_walls(async_ends), "s", note="TRL's log of a step to the next's"),
+        Metric("refit per step: sync (publish + operator)", [
+            r["publish_seconds"] + r["operator_seconds"] for r in sync_run["records"][1:]],
+               "s", note="every publish after the start-up one"),
+        Metric("refit per step: async (reference + broadcast + refit, Rolling keep)", [
+            s["ended"] - s["began"] for s in async_run["syncs"][1:]], "s",
+               note="every sync after the cold one"),
+    ]  # fmt: skip
+
+
 async def direct_refits(
     servers: list[VllmServer], tensors: dict[str, torch.Tensor], n: int, log: Log
 ) -> list[dict[str, Any]]:
@@ -157,6 +232,12 @@ def suite(quick: bool, log: Log) -> SuiteOut:
         run = train(fleet, servers, tiny, work / "run.json", "--steps", str(n_steps))
         if run["end"] != {"phase": "Succeeded"}:
             raise RuntimeError(f"the GRPO run ended {run['end']}")
+        raw["loadavg_async"] = loadavg()
+        async_run = train(fleet, servers, tiny, work / "async.json", "--steps", str(n_steps),
+                          "--prefix", "async", "--steady-seconds", "10",
+                          module="testbed.async_grpo_trainer")  # fmt: skip
+        if async_run["end"] != {"phase": "Succeeded"}:
+            raise RuntimeError(f"the async GRPO run ended {async_run['end']}")
         steps = turnarounds(run)
         for t in steps:
             log(f"grpo: step {t.step}: turnaround {t.total_seconds:.3f}s (publish "
@@ -167,9 +248,13 @@ def suite(quick: bool, log: Log) -> SuiteOut:
         direct = asyncio.run(direct_refits(servers, tensors, n_direct, log))
     raw.update(
         records=run["records"], turnarounds=[asdict(t) for t in steps], direct=direct,
+        async_syncs=async_run["syncs"], async_steps=async_run["steps"],
+        async_steady_window=[async_run["steady"]["began"], async_run["steady"]["ended"]],
+        async_consumption=async_run["consumption"],
         bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
     )  # fmt: skip
     metrics = grpo_metrics(steps, run["records"][0], [d["seconds"] for d in direct])
+    metrics += async_metrics(run, async_run)
     notes = [
         f"{n_steps} GRPO steps of testbed/grpo_trainer.py (16 completions of 12 tokens per "
         "step), AllAtOnce, sleep level 1. Publish: the probe reference (a forward pass of "
@@ -182,6 +267,16 @@ def suite(quick: bool, log: Log) -> SuiteOut:
         "broadcast is one world of three; the tiny model is 3 MB, so both are bound by "
         "per-step overheads, not bytes.",
         f"Load average (1, 5, 15 min) at the start of training {raw['loadavg_training']}, "
-        f"of the direct refits {raw['loadavg_direct']}.",
+        f"of the async run {raw['loadavg_async']}, of the direct refits "
+        f"{raw['loadavg_direct']}.",
+        f"Async: {n_steps} steps of testbed/async_grpo_trainer.py (16 samples a step, 8 "
+        "completions of 12 tokens a group, max_staleness 2), Rolling maxUnavailable 1 with "
+        "drainMode keep, sleep level 1; the worker's 2 threads each send one group at a time "
+        "to the pods in traffic, so its throughput is the client's as much as the fleet's. "
+        "Steady state: 10 s of the same worker, fresh, after training (same process, pods "
+        "and version). Between refits the trainer computes on the same 2 cores as the pods "
+        "(nice 10), which starves them: not a steady state. "
+        "Its steps do not wait for rollouts the way the sync run's do: the sync wall per "
+        "step includes generating the step's 16 completions.",
     ]
     return metrics, raw, notes

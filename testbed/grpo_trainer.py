@@ -100,14 +100,15 @@ def rollout_pods(tiny: TinyModel, hosts: Sequence[str]) -> Iterator[list[VllmSer
 
 def command(
     kubeconfig: Path, namespace: str, fleet_port: int, tiny: TinyModel, out: Path, *args: str,
-    spec: Mapping[str, Any],
+    spec: Mapping[str, Any], module: str = "testbed.grpo_trainer",
 ) -> list[str]:  # fmt: skip
     """The command line of a trainer process from checkpoint A that publishes to the pods of
-    ``namespace`` (``args`` added: --steps, --prefix, --selector, ...)."""
+    ``namespace`` (``args`` added: --steps, --prefix, --selector, ...): this module's, or
+    ``module``'s with the same options (testbed.async_grpo_trainer)."""
     from testbed.vllm_server import free_port
 
     return [
-        sys.executable, "-m", "testbed.grpo_trainer",
+        sys.executable, "-m", module,
         "--kubeconfig", str(kubeconfig), "--namespace", namespace,
         "--fleet-port", str(fleet_port), "--port", str(free_port("127.0.0.1")),
         "--model-dir", str(tiny.checkpoints["A"]),
@@ -119,15 +120,18 @@ def command(
 def train(
     fleet: Fleet, servers: Sequence[VllmServer], tiny: TinyModel, out: Path, *args: str,
     spec: Mapping[str, Any] | None = None, timeout: float = 400,
+    module: str = "testbed.grpo_trainer",
 ) -> dict[str, Any]:  # fmt: skip
     """Run this module as a trainer process from checkpoint A against ``fleet``'s server pods
     (testbed.fleet.serving_fleet) to its end, ``args`` added to its command line; the JSON
     document it wrote to ``out``. ``spec``: the refits' spec fields, by default the pods'
-    admin Secret and sleep level 1."""
+    admin Secret and sleep level 1. ``module``: the trainer to run (``command``)."""
     from testbed.fleet import ADMIN_SECRET
 
     spec = spec or {"admin_token_secret": ADMIN_SECRET, "sequence": {"sleepLevel": 1}}
-    cmd = command(fleet.cp.kubeconfig, fleet.ns, servers[0].port, tiny, out, *args, spec=spec)
+    cmd = command(
+        fleet.cp.kubeconfig, fleet.ns, servers[0].port, tiny, out, *args, spec=spec, module=module
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(f"the trainer exited {done.returncode}: {done.stderr[-4000:]}")

@@ -113,12 +113,13 @@ def fleet_units(pods: Sequence[Mapping[str, Any]], groups: api.Groups | None) ->
     return pod_groups.units([PodView.from_pod(p) for p in pods], groups)
 
 
-def refusal(unit: PodView, version: str) -> str:
+def refusal(unit: PodView, version: str | None) -> str:
     """Why rollouts taken at ``version`` may not be generated on ``unit`` ("" when they may):
     the operator's traffic gate holds it out (core/gate.py: every track's record on the pod,
     and for a group its record on the leader and every member present, running and in the run
     that record was made in), its weights-ready condition is not True on every pod of it, or
-    its base weights serve another version."""
+    its base weights serve another version. ``version`` None: any probed version will do (an
+    asynchronous run, whose samples carry the version they were generated at)."""
     verdict = gate(unit)
     if not verdict.ready:
         return f"{verdict.reason}: {verdict.message}"
@@ -126,17 +127,20 @@ def refusal(unit: PodView, version: str) -> str:
         pods = "every pod of the group" if unit.members else "the pod"
         return f"out of traffic: the weights-ready condition is not True on {pods}"
     serves = served(unit.records[""])  # the gate let it in: it has a base record
-    if serves != version:
+    if version is not None and serves != version:
         return f"serves {serves or 'no probed version'}, not {version}"
     return ""
 
 
 def rollout_endpoints(
-    pods: Sequence[Mapping[str, Any]], port: int, version: str, groups: api.Groups | None = None
+    pods: Sequence[Mapping[str, Any]],
+    port: int,
+    version: str | None,
+    groups: api.Groups | None = None,
 ) -> Endpoints:
-    """Where rollouts at ``version`` may go: every unit ``refusal`` lets through, with a pod
-    IP and, where a kubelet reports it, the Ready condition not False on each of its pods. A
-    group generates on its leader only (its followers have no vLLM API)."""
+    """Where rollouts at ``version`` (None: any) may go: every unit ``refusal`` lets
+    through, with a pod IP and, where a kubelet reports it, the Ready condition not False on
+    each of its pods. A group generates on its leader only (its followers have no vLLM API)."""
     # What each pod's own object says, for the kubelet's word and a reason's details.
     phase = {
         p["metadata"]["name"]: "being deleted"
