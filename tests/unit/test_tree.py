@@ -76,8 +76,9 @@ def _dist(requirement: str) -> str:
 
 def test_the_operator_and_the_sdk_import_only_their_dependencies() -> None:
     """What they import is installed by `pip install refit[report]`: a declared dependency, or
-    one those bring (urllib3, with kubernetes); an integration (integrations/NAME.py) may also
-    import what its extra `refit[NAME]` brings (torch and transformers with trl)."""
+    one those bring (urllib3, with kubernetes); an integration (integrations/NAME.py, or a
+    variant of it, NAME_MODE.py) may also import what its extra `refit[NAME]` brings (torch and
+    transformers with trl)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
 
@@ -92,7 +93,8 @@ def test_the_operator_and_the_sdk_import_only_their_dependencies() -> None:
     dists = packages_distributions()
     wrong = {}
     for path in sorted([*OPERATOR.rglob("*.py"), *SDK.rglob("*.py")]):
-        extra = extras.get(path.stem, []) if path.parent.name == "integrations" else []
+        family = path.stem.split("_")[0]  # trl_async.py: the trl extra
+        extra = extras.get(family, []) if path.parent.name == "integrations" else []
         installed = installed_with(base + extra)
         names = _imports(path) - set(sys.stdlib_module_names) - PACKAGES
         bad = {n for n in names if not {_dist(d) for d in dists.get(n, [])} & installed}

@@ -18,7 +18,7 @@ from refit_client.integrations.trl_async import (
     version_number,
 )
 
-from tests.unit.test_trl_integration import pod
+from tests.fixtures.rollout_pods import pod
 
 CLIENT: Any = SimpleNamespace()  # the pure parts never reach the cluster
 

@@ -27,9 +27,10 @@ from refit_client.integrations.trl import (
 )
 from refit_client.refit_error import RefitError
 from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL, Groups
-from refit_operator.core.podflow import PROGRESS_ANNOTATION, Outcome, Progress
 from refit_operator.core.podview import PodView
 from refit_worker.contract import READINESS_GATE
+
+from tests.fixtures.rollout_pods import pod
 
 
 def test_the_gate_name_is_the_contracts() -> None:
@@ -39,33 +40,6 @@ def test_the_gate_name_is_the_contracts() -> None:
 def test_prompts_repeated_num_generations_times_make_one_request_each() -> None:
     assert group_prompts(["a", "a", "b", "b", "a", "a"]) == [(0, 2), (2, 2), (4, 2)]
     assert group_prompts([]) == []
-
-
-def pod(
-    name: str, ip: str | None = "10.0.0.1", *, version: str | None = "v2", gate: str = "True",
-    kubelet: str | None = None, restarts: int = 0, uid: str = "u1", phase: str = "Running",
-    labels: dict[str, str] | None = None, incarnation: str = "", started: float = 1.0,
-    outcome: Outcome = "Succeeded",
-) -> dict:  # fmt: skip
-    """A Pod object as the API server returns it: with the record of a pass that brought it to
-    ``version`` (None: no record), the weights-ready condition ``gate`` and, where given, the
-    kubelet's Ready condition."""
-    annotations = {}
-    if version is not None:
-        record = Progress(refit="r", uid="r1", version=version, path="/ckpt", outcome=outcome,
-                          started=started, restarts=restarts, incarnation=incarnation,
-                          step="" if outcome else "drain")  # fmt: skip
-        annotations[PROGRESS_ANNOTATION] = record.to_annotation()
-    conditions = [{"type": READY_GATE, "status": gate}]
-    if kubelet is not None:
-        conditions.append({"type": "Ready", "status": kubelet})
-    return {
-        "metadata": {"name": name, "uid": uid, "labels": labels or {"app": "x"},
-                     "annotations": annotations},
-        "spec": {"readinessGates": [{"conditionType": READINESS_GATE}]},
-        "status": {"phase": phase, "podIP": ip, "conditions": conditions,
-                   "containerStatuses": [{"restartCount": restarts}]},
-    }  # fmt: skip
 
 
 def test_only_units_in_traffic_at_the_version_generate() -> None:
