@@ -171,7 +171,7 @@ def test_broadcast_rounds_keep_the_invariants_whatever_the_trainer_does(
     assert "broadcast_rounds" in SOURCES
     broadcast = frozenset({"broadcast_rounds"})
     traces = []
-    for seed in range(6000, 6004):
+    for seed in range(6004, 6008):
         for classes in (broadcast, broadcast | frozenset(HOLDING)):
             result = run_schedule(Config(seed, classes))
             assert not [v for v in result.violations if known(v) is None], result.report()

@@ -390,7 +390,10 @@ class Engine:
                     raise
             else:
                 if written:
-                    st.saw(written)
+                    # Into the index too, not only the refit's state: the refits this tick
+                    # wakes decide from the index (a Succeeded here is what lets the fleet's
+                    # previous target see its pods moved on), before the watch brings it.
+                    self.observe(written)
                 else:  # a Kube that does not answer with the object: read it next time
                     st.doc = None
                 return True

@@ -32,6 +32,9 @@ class Known:
     moved_on: bool = False
     stamp: str = ""  # the creation stamp (times.CREATED_ANNOTATION); "" while it has none
     stamped: bool = True  # the object carries ``stamp``: False while the operator's is unwritten
+    # The object's resourceVersion as a number (0: none): the operator folds its own status
+    # writes in at once, so a watch event that shows an older state is not taken over them.
+    version: int = 0
 
     @property
     def served(self) -> bool:
@@ -51,7 +54,7 @@ class Known:
             status.get("phase", "Pending"), spec, times.epoch(status.get("completionTime")),
             bool(meta.get("deletionTimestamp")),
             status.get("phase") == "Superseded" and _ready_reason(status) == Reason.PodsMovedOn,
-            stamp, bool(stamp),
+            stamp, bool(stamp), _version(meta),
         )  # fmt: skip
 
     def ref(self, phase: Phase | None = None) -> plan.RefitRef:
@@ -59,6 +62,11 @@ class Known:
             self.name, self.created, phase or self.phase, self.spec.queue_policy,
             self.spec.fleet.selector,
         )  # fmt: skip
+
+
+def _version(meta: dict[str, Any]) -> int:
+    rv = str(meta.get("resourceVersion", ""))
+    return int(rv) if rv.isdigit() else 0
 
 
 def _ready_reason(status: dict[str, Any]) -> str:
@@ -87,11 +95,13 @@ class RefitIndex:
         if known is None:
             self.first_seen.pop(uid, None)
             return self.known.pop(uid, None)
+        before = self.known.get(uid)
+        if before is not None and before.version > known.version:
+            return None  # an event from before the write this operator folded in already
         if uid not in self.first_seen:
             self.seq += 1
             self.first_seen[uid] = self.seq
         if not known.stamped:
-            before = self.known.get(uid)
             given = before.stamp if before is not None and before.stamp else stamp
             if given:
                 created = times.creation_order(doc["metadata"]["creationTimestamp"], given)
