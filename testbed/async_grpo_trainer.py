@@ -31,14 +31,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from refit_client.client import RefitClient, RefitFailed
 from refit_client.integrations.trl_async import RefitRolloutWorker, RefitWeightTransfer
 from refit_client.refit_error import RefitError
 
-from testbed.grpo_trainer import PROMPTS, WORD
+from testbed.grpo_trainer import PROMPTS, WORD, trainer_arguments
 
 
 def reward_red(completions: Sequence[str], **_: Any) -> list[float]:
@@ -75,17 +74,7 @@ def steady(worker: RefitRolloutWorker, seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kubeconfig", required=True)
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--selector", default="app=rollout")
-    p.add_argument("--fleet-port", type=int, required=True, help="the pods' vLLM port")
-    p.add_argument("--host", default="127.0.0.1", help="where the pods reach this process")
-    p.add_argument("--port", type=int, required=True, help="the broadcast rendezvous port")
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--probe-texts", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    trainer_arguments(p)
     p.add_argument("--prefix", default="async", help="versions are PREFIX-vN")
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--spec", default="{}", help="more spec fields, as client keywords (JSON)")

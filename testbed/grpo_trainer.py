@@ -138,8 +138,9 @@ def train(
     return dict(json.loads(out.read_text()))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def trainer_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line both trainers (this one and testbed.async_grpo_trainer) share: where
+    the fleet and the rendezvous are, the model, where the run's summary goes."""
     p.add_argument("--kubeconfig", required=True)
     p.add_argument("--namespace", required=True)
     p.add_argument("--selector", default="app=rollout")
@@ -151,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    trainer_arguments(p)
     p.add_argument("--prefix", default="grpo", help="versions are PREFIX-step-N")
     p.add_argument("--corrupt-at-step", type=int, default=None)
     # vLLM's per-request seed (a group's n samples take seed, seed+1, ...): with the
