@@ -29,7 +29,7 @@ from refit_worker import contract
 from refit_worker.contract import DRAFTER_PREFIX, TransferManifest, TransferTensor
 from refit_worker.transfer_manifest import manifest_of, parse_manifest, split_drafter, tensor_digest
 
-from testbed.simworker.errors import rpc_failure
+from testbed.simworker.errors import body_field_missing, rpc_failure
 from testbed.simworker.model import SIM_PARAMS
 from testbed.simworker.pod import PodState
 
@@ -127,9 +127,11 @@ class TransferRoutes:
     async def on_init_weight_transfer_engine(
         self, request: web.Request, pod: PodState, body: Any, fault: Any
     ):
+        if not isinstance(body, dict) or "init_info" not in body:
+            return body_field_missing("init_info", None)  # vLLM's Body(...) field
         engine = self.engine(pod)
         engine.group = None  # a new trainer (or a retry) replaces the old group
-        info = (body or {}).get("init_info") or {}
+        info = body["init_info"] or {}
         host, port = str(info.get("master_address")), int(info.get("master_port", 0))
         rank, world = int(info.get("rank_offset", 0)), int(info.get("world_size", 0))
         timeout = float(info.get("timeout_seconds", 60))
@@ -157,15 +159,23 @@ class TransferRoutes:
         self, request: web.Request, pod: PodState, body: Any, fault: Any
     ):
         engine = self.engine(pod)
+        if engine.round is not None and not engine.round.finished:
+            return rpc_failure(
+                request,
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first.",
+            )
         engine.rounds += 1
         engine.round = TransferRound(engine.rounds)
         return web.json_response({"message": "Weight update started"})
 
     async def on_update_weights(self, request: web.Request, pod: PodState, body: Any, fault: Any):
+        if not isinstance(body, dict) or "update_info" not in body:
+            return body_field_missing("update_info", None)
         engine = self.engine(pod)
         current = engine.round
-        if current is None:
-            return rpc_failure(request, "start_weight_update must come first")
+        if current is None or current.finished:
+            return rpc_failure(request, "start_weight_update must be called before update_weights.")
         problem: tuple[str, str] | None = None
         promise: TransferManifest | None = None
         if current.state != "started":
@@ -202,6 +212,7 @@ class TransferRoutes:
                 problem = ("TransferMismatch", "; ".join(what))
         if problem is not None:
             current.state, current.code, current.detail = "refused", *problem
+            current.finished = True  # vLLM's worker ends the update it refused
             return self._refused(request, *problem)
         assert sent is not None
         self._load(pod, sent)
@@ -238,8 +249,11 @@ class TransferRoutes:
         self, request: web.Request, pod: PodState, body: Any, fault: Any
     ):
         current = self.engine(pod).round
-        if current is not None:
-            current.finished = True
+        if current is None or current.finished:
+            return rpc_failure(
+                request, "finish_weight_update called without a matching start_weight_update."
+            )
+        current.finished = True
         version = (body or {}).get("weight_version") if isinstance(body, dict) else None
         if version is not None:  # vLLM sets the served version with it
             pod.weight_version = str(version)

@@ -261,6 +261,18 @@ def real(vllm_server: VllmServer, tiny_model: TinyModel) -> Target:
 
 
 @pytest.fixture(scope="module")
+def vllm_server(tiny_model: TinyModel) -> Iterator[VllmServer]:
+    """The module's dummy-start server (as tests/fixtures/workers.py starts it), with the
+    refit-gloo weight-transfer engine: the transfer routes the simulator serves are compared
+    with it too."""
+    config = json.dumps({"backend": contract.TRANSFER_BACKEND})
+    with start_vllm_server(
+        tiny_model, api_key="test-api-key", extra_args=["--weight-transfer-config", config]
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def sim(
     vllm_server: VllmServer, tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Target]:
@@ -824,6 +836,54 @@ def test_simulator_serves_lora_adapters_like_vllm(
     ]
     assert ("cards", [("<model>", "<root>", None), ("policy", "v2", "<model>"),
                       ("broken", "corrupt", "<model>")]) in observed_real  # fmt: skip
+
+
+TRANSFER_MASTER = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
+# The weight-transfer routes without a trainer (a round with one is tests/worker/
+# test_broadcast.py's): the order vLLM holds them to, its body validation, the plugin
+# engine's refusal of the trainer's own rank, and the guard on each.
+TRANSFER_CALLS: list[tuple[str, Any]] = [
+    ("/update_weights", {"update_info": {}}),  # before any start
+    ("/finish_weight_update", {}),  # no start to finish
+    ("/init_weight_transfer_engine", {"init_info": {**TRANSFER_MASTER, "rank_offset": 0}}),
+    ("/init_weight_transfer_engine", {}),  # 400: no init_info
+    ("/update_weights", {}),  # 400: no update_info
+    ("/start_weight_update", {}),
+    ("/start_weight_update", {}),  # one is active already
+    ("/update_weights", {"update_info": {"manifest": "nonsense"}}),  # no engine joined
+    ("/finish_weight_update", {}),  # the refused update ended it
+    ("/start_weight_update", {}),
+    ("/finish_weight_update", {}),
+]
+
+
+async def run_transfer_routes(target: Target) -> list[Any]:
+    seen: list[Any] = []
+    # A fresh connection per call: vLLM closes one after a worker method's 500.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for path, body in TRANSFER_CALLS:
+            for token in (target.admin_token, None):
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                async with http.post(target.base_url + path, json=body, headers=headers) as r:
+                    doc = await r.json()
+                error = doc.get("error") if isinstance(doc, dict) else None
+                said = error.get("message") if isinstance(error, dict) else doc
+                seen.append((path, token is not None, r.status, said))
+                COMPARED.add((path, ""))
+    return seen
+
+
+def test_simulator_answers_the_weight_transfer_routes_like_refit_gloo(
+    real: Target, sim: Target
+) -> None:
+    observed_real = asyncio.run(run_transfer_routes(real))
+    observed_sim = asyncio.run(run_transfer_routes(sim))
+    for i, (r, s) in enumerate(itertools.zip_longest(observed_real, observed_sim)):
+        assert s == r, f"call {i}:\n real {r}\n sim  {s}"
+    statuses = [o[2] for o in observed_real if o[1]]
+    assert statuses == [500, 500, 500, 400, 400, 200, 500, 500, 500, 200, 200], observed_real
+    assert all(o[2] == 401 for o in observed_real if not o[1])  # the guard, every route
 
 
 def test_every_route_the_simulator_serves_was_compared() -> None:
