@@ -363,9 +363,12 @@ def test_two_refits_of_one_adapter_created_at_once_queue(harness, sim_fleet, tmp
     # stamp orders them, not their names.
     fleet.apply_refit("policy-z", "s2", lora["s2"], sims[0].port, adapter="policy")
     fleet.apply_refit("policy-a", "s3", lora["s3"], sims[0].port, adapter="policy")
-    first = fleet.wait_phase("policy-z", END, 120, op)["status"]
     second = fleet.wait_phase("policy-a", END, 120, op)["status"]
-    assert (first["phase"], second["phase"]) == ("Succeeded", "Succeeded"), (first, second)
+    assert second["phase"] == "Succeeded", second
+    # The first Succeeded, then its pods moved on to the second (woken by the second's finish).
+    first = fleet.wait_phase("policy-z", "Superseded", 60, op)["status"]
+    ready = {c["type"]: c for c in first["conditions"]}["Ready"]
+    assert ready["reason"] == "PodsMovedOn" and "policy-a" in ready["message"], first
     assert first["completionTime"] <= second["startTime"], (first, second)
     for n, sim in zip(names, sims, strict=True):
         assert served(sim) == {"policy": "s3"}, (n, served(sim))
