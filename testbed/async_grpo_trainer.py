@@ -33,11 +33,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from refit_client.client import RefitClient, RefitFailed
+from refit_client.client import RefitClient
 from refit_client.integrations.trl_async import RefitRolloutWorker, RefitWeightTransfer
-from refit_client.refit_error import RefitError
 
-from testbed.grpo_trainer import PROMPTS, WORD, trainer_arguments
+from testbed.grpo_trainer import PROMPTS, WORD, train_to_end, trainer_arguments
 
 
 def reward_red(completions: Sequence[str], **_: Any) -> list[float]:
@@ -140,13 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         transfer.model = trainer.model
         try:
-            trainer.train()
-            out["end"] = {"phase": "Succeeded"}
-        except RefitFailed as e:
-            out["end"] = {"phase": e.phase, "reason": e.reason, "cause": e.cause,
-                          "pods": {f.pod: f.reason for f in e.pod_failures}}  # fmt: skip
-        except RefitError as e:
-            out["end"] = {"phase": "", "error": f"{type(e).__name__}: {e}"}
+            out["end"] = train_to_end(trainer)
         finally:
             worker.stop()
         out["syncs"] = [asdict(s) for s in transfer.syncs]

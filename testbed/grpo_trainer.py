@@ -138,6 +138,20 @@ def train(
     return dict(json.loads(out.read_text()))
 
 
+def train_to_end(trainer: Any) -> dict[str, Any]:
+    """``trainer.train()`` and how it ended, as both trainers' summaries say it: Succeeded,
+    the refit that stopped it (its phase, reason, cause and pods' reasons), or the client's
+    error."""
+    try:
+        trainer.train()
+        return {"phase": "Succeeded"}
+    except RefitFailed as e:
+        return {"phase": e.phase, "reason": e.reason, "cause": e.cause,
+                "pods": {f.pod: f.reason for f in e.pod_failures}}  # fmt: skip
+    except RefitError as e:
+        return {"phase": "", "error": f"{type(e).__name__}: {e}"}
+
+
 def trainer_arguments(p: argparse.ArgumentParser) -> None:
     """The command line both trainers (this one and testbed.async_grpo_trainer) share: where
     the fleet and the rendezvous are, the model, where the run's summary goes."""
@@ -245,14 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
             rollout_func=rollout, callbacks=[rollout.callback(), Log(), OptimizerEnd()],
         )  # fmt: skip
-        try:
-            trainer.train()
-            out["end"] = {"phase": "Succeeded"}
-        except RefitFailed as e:
-            out["end"] = {"phase": e.phase, "reason": e.reason, "cause": e.cause,
-                          "pods": {f.pod: f.reason for f in e.pod_failures}}  # fmt: skip
-        except RefitError as e:
-            out["end"] = {"phase": "", "error": f"{type(e).__name__}: {e}"}
+        out["end"] = train_to_end(trainer)
         for rec in rollout.records:  # the final weights' publish (on_train_end) has no log
             say(rec)
         out["records"] = [asdict(r) for r in rollout.records]
