@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+
 import pytest
 from refit_operator.core import history
-from refit_operator.main import parse_args, process_identity
+from refit_operator.main import GC_THRESHOLDS, parse_args, process_identity, tune_gc
 
 
 def test_history_limit_defaults_to_the_policy_default() -> None:
@@ -29,3 +32,17 @@ def test_each_process_has_its_own_identity() -> None:
     first, second = process_identity("refit-7d9f-abcde"), process_identity("refit-7d9f-abcde")
     assert first.startswith("refit-7d9f-abcde-") and second.startswith("refit-7d9f-abcde-")
     assert first != second
+
+
+@pytest.fixture
+def gc_restored() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+
+
+@pytest.mark.usefixtures("gc_restored")
+def test_the_operator_collects_less_often_than_the_default() -> None:
+    tune_gc()
+    assert gc.get_threshold() == GC_THRESHOLDS
+    assert all(mine > default for mine, default in zip(GC_THRESHOLDS, (700, 10, 10), strict=True))
