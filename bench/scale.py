@@ -12,6 +12,9 @@ and the leader's longest gap between two renewals of its Lease while the refit r
 the API server: each stored ``spec.renewTime``, which the operator stamps as it sends the
 renewal), as a fraction of the lease duration: the leader stops acting once a gap reaches two
 thirds of it (leader.Lease.check), so under that bound no refit is lost to its own work.
+Beside each run, its bare write floor: the same number of pod status patches made right after
+it by a plain client (``write_floor``), so a wall time reads against what the API server and
+etcd alone take for those writes on this machine.
 
 The pieces other suites reuse (bench/soak.py): `control_plane` (a temporary control plane
 with the CRD and a `Bench` on it), `Bench.start_operator`, `refit_body`, `sim_fleet`,
@@ -23,6 +26,7 @@ starting the simulators and the refit take several minutes on 2 cores.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import resource
@@ -37,14 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kubernetes_asyncio.client
 import psutil
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from refit_client.refit_document import build_refit
 from refit_operator.core import api
 from refit_operator.core.api_spec import LWS_GROUP_LABEL, LWS_INDEX_LABEL
+from refit_operator.edges import cluster
 from refit_operator.edges.leader import DEFAULT_LEASE_SECONDS
-from refit_worker.contract import API_GROUP
+from refit_worker.contract import API_GROUP, READINESS_GATE
 
 from bench import apiserver
 from bench.results import Metric, summarize
@@ -80,6 +86,10 @@ RENEWAL_GAP_TARGET = "< 0.667"
 RENEWAL_GAP_TARGETS = {10000: "<= 0.5"}
 
 
+def pod_name(i: int) -> str:
+    return f"pod-{i}"
+
+
 @dataclass
 class RunResult:
     pods: int
@@ -97,6 +107,7 @@ class RunResult:
     object_bytes: int = 0  # the WeightRefit's JSON as the API server returned it at the end
     object_bytes_max: int = 0  # the largest of the polls (0: not measured, older runs)
     lease_seconds: int = 0  # the operator's --lease-seconds (0: older runs)
+    write_floor_s: float = 0.0  # the run's pod writes by a plain client (0: not measured)
     renewal_gap_max_s: float = 0.0  # longest gap between Lease renewals while the refit ran
     renewals: int = 0  # renewals seen in that window
     group_size: int = 1  # pods per refit unit (spec.fleet.groups; 1: every pod alone)
@@ -138,7 +149,7 @@ class Bench:
             if group_size > 1:
                 labels[LWS_GROUP_LABEL] = f"g{i // group_size}"
                 labels[LWS_INDEX_LABEL] = str(i % group_size)
-            register_pod(self.core, ns, f"pod-{i}", ip, labels=labels,
+            register_pod(self.core, ns, pod_name(i), ip, labels=labels,
                          image="vllm/vllm-openai:bench")  # fmt: skip
 
         with ThreadPoolExecutor(8) as pool:
@@ -293,6 +304,8 @@ class Bench:
         # and its Lease watch (the operator only reads, creates and replaces its Lease)
         counts[("LIST", "leases")] = counts[("WATCH", "leases")] = 0
         counts = +counts
+        pod_writes = counts[("PATCH", "pods/status")]
+        floor = write_floor(self.cp.kubeconfig, ns, [pod_name(i) for i in range(n)], pod_writes)
         return RunResult(
             pods=n,
             group_size=group_size,
@@ -312,7 +325,50 @@ class Bench:
             lease_seconds=self.lease_seconds,
             renewal_gap_max_s=gap,
             renewals=seen,
+            write_floor_s=floor,
         )
+
+
+WRITE_FLOOR_CONCURRENCY = 100  # the operator's API client pools as many connections
+
+
+def write_floor(kubeconfig: Path, ns: str, pods: list[str], writes: int) -> float:
+    """Seconds a plain client takes to make ``writes`` pod status patches on ``pods`` (round
+    robin), shaped like a pass's record (a progress annotation and the readiness condition),
+    through the operator's own API client set-up, at most WRITE_FLOOR_CONCURRENCY at once:
+    the API server's and etcd's share of a run's pod writes on this machine, with no operator
+    work around them. 0.0 when the run wrote no pod."""
+    if not writes or not pods:
+        return 0.0
+
+    async def patch_all() -> float:
+        api_client = await cluster.connect(str(kubeconfig))
+        core = kubernetes_asyncio.client.CoreV1Api(api_client)
+        gate = asyncio.Semaphore(WRITE_FLOOR_CONCURRENCY)
+
+        async def one(i: int) -> None:
+            body = {
+                "metadata": {"annotations": {f"{GROUP}/bench-floor": json.dumps({"write": i})}},
+                "status": {"conditions": [{
+                    "type": READINESS_GATE, "status": "True" if i % 2 else "False",
+                    "reason": "BenchFloor", "message": f"write {i}",
+                }]},
+            }  # fmt: skip
+            async with gate:
+                resp = await core.patch_namespaced_pod_status(
+                    pods[i % len(pods)], ns, body, _preload_content=False,
+                    _content_type=cluster.SMP,
+                )  # fmt: skip
+                await cluster.read_json(resp)
+
+        try:
+            t0 = time.monotonic()
+            await asyncio.gather(*(one(i) for i in range(writes)))
+            return time.monotonic() - t0
+        finally:
+            await api_client.close()
+
+    return asyncio.run(patch_all())
 
 
 def status_line(doc: dict[str, Any]) -> str:
@@ -454,7 +510,8 @@ def run_suite(
                                 f"scale: {n} pods {strategy} #{rep + 1}: {r.wall_s:.2f}s "
                                 f"wall{done}, {r.cpu_s:.1f}s cpu, {r.peak_rss_mib:.0f} MiB, "
                                 f"{r.writes / n:.1f} writes/pod {r.verbs}, object "
-                                f"{r.object_bytes_max / 1024:.1f} KiB at most"
+                                f"{r.object_bytes_max / 1024:.1f} KiB at most; bare write "
+                                f"floor {r.write_floor_s:.2f}s"
                             )
                         if r is None or not r.completed:
                             # Pods left mid-pass: the next run gets a fresh simulator.
@@ -564,6 +621,26 @@ def metrics_of(runs: list[RunResult], sizes: list[int]) -> list[Metric]:
                 )
             )
             out.append(Metric(f"{tag}: operator peak RSS", [r.peak_rss_mib for r in rs], "MiB"))
+            floored = [r for r in rs if r.write_floor_s]  # runs before 2026-12-07 lack it
+            if floored:
+                out.append(
+                    Metric(
+                        f"{tag}: bare write floor",
+                        [r.write_floor_s for r in floored],
+                        "s",
+                        note="the run's pod status patches made by a plain client "
+                        f"({WRITE_FLOOR_CONCURRENCY} at once, the operator's API client set-up) "
+                        "right after the run, on the same API server",
+                    )
+                )
+                out.append(
+                    Metric(
+                        f"{tag}: wall / bare write floor",
+                        [r.wall_s / r.write_floor_s for r in floored],
+                        "x",
+                        note="apply->Succeeded over the floor, each run with its own floor",
+                    )
+                )
             leased = [r for r in runs if r.pods == n and r.strategy == strategy and r.lease_seconds]
             if leased:
                 # Every run, finished or not: a starved renewal is what ends a run early.

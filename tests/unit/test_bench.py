@@ -170,6 +170,17 @@ def test_scale_object_size_and_the_10000_pod_targets() -> None:
     assert by_name["AllAtOnce 10000 pods: API writes per pod"].summary.median == 4.0
 
 
+def test_each_run_reads_against_its_own_bare_write_floor() -> None:
+    runs = [_run(1000, "AllAtOnce", 12.0, 2000), _run(1000, "AllAtOnce", 18.0, 2000)]
+    runs[0].write_floor_s, runs[1].write_floor_s = 3.0, 2.0
+    unfloored = _run(10, "AllAtOnce", 1.0, 20)  # a run stored before the floor was measured
+    by_name = {m.name: m for m in metrics_of([*runs, unfloored], [10, 1000])}
+    assert by_name["AllAtOnce 1000 pods: bare write floor"].samples == [3.0, 2.0]
+    ratio = by_name["AllAtOnce 1000 pods: wall / bare write floor"]
+    assert (ratio.samples, ratio.unit) == ([4.0, 9.0], "x")  # not 15 s / 2.5 s
+    assert "AllAtOnce 10 pods: bare write floor" not in by_name
+
+
 @pytest.mark.parametrize(
     ("n", "per_shard", "sizes"),
     [(4, 9488, [4]), (10000, 9488, [5000, 5000]), (7, 3, [3, 2, 2]), (9488, 9488, [9488])],
