@@ -27,9 +27,10 @@ log = logging.getLogger("refit_operator")
 # a full one, over every live object, every 100 of those. With a large fleet's pods in the
 # watch cache and thousands of short-lived objects per pod call, those full collections made
 # operator CPU per pod grow with the fleet: 5,000 simulated pods AllAtOnce took 71.8 s of CPU
-# (83.8 s wall) by default, 39.4 s (51.3 s) with these, same peak RSS (bench/results/
-# HISTORY.md, 2026-12-07). Young collections still run every 100,000 allocations, so cycles
-# are still freed; the soak bench checks that memory stays flat over 1,000 refits.
+# (83.8 s wall) by default, 39.4 s (51.3 s) with these. The price is memory: garbage waits
+# longer for a collection, so RSS settles higher (the soak's 1,000 refits on 4 pods: +30 MiB
+# from the first sample, +1.6 MiB over the last 250 refits; +13 and +0.4 by default).
+# bench/results/HISTORY.md, 2026-12-07, has the settings tried.
 GC_THRESHOLDS = (100_000, 50, 100)
 
 
