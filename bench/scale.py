@@ -343,7 +343,8 @@ def write_floor(kubeconfig: Path, ns: str, pods: list[str], writes: int) -> floa
 
     async def patch_all() -> float:
         api_client = await cluster.connect(str(kubeconfig))
-        core = kubernetes_asyncio.client.CoreV1Api(api_client)
+        # Typed as Any: with _preload_content=False the generated signatures no longer hold.
+        core: Any = kubernetes_asyncio.client.CoreV1Api(api_client)
         gate = asyncio.Semaphore(WRITE_FLOOR_CONCURRENCY)
 
         async def one(i: int) -> None:
