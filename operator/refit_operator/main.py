@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     # says what happened to each refit.
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    # One line per HTTP request to a pod drowns the log of a large fleet.
     tune_gc()
     sys.exit(asyncio.run(run(args)))
 
