@@ -195,6 +195,8 @@ def phases(s: OperatorSample, transfer: tuple[str, ...]) -> dict[str, float]:
     }
     out["claim + records"] = round(_ms(started, finished) - sum(steps_ms.values()), 2)
     out.update(steps_ms)
+    for step in (*PRE_STEPS, *transfer, *POST_STEPS):  # beside the direct side's (step_rows)
+        out[f"step: {step}"] = _step_ms(slowest, (step,))
     out["final reconcile"] = _ms(finished, s.ended)
     out["pass (slowest pod)"] = pass_ms
     if s.calls:
@@ -438,7 +440,7 @@ def floor_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric
     metrics.append(Metric(
         f"{FLOOR}: operator-driven / direct incl. the preflight's pod calls, p50",
         [compare(op_ms, with_preflight).ratio_p50], "x"))  # fmt: skip
-    return metrics + phase_metrics(FLOOR, per)
+    return metrics + phase_metrics(FLOOR, per) + step_rows(FLOOR, direct, CHECKPOINT_TRANSFER)
 
 
 # ------------------------------------------------------------------ 2. real vLLM broadcast
@@ -597,7 +599,17 @@ def vllm_metrics(raw: Mapping[str, Any], log: Log | None = None) -> list[Metric]
         d["preflight_ms"] for d in direct], "ms",
         note="refit_info and get_world_size on both pods, the reference scored on one: what "
         "the operator's preflight asks of the pods; not in the direct samples"))  # fmt: skip
-    return metrics + phase_metrics(VLLM, per)
+    return metrics + phase_metrics(VLLM, per) + step_rows(VLLM, direct, BROADCAST_TRANSFER)
+
+
+def step_rows(label: str, direct: list[dict[str, Any]], transfer: tuple[str, ...]) -> list[Metric]:
+    """The direct side's seconds per step, the slower pod's in each sample, in ms: beside the
+    operator side's "operator phase: step: ..." rows, where the two sides' pod work differs."""
+    return [
+        Metric(f"{label}: direct step: {step}",
+               [1000 * max(float(pod.get(step, 0.0)) for pod in d["steps"]) for d in direct], "ms")
+        for step in (*PRE_STEPS, *transfer, *POST_STEPS)
+    ]  # fmt: skip
 
 
 def metrics_of(raw: Mapping[str, Any]) -> list[Metric]:

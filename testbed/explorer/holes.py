@@ -53,13 +53,13 @@ class Hole:
 
 KNOWN_HOLES: dict[str, Hole] = {
     "creation_order": Hole(
-        48,
+        57,
         frozenset({"watch_drop"}),
         "two refits created in one second without a client's creation stamp (kubectl) are "
         "stamped by the operator in the order it first sees them, and each stamp is persisted "
         "by a write of its own; that is the order the API server stored them in only while "
         "the watch shows every ADDED event and the stamps of one second land together. Seed "
-        "48: wr-003's ADDED is lost (a watch that relists), wr-004 (created after it, in the "
+        "57: wr-003's ADDED is lost (a watch that relists), wr-004 (created after it, in the "
         "same second) is stamped at once, wr-003 only when a list finds it. Also (mixed "
         "classes, operator_restart): a process persists the later refit's stamp, then dies "
         "or loses its Lease before the earlier one's (the explorer persists a stamp at the "

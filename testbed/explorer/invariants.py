@@ -717,6 +717,13 @@ class Checker:
             # An adapter whose pod's base weights moved on to another version since: unloaded
             # by that base pass, and no longer this refit's to count (BaseChanged).
             counted = counted and not base_moved_on(PodView.from_pod(doc), p)
+            # ... or whose pod another refit's base pass holds now: its drain unloads the
+            # adapter (onBaseRefit: Unload), and the decision leaves the pod to that refit
+            # (blocked), not counted here.
+            base = _record(doc)
+            counted = counted and not (
+                track and base is not None and base.uid != uid and not base.finished_pass
+            )
             # A container that restarted since its pass cannot be blamed on this status: the
             # tick decided from a list taken before (the restart is the next tick's to see).
             restarted = p is not None and p.restarts != restarts

@@ -431,9 +431,17 @@ def test_overhead_phases_tile_an_operator_driven_refit() -> None:
     assert (p["pre-transfer steps"], p["transfer"], p["post-transfer steps"]) == (20, 50, 50)
     assert p["claim + records"] == 180.0  # 300 ms of pass (first start -> last end) - steps
     assert p["final reconcile"] == 100.0
+    # The slowest pod's steps one by one, beside the direct side's (not part of the tiling).
+    assert (p["step: drain"], p["step: stage"], p["step: probe"]) == (20, 30, 50)
+    assert p["step: sleep"] == 0
     tiled = sum(v for k, v in p.items() if k not in ("total", "pass (slowest pod)")
-                and not k.startswith("pod time"))  # fmt: skip
+                and not k.startswith(("pod time", "step: ")))  # fmt: skip
     assert tiled == pytest.approx(p["total"])
+    direct = [{"steps": [{"drain": 0.01, "probe": 0.05}, {"drain": 0.03}]},
+              {"steps": [{"drain": 0.02}, {"drain": 0.02, "probe": 0.01}]}]  # fmt: skip
+    rows = {m.name: m.samples for m in overhead.step_rows("x", direct, ("stage", "load"))}
+    assert rows["x: direct step: drain"] == pytest.approx([30, 20])  # the slower pod's, per sample
+    assert rows["x: direct step: probe"] == pytest.approx([50, 10])
 
 
 def test_overhead_alternates_the_sides_and_drops_each_warm_up() -> None:

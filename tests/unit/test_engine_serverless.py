@@ -17,6 +17,7 @@ from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api_status import WeightRefitStatus
+from refit_operator.core.status import PROGRESS_WRITE_SECONDS, write_now
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
 
@@ -48,15 +49,17 @@ class Bed:
         return sum(len(pod.calls) for pod in self.sim.pods.values())
 
 
-async def _bed(pods: int = 2, lease: Lease | None = None, store: Store | None = None) -> Bed:
+async def _bed(
+    pods: int = 2, lease: Lease | None = None, store: Store | None = None, **refit: Any
+) -> Bed:
     store = store or Store()
     sim = ExplorerSimServer([f"10.9.0.{i + 1}" for i in range(pods)], str(ROOT), None)
     session = InProcessSession(sim)
     for i, ip in enumerate(sim.pods):
         store.create("Pod", NS, pod_body(f"p{i}", ip, {"app": "a"}))
     ckpt = checkpoints(ROOT, VERSIONS[:1])
-    refit = build_refit("wr", ckpt["v1"], "v1", fleet_selector={"app": "a"})
-    store.create("WeightRefit", NS, finalized(refit))
+    doc = build_refit("wr", ckpt["v1"], "v1", fleet_selector={"app": "a"}, **refit)
+    store.create("WeightRefit", NS, finalized(doc))
     cluster = MemoryCluster(store, "op")
     engine = Engine(
         cluster,
@@ -129,6 +132,73 @@ def test_a_tick_writes_its_decision_once() -> None:
     ticks = _on_virtual_time(main)
     assert all(writes == int(changed) for changed, writes in ticks), ticks
     assert any(changed for changed, _ in ticks) and any(not changed for changed, _ in ticks)
+
+
+def test_progress_waits_for_its_period_and_what_someone_waits_on_does_not() -> None:
+    """Ticks much closer together than PROGRESS_WRITE_SECONDS (hand-offs come that fast): a
+    change of progress alone is held back until the period since the last write is over; a new
+    phase, or a condition turning True, is written by the tick that decided it."""
+
+    async def main(clock: VirtualClock) -> list[tuple[float, bool, bool, str, int]]:
+        # One pod at a time, each call 50 ms: passes of about half a second, one after another.
+        bed = await _bed(pods=4, strategy="Rolling", max_unavailable=1)
+        bed.sim.latency = lambda step: 0.05
+        writes: list[float] = []
+        patch = bed.cluster.patch_status
+
+        async def counted(namespace: str, name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            writes.append(clock.monotonic())
+            return await patch(namespace, name, *args, **kwargs)
+
+        bed.cluster.patch_status = counted  # type: ignore[method-assign]
+        # (when, changed, write_now, phase, writes) per tick
+        ticks: list[tuple[float, bool, bool, str, int]] = []
+        while len(ticks) < 400:
+            before, written = bed.status(), len(writes)
+            d = await bed.engine.tick(NS, "wr")
+            assert d is not None
+            now = write_now(d.status, WeightRefitStatus.model_validate(before))
+            changed = d.status.dump() != before
+            ticks.append((clock.monotonic(), changed, now, d.status.phase, len(writes) - written))
+            if d.status.phase == "Succeeded":
+                break
+            await asyncio.sleep(0.1)
+        return ticks
+
+    ticks = _on_virtual_time(main)
+    assert ticks[-1][3] == "Succeeded" and ticks[-1][4] == 1  # written by the tick that decided
+    assert all(n == 1 for _, changed, now, _, n in ticks if changed and now)
+    held = [t for t in ticks if t[1] and not t[2] and t[4] == 0]
+    assert held, f"no progress was held back: {ticks}"
+    last = float("-inf")
+    for when, _changed, now, _, n in ticks:
+        if n and not now:  # progress alone: only once the period since the last write is over
+            assert when - last >= PROGRESS_WRITE_SECONDS - 0.1, (when, last)
+        if n:
+            last = when
+
+
+def test_write_now_is_what_someone_waits_on() -> None:
+    def st(phase: str = "Progressing", **conds: str) -> WeightRefitStatus:
+        return WeightRefitStatus.model_validate({
+            "phase": phase, "observedGeneration": 1,
+            "conditions": [{"type": k, "status": v, "reason": "R", "message": ""}
+                           for k, v in conds.items()],
+        })  # fmt: skip
+
+    base = st(Ready="False", ReceiversReady="False", Degraded="False")
+    assert write_now(st("Succeeded", Ready="True"), base)  # a new phase
+    assert write_now(st(Ready="False", ReceiversReady="True", Degraded="False"), base)
+    assert write_now(st(Ready="False", ReceiversReady="False", Degraded="True"), base)
+    # A round received (ReceiversReady back to False) and the pods' progress are progress.
+    ready = st(Ready="False", ReceiversReady="True", Degraded="False")
+    assert not write_now(base, ready)
+    moved = base.model_copy(update={"updated_pods": 3, "message": "3/4 pods at v1"})
+    assert not write_now(moved, base)
+    later = base.model_copy(update={"observed_generation": 2})
+    assert write_now(later, base)  # a new generation: observedGeneration is waited on
+    done = st("Succeeded", Ready="True")
+    assert write_now(done.model_copy(update={"updated_pods": 4}), done)  # finished: ticks rare
 
 
 def test_a_refit_deleted_mid_pass_is_forgotten() -> None:

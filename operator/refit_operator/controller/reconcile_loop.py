@@ -1,8 +1,10 @@
 """The reconcile loop of one WeightRefit: observe, decide (decision.decide), act.
 
 Acting means running the fleet preflight, starting pod passes (pod_pass.run_pass) as tasks, and
-writing the CR status at most once per tick and only when it changed, so API writes do not
-grow with pod events (a 1000-pod refit writes status once per tick, not once per pod step).
+writing the CR status at most once per tick and only when it changed: at once when it says
+something someone waits on (a phase, a condition turning True: core/status.write_now), else at most
+once per PROGRESS_WRITE_SECONDS, so API writes do not grow with pod events or hand-offs
+(a 1000-pod refit writes its progress about once a second, not once per pass).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..core.decision import Decision, Observed
 from ..core.index import Known, RefitIndex
 from ..core.pod_state import RefitView
 from ..core.podview import PodView
-from ..core.status import pod_phases
+from ..core.status import PROGRESS_WRITE_SECONDS, pod_phases, write_now
 from ..edges import metrics
 from ..edges.cluster import ClaimLost, Kube, PodBusy
 from ..edges.leader import LeadershipLost, Lease
@@ -583,11 +585,15 @@ class Engine:
         namespace, doc, view, st = t.namespace, t.doc, t.view, t.state
         new = d.status.dump()
         old = view.status.dump()
-        if new != old and new != st.reported.written:
+        due = write_now(d.status, view.status) or (
+            times.monotonic() - st.reported.written_at >= PROGRESS_WRITE_SECONDS
+        )
+        if new != old and new != st.reported.written and due:
             if not await self._patch_status(t, new):
                 st.wake.set()  # someone else wrote the status: decide again from a fresh read
                 return
             st.reported.written = new
+            st.reported.written_at = times.monotonic()
         for e in d.events:
             await self.cluster.event(namespace, doc, e.reason, e.message, e.type)
         fleet = view.spec.fleet_label

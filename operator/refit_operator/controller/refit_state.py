@@ -72,6 +72,7 @@ class Reported:
     so once: a restarted process does it once more, which is harmless."""
 
     written: dict[str, Any] | None = None  # the last status written
+    written_at: float = float("-inf")  # when (times.monotonic()); progress waits on it
     thresholds_published: bool = False
     sequence_ignored: bool = False  # a changed spec.sequence was logged
 

@@ -30,6 +30,25 @@ from .reasons import Reason
 from .sequences import Step
 from .times import rfc3339
 
+# A status change that only moves progress (the pods' entries and counts, the summaries, the
+# agreed checksums, messages, a condition turning False) is written at most this often; what
+# someone waits on is written at once (write_now). A tick comes at least this often while pods
+# move (handlers.ACTIVE_INTERVAL), so a held-back change is written by the next one.
+PROGRESS_WRITE_SECONDS: Final = 1.0
+
+
+def write_now(new: WeightRefitStatus, old: WeightRefitStatus) -> bool:
+    """Whether a changed status is written at once rather than with the progress it holds
+    back: a new phase or generation (`kubectl wait` on the phase, a finished refit), and a
+    condition that turns True (`kubectl wait --for=condition`, the trainer waiting on
+    ReceiversReady, Degraded when a pod fails). Everything else is progress."""
+    if new.phase != old.phase or new.observed_generation != old.observed_generation:
+        return True
+    if new.phase in TERMINAL_PHASES:
+        return True  # rare, and a finished refit's ticks are minutes apart
+    was = {c.type: c.status for c in old.conditions}
+    return any(c.status == "True" and was.get(c.type) != "True" for c in new.conditions)
+
 
 def _condition(
     ctype: str,
