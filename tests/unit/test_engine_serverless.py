@@ -16,7 +16,7 @@ import pytest
 from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
-from refit_operator.core.api_status import WeightRefitStatus
+from refit_operator.core.api_status import BroadcastRound, WeightRefitStatus
 from refit_operator.core.status import PROGRESS_WRITE_SECONDS, write_now
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
@@ -197,6 +197,13 @@ def test_write_now_is_what_someone_waits_on() -> None:
     assert not write_now(moved, base)
     later = base.model_copy(update={"observed_generation": 2})
     assert write_now(later, base)  # a new generation: observedGeneration is waited on
+    # Rolling: round 2 turns Ready while the status still shows round 1 Ready (its Done held
+    # back): ReceiversReady stays True, the round is new, the trainer waits on it.
+    r1 = ready.model_copy(update={"broadcast": BroadcastRound(round=1, state="Ready")})
+    r2 = ready.model_copy(update={"broadcast": BroadcastRound(round=2, state="Ready")})
+    assert write_now(r2, r1)
+    done1 = ready.model_copy(update={"broadcast": BroadcastRound(round=1, state="Done")})
+    assert not write_now(done1, r1) and not write_now(r1, r1)
     done = st("Succeeded", Ready="True")
     assert write_now(done.model_copy(update={"updated_pods": 4}), done)  # finished: ticks rare
 

@@ -39,15 +39,24 @@ PROGRESS_WRITE_SECONDS: Final = 1.0
 
 def write_now(new: WeightRefitStatus, old: WeightRefitStatus) -> bool:
     """Whether a changed status is written at once rather than with the progress it holds
-    back: a new phase or generation (`kubectl wait` on the phase, a finished refit), and a
-    condition that turns True (`kubectl wait --for=condition`, the trainer waiting on
-    ReceiversReady, Degraded when a pod fails). Everything else is progress."""
+    back: a new phase or generation (`kubectl wait` on the phase, a finished refit), a
+    condition that turns True (`kubectl wait --for=condition`, Degraded when a pod fails), and
+    a broadcast round that turns Ready (the trainer waits on it: under Rolling the next
+    round's ReceiversReady may follow a held-back Done, True to True). Everything else is
+    progress."""
     if new.phase != old.phase or new.observed_generation != old.observed_generation:
         return True
     if new.phase in TERMINAL_PHASES:
         return True  # rare, and a finished refit's ticks are minutes apart
-    was = {c.type: c.status for c in old.conditions}
-    return any(c.status == "True" and was.get(c.type) != "True" for c in new.conditions)
+    b, was = new.broadcast, old.broadcast
+    if (
+        b is not None
+        and b.state == "Ready"
+        and (was is None or (was.round, was.state) != (b.round, "Ready"))
+    ):
+        return True
+    before = {c.type: c.status for c in old.conditions}
+    return any(c.status == "True" and before.get(c.type) != "True" for c in new.conditions)
 
 
 def _condition(
