@@ -17,6 +17,7 @@ from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api_status import BroadcastRound, WeightRefitStatus
+from refit_operator.core.decision import Decision, Event
 from refit_operator.core.status import PROGRESS_WRITE_SECONDS, write_now
 from refit_operator.edges.leader import LeadershipLost, Lease
 from refit_operator.edges.worker_client import WorkerClient
@@ -144,6 +145,7 @@ def test_progress_waits_for_its_period_and_what_someone_waits_on_does_not() -> N
         bed = await _bed(pods=4, strategy="Rolling", max_unavailable=1)
         bed.sim.latency = lambda step: 0.05
         writes: list[float] = []
+        events: list[tuple[str, str]] = []
         patch = bed.cluster.patch_status
 
         async def counted(namespace: str, name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -151,6 +153,14 @@ def test_progress_waits_for_its_period_and_what_someone_waits_on_does_not() -> N
             return await patch(namespace, name, *args, **kwargs)
 
         bed.cluster.patch_status = counted  # type: ignore[method-assign]
+        emit = bed.cluster.event
+
+        async def event(namespace: str, involved: dict[str, Any], reason: str, message: str,
+                        etype: str) -> None:  # fmt: skip
+            events.append((reason, message))
+            await emit(namespace, involved, reason, message, etype)
+
+        bed.cluster.event = event  # type: ignore[method-assign]
         # (when, changed, write_now, phase, writes) per tick
         ticks: list[tuple[float, bool, bool, str, int]] = []
         while len(ticks) < 400:
@@ -163,6 +173,9 @@ def test_progress_waits_for_its_period_and_what_someone_waits_on_does_not() -> N
             if d.status.phase == "Succeeded":
                 break
             await asyncio.sleep(0.1)
+        # An Event says a transition happened once: a tick that emits one writes the status
+        # that records it, or the next tick, deciding from the same status, repeats it.
+        assert events and len(events) == len(set(events)), events
         return ticks
 
     ticks = _on_virtual_time(main)
@@ -176,6 +189,47 @@ def test_progress_waits_for_its_period_and_what_someone_waits_on_does_not() -> N
             assert when - last >= PROGRESS_WRITE_SECONDS - 0.1, (when, last)
         if n:
             last = when
+
+
+def test_a_tick_that_emits_events_writes_at_once() -> None:
+    """A new message (an Event with it) within the progress period, phase unchanged: the
+    status that records it is written by that tick, so the next does not emit it again."""
+
+    async def main(clock: VirtualClock) -> tuple[list[tuple[str, str]], list[str]]:
+        bed = await _bed()
+        bed.sim.latency = lambda step: 0.05  # passes of about half a second: Progressing
+        events: list[tuple[str, str]] = []
+        emit, decide = bed.cluster.event, bed.engine._decide
+        turn = [0]
+
+        async def event(namespace: str, involved: dict[str, Any], reason: str, message: str,
+                        etype: str) -> None:  # fmt: skip
+            events.append((reason, message))
+            await emit(namespace, involved, reason, message, etype)
+
+        async def decided(t: Any, obs: Any) -> Decision:
+            d = await decide(t, obs)
+            if d.status.phase == "Progressing":  # as decision.transition says a new message
+                turn[0] += 1
+                message = f"message {turn[0] // 2}"  # the same on two ticks in a row
+                if d.status.message != message:
+                    d.events.append(Event("Progressing", message))
+                d.status.message = message
+            return d
+
+        bed.cluster.event = event  # type: ignore[method-assign]
+        bed.engine._decide = decided  # type: ignore[method-assign]
+        shown = []
+        for _ in range(6):
+            await bed.engine.tick(NS, "wr")
+            shown.append(str(bed.status().get("message", "")))
+            await asyncio.sleep(0.1)
+        return events, shown
+
+    events, shown = _on_virtual_time(main)
+    said = [m for r, m in events if r == "Progressing" and m.startswith("message")]
+    assert said and len(said) == len(set(said)), events
+    assert all(m in shown for m in said), (said, shown)  # each written with its Event
 
 
 def test_write_now_is_what_someone_waits_on() -> None:

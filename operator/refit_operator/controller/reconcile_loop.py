@@ -585,8 +585,12 @@ class Engine:
         namespace, doc, view, st = t.namespace, t.doc, t.view, t.state
         new = d.status.dump()
         old = view.status.dump()
-        due = write_now(d.status, view.status) or (
-            times.monotonic() - st.reported.written_at >= PROGRESS_WRITE_SECONDS
+        # A tick that emits Events writes the status that records their transition: the next
+        # tick, deciding from a status without it, would emit them again.
+        due = (
+            bool(d.events)
+            or write_now(d.status, view.status)
+            or times.monotonic() - st.reported.written_at >= PROGRESS_WRITE_SECONDS
         )
         if new != old and new != st.reported.written and due:
             if not await self._patch_status(t, new):
