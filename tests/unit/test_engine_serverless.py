@@ -16,7 +16,7 @@ import pytest
 from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
-from refit_operator.core.api_status import BroadcastRound, WeightRefitStatus
+from refit_operator.core.api_status import BroadcastRound, PodResult, WeightRefitStatus
 from refit_operator.core.decision import Decision, Event
 from refit_operator.core.status import PROGRESS_WRITE_SECONDS, write_now
 from refit_operator.edges.leader import LeadershipLost, Lease
@@ -258,6 +258,9 @@ def test_write_now_is_what_someone_waits_on() -> None:
     assert write_now(r2, r1)
     done1 = ready.model_copy(update={"broadcast": BroadcastRound(round=1, state="Done")})
     assert not write_now(done1, r1) and not write_now(r1, r1)
+    # A pod that left: only the status remembers it.
+    dropped = base.model_copy(update={"pods": [PodResult(name="p1", phase="Dropped", step="")]})
+    assert write_now(dropped, base) and not write_now(dropped, dropped)
     done = st("Succeeded", Ready="True")
     assert write_now(done.model_copy(update={"updated_pods": 4}), done)  # finished: ticks rare
 

@@ -42,8 +42,8 @@ def write_now(new: WeightRefitStatus, old: WeightRefitStatus) -> bool:
     back: a new phase or generation (`kubectl wait` on the phase, a finished refit), a
     condition that turns True (`kubectl wait --for=condition`, Degraded when a pod fails), and
     a broadcast round that turns Ready (the trainer waits on it: under Rolling the next
-    round's ReceiversReady may follow a held-back Done, True to True). Everything else is
-    progress."""
+    round's ReceiversReady may follow a held-back Done, True to True), and a pod dropped from
+    the fleet. Everything else is progress."""
     if new.phase != old.phase or new.observed_generation != old.observed_generation:
         return True
     if new.phase in TERMINAL_PHASES:
@@ -54,6 +54,11 @@ def write_now(new: WeightRefitStatus, old: WeightRefitStatus) -> bool:
         and b.state == "Ready"
         and (was is None or (was.round, was.state) != (b.round, "Ready"))
     ):
+        return True
+    # A pod that left the fleet (deleted, deselected) has no record left to render it from:
+    # only the status remembers it, so the tick that saw it go writes it.
+    gone = {p.name for p in old.pods if p.phase == "Dropped"}
+    if any(p.phase == "Dropped" and p.name not in gone for p in new.pods):
         return True
     before = {c.type: c.status for c in old.conditions}
     return any(c.status == "True" and before.get(c.type) != "True" for c in new.conditions)
