@@ -53,13 +53,13 @@ class Hole:
 
 KNOWN_HOLES: dict[str, Hole] = {
     "creation_order": Hole(
-        57,
+        19,
         frozenset({"watch_drop"}),
         "two refits created in one second without a client's creation stamp (kubectl) are "
         "stamped by the operator in the order it first sees them, and each stamp is persisted "
         "by a write of its own; that is the order the API server stored them in only while "
         "the watch shows every ADDED event and the stamps of one second land together. Seed "
-        "57: wr-003's ADDED is lost (a watch that relists), wr-004 (created after it, in the "
+        "19: wr-003's ADDED is lost (a watch that relists), wr-004 (created after it, in the "
         "same second) is stamped at once, wr-003 only when a list finds it. Also (mixed "
         "classes, operator_restart): a process persists the later refit's stamp, then dies "
         "or loses its Lease before the earlier one's (the explorer persists a stamp at the "
@@ -98,6 +98,114 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
             "watch_delay,worker_crash,worker_refusal,worker_timeout".split(",")
         ),
         (200442, 200016),
+    ),
+    # A follower restarted after the group's probe, before the pass's last write, which put
+    # the whole group back in traffic from the view the pass began with (the follower's
+    # restart reaches no vouch of the leader's process); the last write now judges the group
+    # by its members as the pod watch has them (pod_pass._members_now).
+    "follower_restart_before_the_last_write": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,broadcast_rounds,group_member_restart,"
+            "operator_restart,pod_groups,weights_skew,worker_crash".split(",")
+        ),
+        (7565,),
+    ),
+    # The container of a group's leader restarted while an adapter pass ran on it; the pass
+    # went on with the new process (boot weights), vouched for it, and its last write put the
+    # pod back from the view the pass began with. That write now judges every unit, a pod
+    # alone too, by its run as the pod watch shows it then (pod_pass._run_now).
+    "restart_during_an_adapter_pass": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,broadcast_rounds,group_leader_replace,"
+            "group_member_delete,group_member_pending,group_member_replace,"
+            "group_member_restart,operator_restart,pod_groups,pod_restart,weights_skew,"
+            "worker_crash".split(",")
+        ),
+        (30591,),
+    ),
+    # A refit's DELETED event lost after its finalizer was released: its passes, ending later,
+    # woke it, and it decided on from the document last seen, a ghost in memory
+    # (bounded-memory). The tick that releases the finalizer now drops that document, so the
+    # next one reads the refit and forgets it.
+    "ghost_after_its_finalizer": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,history_gc,lease_delete,lease_expiry,"
+            "load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,pod_restart,"
+            "refit_delete,refit_same_second,refit_spec_update,two_installations,watch_coalesce,"
+            "watch_delay,watch_drop,weights_skew,worker_crash,worker_refusal,worker_timeout".split(
+                ","
+            )
+        ),
+        (20303,),
+    ),
+    # An operator died in the middle of a Succeeded refit's convergence pass; newer refits of
+    # the fleet waited for that pass's claim, and the Succeeded refit, which converges
+    # nothing while another refit is at work, did not resume it: each waited for the other.
+    # Its own passes cut short now resume (decision: Succeeded).
+    "convergence_pass_cut_short": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,history_gc,lease_delete,lease_expiry,"
+            "load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,pod_restart,"
+            "refit_delete,refit_same_second,refit_spec_update,two_installations,watch_coalesce,"
+            "watch_delay,watch_drop,weights_skew,worker_crash,worker_refusal,worker_timeout".split(
+                ","
+            )
+        ),
+        (20581,),
+    ),
+    # An adapter refit being deleted (history) had left the index, and the tick that
+    # released its finalizer took the base weights' fleet for its own: another adapter
+    # refit's pass on the pods looked foreign, and they were withdrawn FleetChanged for good.
+    # The refit's own track is now the caller's (index.sharing).
+    "deleted_adapter_refit_took_the_base_fleet": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,history_gc,lease_delete,lease_expiry,"
+            "load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,pod_restart,"
+            "refit_delete,refit_same_second,refit_spec_update,two_installations,watch_coalesce,"
+            "watch_delay,watch_drop,weights_skew,worker_crash,worker_refusal,worker_timeout".split(
+                ","
+            )
+        ),
+        (40722,),
+    ),
+    # A hand-off of a refit whose DELETED event was lost wrote its status: 404, and the
+    # engine kept the ghost (bounded-memory). A 404 there now forgets it.
+    "hand_off_of_a_deleted_refit": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,history_gc,lease_delete,lease_expiry,"
+            "load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,pod_restart,"
+            "refit_delete,refit_same_second,refit_spec_update,two_installations,watch_coalesce,"
+            "watch_delay,watch_drop,weights_skew,worker_crash,worker_refusal,worker_timeout".split(
+                ","
+            )
+        ),
+        (40659,),
+    ),
+    # The same, on a finished refit whose hand-off had nothing to write: the ghost stayed
+    # until the next resync. A finished refit's hand-offs now read it (reconcile_loop._kept).
+    "hand_off_of_a_finished_deleted_refit": (
+        frozenset(
+            "history_gc,lease_delete,lease_expiry,load_touched,operator_restart,pod_ip_change,"
+            "pod_relabel,pod_replace,pod_restart,refit_delete,refit_same_second,"
+            "refit_spec_update,two_installations,watch_coalesce,watch_delay,watch_drop,"
+            "worker_crash,worker_refusal,worker_timeout".split(",")
+        ),
+        (90015,),
+    ),
+    # Two installations: one's watch had not shown a refit the other had just created, so it
+    # took that refit's live claim for a crashed pass's; its base pass drove the pod over the
+    # adapter pass and left the staged adapter loaded. A claim of a refit not yet seen is now
+    # read from the API server (reconcile_loop._with_unseen).
+    "claim_of_a_refit_not_yet_seen": (
+        frozenset(
+            "adapter_bad,adapter_fail,adapter_refits,history_gc,lease_delete,lease_expiry,"
+            "load_touched,operator_restart,pod_ip_change,pod_relabel,pod_replace,pod_restart,"
+            "refit_delete,refit_same_second,refit_spec_update,two_installations,watch_coalesce,"
+            "watch_delay,watch_drop,weights_skew,worker_crash,worker_refusal,worker_timeout".split(
+                ","
+            )
+        ),
+        (20236,),
     ),
 }
 # Issue 41's five breaks of one traffic gate per pod, fixed by the one gate (core/gate.py,

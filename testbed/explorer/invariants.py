@@ -339,6 +339,11 @@ class Checker:
                  if k == "Pod"]  # fmt: skip
         return {u.name: u for u in groups.units(views, Groups())}
 
+    def _unit(self, doc: dict[str, Any]) -> PodView:
+        """The pod as the operator judges it: the unit it leads (a group's records are of the
+        group's run: every member's restarts, the followers it was made with), else itself."""
+        return self._units().get(doc["metadata"]["name"]) or PodView.from_pod(doc)
+
     def _group_members(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
         for (kind, _, _), doc in sorted(self.store.objects.items()):
@@ -721,9 +726,15 @@ class Checker:
             # adapter (onBaseRefit: Unload), and the decision leaves the pod to that refit
             # (blocked), not counted here.
             base = _record(doc)
-            counted = counted and not (
-                track and base is not None and base.uid != uid and not base.finished_pass
-            )
+            held = bool(track) and base is not None and base.uid != uid and not base.finished_pass
+            if (
+                held
+                and counted
+                and listed is not None
+                and int(doc["metadata"]["resourceVersion"]) > listed
+            ):
+                serving += 1  # that pass claimed it after the list this status was decided from
+            counted = counted and not held
             # A container that restarted since its pass cannot be blamed on this status: the
             # tick decided from a list taken before (the restart is the next tick's to see).
             restarted = p is not None and p.restarts != restarts
@@ -829,8 +840,14 @@ class Checker:
             return True  # a Succeeded broadcast loads nobody again (joined, restarted)
         for track, p in _records(doc).items():
             target = targets.get((pod, track))
-            if target is not None and target["metadata"]["uid"] == p.uid:
+            if (
+                target is not None
+                and target["metadata"]["uid"] == p.uid
+                and not base_moved_on(self._unit(doc), p)
+            ):
                 continue  # its target's own pass failed: the target tries it again
+            # (An adapter whose pass failed on a base the pod no longer serves: no refit of it
+            # is the pod's any more, and the failed record holds the pod out until one is.)
             if _failed(p) and this_run(p) and not _refused_in_traffic(p):
                 return True
         return False
@@ -851,11 +868,13 @@ class Checker:
         base), or a newer pass of the track, refused, put back nothing of the target's (it served
         something else, or nothing, when it began). A pod that never had the track, or lost
         it to a restart, is its target's to converge."""
-        p = _record(doc, track)
-        if p is None or p.restarts != _restarts(doc):
+        p, unit = _record(doc, track), self._unit(doc)
+        if p is None:
             return False
-        if base_moved_on(PodView.from_pod(doc), p):
-            return True
+        if base_moved_on(unit, p):
+            return True  # whatever run it was loaded in: its probe holds for another base
+        if not unit.same_run(p):
+            return False
         if p.uid != target["metadata"]["uid"] and p.outcome != "Succeeded":
             return not (p.restored and p.serving == _version(target))
         return False
@@ -887,9 +906,6 @@ class Checker:
         kept = p.version if p.outcome == "Succeeded" else p.serving if untouched else None
         if kept is None:
             return False
-        restarts = sum(
-            c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or []
-        )
         refit = next(
             (
                 d
@@ -901,7 +917,7 @@ class Checker:
         # (A rolled back refit needs nothing of a pod that its refused pass left serving.)
         ends = ("Halted", "Failed", "RolledBack") if untouched else ("Halted", "Failed")
         ended = refit is None or (refit.get("status") or {}).get("phase") in ends
-        return ended and kept == serves and p.restarts == restarts
+        return ended and kept == serves and self._unit(pod).same_run(p)
 
     def _last_pass(self, pod: dict[str, Any], track: str = "") -> str:
         """The pod's last pass and what became of its refit (for the diagnosis)."""

@@ -25,7 +25,7 @@ import contextvars
 import copy
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -403,6 +403,11 @@ class MemoryCluster(Cluster):
         )
         LISTED_PODS.set(docs)
         return [PodView.from_pod(d) for d in docs]  # from_pod copies what it keeps
+
+    async def pods_named(self, namespace: str, names: Sequence[str]) -> list[PodView]:
+        await self._wait()
+        docs = (self.store.get("Pod", namespace, n) for n in names)
+        return [PodView.from_pod(d) for d in docs if d is not None]
 
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         await self._wait()

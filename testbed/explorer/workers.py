@@ -203,9 +203,10 @@ class ExplorerSimServer(SimServer):
         if step == contract.RPC_LOAD and response.status == 200 and pod.ip in self.drafter_faults:
             self.drafter_faults.discard(pod.ip)
             pod.drafter_seed = drafter
-        if (pod.seed, pod.drift, pod.weights_discarded) != before or (
-            step in (contract.RPC_LOAD, "update_weights") and response.status == 200
-        ):
+        # A completion reads the weights and changes none: one answered late (the delay
+        # fault) spans whatever passes ran meanwhile, whose own calls count their changes.
+        changed = step != "completions" and (pod.seed, pod.drift, pod.weights_discarded) != before
+        if changed or (step in (contract.RPC_LOAD, "update_weights") and response.status == 200):
             truth.generation += 1
         if step == "load_lora_adapter" and response.status == 200 and isinstance(body, dict):
             self._adapter_loaded(pod, str(body.get("lora_name")), bool(body.get("load_inplace")))

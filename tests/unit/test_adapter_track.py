@@ -168,6 +168,12 @@ def test_adapter_refits_queue_and_roll_back_among_themselves() -> None:
     refs, previous = idx.sharing("ns", "u-base-2", "2026-01-01T00:00:04Z", "Progressing", pods)
     assert sorted(r.name for r in refs) == ["base-1", "base-2"]
     assert previous is not None and previous.refit == "base-1"
+    # A refit being deleted has left the index; the tick that releases its finalizer still
+    # sees its own track's fleet (with the base's, another adapter's pass on the pod looked
+    # foreign, and the pods were withdrawn FleetChanged for good: found by the explorer).
+    refs, _ = idx.sharing("ns", "u-gone", "2026-01-01T00:00:06Z", "Succeeded", pods,
+                          "policy", "lora-gone")  # fmt: skip
+    assert sorted(r.name for r in refs) == ["lora-1", "lora-2"]
 
 
 def test_history_keeps_each_tracks_target_and_limits_each_track_alone() -> None:

@@ -17,6 +17,7 @@ from refit_client.refit_document import build_refit
 from refit_operator.controller.reconcile_loop import Engine
 from refit_operator.core import times
 from refit_operator.core.api_status import BroadcastRound, PodResult, WeightRefitStatus
+from refit_operator.core.claim import CLAIM_ANNOTATION, Claim
 from refit_operator.core.decision import Decision, Event
 from refit_operator.core.status import PROGRESS_WRITE_SECONDS, write_now
 from refit_operator.edges.leader import LeadershipLost, Lease
@@ -305,3 +306,65 @@ def test_a_lost_lease_stops_the_engine_before_its_next_write() -> None:
         assert (store.revision, bed.worker_calls()) == (revision, calls)
 
     _on_virtual_time(main)
+
+
+def test_a_claim_of_a_refit_not_yet_seen_is_left_to_its_live_holder() -> None:
+    """Another operator process claimed pod p0 for a refit created after this process's watch
+    last showed the refits (its ADDED event not in yet). That pass is alive on its holder's
+    Lease, so this process's tick leaves p0 to it (found by the explorer: a base pass took over
+    a live adapter pass, and the adapter's staged name stayed loaded). Once that refit is gone,
+    the claim is a crashed pass's, and the pod is this refit's to drive."""
+
+    async def main(clock: VirtualClock) -> tuple[list[str], list[str], str]:
+        store = Store()
+        lease = Lease(None, "refit-system", "refit", "op", 15, api=MemoryLeases(store))
+        theirs = Lease(None, "refit-system", "theirs", "op-b", 15, api=MemoryLeases(store))
+        await lease.acquire()
+        await theirs.acquire()
+        bed = await _bed(lease=lease, store=store)
+        ckpt = checkpoints(ROOT, VERSIONS[:1])
+        late = store.create("WeightRefit", NS, finalized(build_refit(
+            "late", ckpt["v1"], "v1", fleet_selector={"app": "elsewhere"})))  # fmt: skip
+        claim = Claim("late", late["metadata"]["uid"], 7, "op-b", "refit-system/theirs", 15)
+        store.patch_pod_status(
+            NS, "p0", {"metadata": {"annotations": {CLAIM_ANNOTATION: claim.to_annotation()}}}
+        )
+        p0 = next(ip for ip in bed.sim.pods if ip.endswith(".1"))
+        await bed.engine.tick(NS, "wr")
+        await asyncio.sleep(5.0)
+        # What would drive the pod (the preflight's reads carry no fence).
+        while_theirs = [c["step"] for c in bed.sim.pods[p0].calls if c["fence"] is not None]
+        holder = Claim.from_annotation(
+            store.objects[("Pod", NS, "p0")]["metadata"]["annotations"].get(CLAIM_ANNOTATION)
+        )
+        store.remove("WeightRefit", NS, "late")
+        for _ in range(10):
+            await bed.engine.tick(NS, "wr")
+            await asyncio.sleep(1.0)
+        return (
+            while_theirs,
+            [c["step"] for c in bed.sim.pods[p0].calls],
+            holder.holder if holder else "",
+        )
+
+    while_theirs, after, holder = _on_virtual_time(main)
+    assert while_theirs == [] and holder == "op-b"
+    assert "refit_load" in after  # the refit gone, its claim no longer holds the pod
+
+
+def test_a_hand_off_that_finds_its_refit_gone_forgets_it() -> None:
+    """The refit was deleted and its DELETED event never came: a hand-off (a pass that ended)
+    decides from the document last seen, and its status write answers 404. The engine then
+    forgets the refit at once (found by the explorer: a ghost kept until the next resync)."""
+
+    async def main(clock: VirtualClock) -> tuple[bool, bool]:
+        bed = await _bed()
+        d = await bed.engine.tick(NS, "wr")
+        assert d is not None and d.start
+        uid = bed.store.objects[("WeightRefit", NS, "wr")]["metadata"]["uid"]
+        await asyncio.sleep(30.0)  # the passes end
+        bed.store.remove("WeightRefit", NS, "wr")
+        await bed.engine.tick(NS, "wr", fresh=False)
+        return uid in bed.engine.index.known, uid in bed.engine.refits
+
+    assert _on_virtual_time(main) == (False, False)

@@ -9,7 +9,7 @@ from refit_operator.core import podflow
 from refit_operator.core.api_spec import LabelSelector, WeightRefitSpec
 from refit_operator.core.api_status import Condition, Phase, PodProbe, Previous, WeightRefitStatus
 from refit_operator.core.claim import Claim
-from refit_operator.core.decision import Observed, decide, rollback_targets
+from refit_operator.core.decision import RETRY_FAILED_SECONDS, Observed, decide, rollback_targets
 from refit_operator.core.plan import RefitRef
 from refit_operator.core.pod_state import RefitView, foreign
 from refit_operator.core.podview import PodView
@@ -296,3 +296,34 @@ def test_serving_path_is_the_checkpoint_of_the_version_the_pod_serves():
                         serving_path=p.serving_path)  # fmt: skip
     assert (nxt.serving, nxt.serving_path) == ("v1", "/ckpt/v1")
     assert podflow.start("x", "u", "v2", "/ckpt/v2", NOW, serving_path="/x").serving_path == ""
+
+
+def test_a_succeeded_refit_resumes_its_own_pass_cut_short_while_another_refit_waits_for_it():
+    """An operator died mid-way through the target's convergence pass on p0: its claim stays
+    on the pod. A newer refit of the fleet is at work and waits for that claim; the target,
+    which starts no convergence while another refit is at work, still resumes its own pass
+    (found by the explorer: both waited for each other for good)."""
+    running = replace(passed(OLDER), step="stampVersion", outcome="", finished=0.0)
+    claim = Claim("older", OLDER.uid, 7, "op-dead")
+    p0 = pod("p0", running, APP, claim=claim, ready=False)
+    newer = refit("newer", NEW, spec(APP, "v2"), WeightRefitStatus(phase="Progressing"))
+    fleet = [ref(OLDER), ref(newer)]
+    d = decide(observe(OLDER, [p0], fleet, [OLDER, newer]))
+    assert [(x.pod, x.version, x.resume) for x in d.start] == [("p0", "v1", True)]
+    assert not d.idle
+    waiting = decide(observe(newer, [p0], fleet, [OLDER, newer]))
+    assert waiting.start == [] and "held by a pass of refit older" in waiting.status.message
+
+
+def test_the_target_tries_a_pod_its_own_pass_failed_on_again_a_minute_later():
+    """The target's own pass failed on p0 (a read-back that differed once): the pod stays out
+    with the reason, and the target tries it again once RETRY_FAILED_SECONDS have passed
+    since that pass ended (found by the explorer: such a pod stayed out for good)."""
+    bad = replace(passed(OLDER), outcome="Failed", reason="WeightChecksumMismatch",
+                  finished=NOW - RETRY_FAILED_SECONDS + 1)  # fmt: skip
+    p0 = pod("p0", bad, APP, ready=False)
+    d = decide(observe(OLDER, [p0], [ref(OLDER)], [OLDER]))
+    assert d.start == [] and d.watching
+    later = replace(p0, progress=replace(bad, finished=NOW - RETRY_FAILED_SECONDS))
+    d = decide(observe(OLDER, [later], [ref(OLDER)], [OLDER]))
+    assert [(x.pod, x.version, x.resume) for x in d.start] == [("p0", "v1", False)]

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from refit_worker import contract
 
-from ..core import podflow, times
+from ..core import groups, podflow, times
 from ..core.admission import admission_problem, joins_layout, reach_problem
 from ..core.claim import Claim, claim_fence
 from ..core.decision import PodStart
@@ -266,6 +266,7 @@ async def _finish(ctx: PassContext, pod: ClaimedPod, unit: PodView, progress: Pr
     it) that also releases the claim; then, for a pass that did not succeed, the pod's Event.
     A pod that succeeded gets none: its condition and record say so, and the refit's own
     Succeeded Event counts them (10,000 such Events would bury the ones that need a look)."""
+    unit = await _run_now(ctx, unit)
     await pod.record(progress, pass_readiness(unit, progress), release=True)
     seconds = podflow.out_of_traffic_seconds(progress)
     if seconds is not None:  # back in traffic
@@ -274,6 +275,24 @@ async def _finish(ctx: PassContext, pod: ClaimedPod, unit: PodView, progress: Pr
         return
     msg = f"{progress.reason}: {progress.message}"
     await _event(ctx, pass_event(progress.outcome), f"pod {pod.name}: {msg}", "Warning")
+
+
+async def _run_now(ctx: PassContext, unit: PodView) -> PodView:
+    """The unit with its pods as they run now (the pod watch's copies, no request), for the
+    pass's last write: a container that restarted while the pass ran lost what the records
+    say it holds (a pass that went on calling the new process may even have vouched for its
+    boot weights), and a follower's restart reaches no vouch of the leader's process; the
+    gate then keeps the unit out until a pass of this run brings it back. Also a follower
+    replaced or deleted meanwhile."""
+    pods = await ctx.cluster.pods_named(ctx.namespace, (unit.name, *unit.members))
+    now = groups.units(pods, ctx.spec.fleet.groups)
+    fresh = next((u for u in now if u.name == unit.name), None)
+    if fresh is None:  # the pod is gone: its write fails, not this check
+        return unit
+    return replace(
+        unit, running=fresh.running, deleting=fresh.deleting, restarts=fresh.restarts,
+        incarnation=fresh.incarnation, group_problem=fresh.group_problem,
+    )  # fmt: skip
 
 
 async def _event(ctx: PassContext, reason: str, message: str, etype: str = "Normal") -> None:

@@ -246,6 +246,10 @@ class Engine:
         d = await self._decide(t, obs)
         await self._act(t, d)
         await self._write(t, d)
+        if t.view.deleting and d.release_finalizer:
+            # The refit is gone once kopf removes the finalizer: a later hand-off (a pass that
+            # ends) reads it first, so a lost DELETED event leaves no ghost deciding on.
+            t.state.doc = None
         phase = d.status.phase
         ended = phase != t.view.status.phase
         if ended and phase in TERMINAL_PHASES:
@@ -256,11 +260,17 @@ class Engine:
         return d
 
     def _kept(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The newest document seen of refit ``name`` (RefitState.doc), if any."""
+        """The newest document seen of refit ``name`` (RefitState.doc), if any: None for a
+        finished refit, whose hand-offs (a convergence pass that ended, another refit's end)
+        are off every critical path and read it, so that a deletion whose event was lost is
+        found there and not at the next resync."""
         for k in self.index.known.values():
             if k.namespace == namespace and k.name == name:
                 st = self.refits.get(k.uid)
-                return st.doc if st is not None else None
+                doc = st.doc if st is not None else None
+                if doc is None or (doc.get("status") or {}).get("phase") in TERMINAL_PHASES:
+                    return None
+                return doc
         return None
 
     async def _read(self, namespace: str, name: str, deleting: bool, fresh: bool) -> Tick | None:
@@ -328,7 +338,7 @@ class Engine:
         pods = st.listing.pods
         st.readbacks.reset((p.name, p.progress) for p in pods)
         fleet, previous = self.index.sharing(
-            namespace, view.uid, view.created, view.status.phase, pods
+            namespace, view.uid, view.created, view.status.phase, pods, view.spec.track, view.name
         )
         st.waiting = any(
             r.name != view.name and r.phase not in TERMINAL_PHASES for r in fleet
@@ -342,11 +352,12 @@ class Engine:
         for gone in before - present:
             metrics.forget_pod(namespace, view.spec.fleet_label, gone)
         refits = self.index.names(namespace)
+        unseen = await self._unseen(namespace, pods, refits)
         return Observed(
             refit=view, fleet=fleet, pods=pods, in_flight=frozenset(passes.tasks),
             now=times.now(), previous=previous, vanished=vanished, refits=refits,
             broadcast=st.broadcast.rounds.view() if st.broadcast is not None else None,
-            elsewhere=await self._elsewhere(pods, refits),
+            unseen=unseen, elsewhere=await self._elsewhere(pods, {*refits, *unseen}),
         )  # fmt: skip
 
     async def _decide(self, t: Tick, obs: Observed) -> Decision:
@@ -388,6 +399,12 @@ class Engine:
             try:
                 written = await self.cluster.patch_status(namespace, name, new, rv)
             except ApiException as exc:
+                if exc.status == 404:
+                    # Gone, its DELETED event lost (a hand-off decided from the document last
+                    # seen): forget it now, not at the next resync.
+                    for ghost in self.index.drop_missing(namespace, set(), self.index.seq, name):
+                        self._forget(ghost)
+                    return False
                 if exc.status != 409:
                     raise
             else:
@@ -442,7 +459,24 @@ class Engine:
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_SECONDS)
 
-    async def _elsewhere(self, pods: list[PodView], refits: Mapping[str, str]) -> frozenset[str]:
+    async def _unseen(
+        self, namespace: str, pods: list[PodView], refits: Mapping[str, str]
+    ) -> frozenset[str]:
+        """The uids of refits that claim pods of this fleet, exist, and this process's watch
+        has not shown yet: another process may have created one a moment ago, and its live
+        pass must not be taken for a crashed one's (a claim whose refit is gone is free). One
+        read per such refit; none in the common case."""
+        me = self.cluster.identity
+        claims = [p.claim for p in pods if p.claim is not None and p.claim.holder != me]
+        unseen = {(c.uid, c.refit) for c in claims if c.uid not in refits}
+        found: set[str] = set()
+        for uid, name in sorted(unseen):
+            doc = await self.cluster.get_refit(namespace, name)
+            if doc is not None and doc["metadata"].get("uid") == uid:
+                found.add(uid)
+        return frozenset(found)
+
+    async def _elsewhere(self, pods: list[PodView], refits: Collection[str]) -> frozenset[str]:
         """Pods whose claim belongs to another operator process that may still act
         (leader.holder_alive): no pass of this process takes them over. A claim that names
         no Lease (written before claims did) is judged by this process's own Lease."""

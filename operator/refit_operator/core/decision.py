@@ -30,6 +30,12 @@ from .sequences import FLOWS
 from .status import conditions, from_records, receivers
 from .times import rfc3339
 
+# A Succeeded refit tries a pod its pass failed on (or judged inconclusive) again this long
+# after that pass ended: a pod out of traffic for a fault that has passed (a read-back that
+# differed once, a crash mid-probe) comes back, and one that keeps failing costs a pass a
+# minute, each with its Warning Event.
+RETRY_FAILED_SECONDS = 60.0
+
 
 class Transition(Protocol):
     def __call__(self, phase: Phase, reason: str, message: str, etype: str = "Normal") -> None: ...
@@ -72,6 +78,9 @@ class Observed:
     # that may still act: its pass drives the pod, whatever refit it serves, and no pass of
     # this process takes it over (leader.holder_alive).
     elsewhere: frozenset[str] = frozenset()
+    # The uids of refits that claim pods here and exist, which this process's watch has not
+    # shown yet (not in ``refits``): their claims hold the pods as a known refit's do.
+    unseen: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -170,7 +179,14 @@ def _decide(obs: Observed) -> Decision:
 
     states_for = {
         pod.name: pod_state(
-            pod, refit, spec.version, False, obs.refits, elsewhere=obs.elsewhere, fleet=obs.fleet
+            pod,
+            refit,
+            spec.version,
+            False,
+            obs.refits,
+            elsewhere=obs.elsewhere,
+            fleet=obs.fleet,
+            unseen=obs.unseen,
         )
         for pod in obs.pods
     }
@@ -268,6 +284,13 @@ def _names(names: Sequence[str], shown: int = 5) -> str:
     return ", ".join(sorted(names)[:shown]) + more
 
 
+def _retry_due(obs: Observed, names: Sequence[str]) -> set[str]:
+    """Those of ``names`` (pods this Succeeded refit's pass failed on) whose pass ended at
+    least RETRY_FAILED_SECONDS ago."""
+    ended = {p.name: p.progress.finished for p in obs.pods if p.progress is not None}
+    return {n for n in names if 0 < ended.get(n, 0) <= obs.now - RETRY_FAILED_SECONDS}
+
+
 def _resume(name: str, obs: Observed, refit: RefitView) -> PodStart:
     pod = next(p for p in obs.pods if p.name == name)
     assert pod.progress is not None
@@ -327,7 +350,10 @@ def _progress(
         # a refit that shares pods with it is at work, and only pods no newer Succeeded refit
         # selects (that one converges them): two finished refits never fight over a pod.
         if any(r.phase not in TERMINAL_PHASES for r in obs.fleet if r.name != refit.name):
-            d.idle = True
+            # Its own passes cut short (an operator died mid-pass) still resume: their claims
+            # are what the refit at work waits for.
+            d.start = resumes
+            d.idle = not resumes and not obs.in_flight
             return
         orphans = {p.name for p in _orphans(obs)}
         targets = [n for n in states if n in orphans]
@@ -343,8 +369,11 @@ def _progress(
         fresh = targets if FLOWS[spec.source].loads_again else []
         ready = _startable(obs)
         moved = _foreign(obs)
+        retry = _retry_due(obs, [n for n in fresh if states[n] in ("failed", "inconclusive")])
         d.start = resumes + [
-            _fresh(n, spec, n not in moved) for n in fresh if states[n] == "todo" and n in ready
+            _fresh(n, spec, n not in moved)
+            for n in fresh
+            if (states[n] == "todo" or n in retry) and n in ready
         ]
         d.idle = not d.start and not obs.in_flight
         d.watching = True
@@ -412,7 +441,9 @@ def _held(obs: Observed, states: dict[str, plan.PodState]) -> str:
     by: dict[str, list[str]] = {}
     for pod in obs.pods:
         if states.get(pod.name) == "blocked":
-            by.setdefault(holder(pod, obs.refit, obs.refits, obs.elsewhere), []).append(pod.name)
+            by.setdefault(holder(pod, obs.refit, obs.refits, obs.elsewhere, obs.unseen), []).append(
+                pod.name
+            )
     parts = []
     for other, names in sorted(by.items()):
         shown = ", ".join(sorted(names)[:5]) + (
@@ -480,7 +511,15 @@ def _rollback(obs: Observed, d: Decision, transition: Transition) -> None:
     to, kept, nothing = rollback_targets(obs.pods, refit)
     by_name = {p.name: p for p in obs.pods}
     states = {
-        n: pod_state(by_name[n], refit, version, True, obs.refits, elsewhere=obs.elsewhere)
+        n: pod_state(
+            by_name[n],
+            refit,
+            version,
+            True,
+            obs.refits,
+            elsewhere=obs.elsewhere,
+            unseen=obs.unseen,
+        )
         for n, (version, _) in to.items()
     }
     d.start = [

@@ -149,16 +149,26 @@ class RefitIndex:
         return {k.uid: k.name for k in self.known.values() if k.namespace == namespace}
 
     def sharing(
-        self, namespace: str, uid: str, created: str, phase: Phase, pods: Sequence[PodView]
+        self,
+        namespace: str,
+        uid: str,
+        created: str,
+        phase: Phase,
+        pods: Sequence[PodView],
+        track: str | None = None,
+        name: str = "",
     ) -> tuple[list[plan.RefitRef], Previous | None]:
         """The refits that select at least one of ``pods`` (the refit ``uid``'s own, itself
         included with its current ``phase``), and the newest Succeeded one of them created
         before it: the rollback target. Fleets are compared by the pods they select, so two
-        selectors written differently that pick the same pods are one fleet."""
+        selectors written differently that pick the same pods are one fleet. ``track`` and
+        ``name``: the refit's own (its spec's), which the caller has even once the index
+        dropped the refit (being deleted); else the index's."""
         refs, succeeded = [], []
         me = self.known.get(uid)
-        mine = times.order_key(created, me.name if me is not None else "")
-        track = me.spec.track if me is not None else ""
+        mine = times.order_key(created, me.name if me is not None else name)
+        if track is None:
+            track = me.spec.track if me is not None else ""
         for k in self.known.values():
             # A refit of other weights (a LoRA adapter's, or the base model's) is of another
             # fleet: its own queue, target and rollback target (WeightRefitSpec.track).

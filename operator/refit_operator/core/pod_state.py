@@ -29,15 +29,19 @@ class RefitView:
 
 
 def holder(
-    pod: PodView, refit: RefitView, refits: Mapping[str, str], elsewhere: Set[str] = frozenset()
+    pod: PodView,
+    refit: RefitView,
+    refits: Mapping[str, str],
+    elsewhere: Set[str] = frozenset(),
+    unseen: Set[str] = frozenset(),
 ) -> str:
     """Whose pass holds the pod, when it is not this refit's to drive: another refit's, or
     any refit's pass of another operator process that may still act (``elsewhere``), named
     with that process. "" when the pod is free, held by a pass of this refit that this process
     may take over, or held by a refit that no longer exists: a claim outlives only a crashed
-    pass."""
+    pass. ``unseen``: refits that exist, not yet in ``refits`` (this process's watch lags)."""
     c = pod.claim
-    if c is None or c.uid not in refits:
+    if c is None or (c.uid not in refits and c.uid not in unseen):
         return ""
     if pod.name in elsewhere:
         return f"{c.refit} (operator {c.holder})"
@@ -92,6 +96,7 @@ def pod_state(
     refits: Mapping[str, str] | None = None,
     elsewhere: Set[str] = frozenset(),
     fleet: Sequence[plan.RefitRef] = (),
+    unseen: Set[str] = frozenset(),
 ) -> plan.PodState:
     p = pod.progress
     if pod.deleting:
@@ -100,7 +105,7 @@ def pod_state(
     # neither counts it nor takes it back (two refits never fight over a pod).
     if moved_on(pod, refit, version, fleet, refits):
         return "superseded"
-    if holder(pod, refit, refits or {}, elsewhere):
+    if holder(pod, refit, refits or {}, elsewhere, unseen):
         return "blocked"
     if p is not None and p.uid == refit.uid and base_moved_on(pod, p):
         return "superseded"  # an adapter its pod's new base weights unloaded (core/gate.py)

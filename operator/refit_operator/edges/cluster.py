@@ -192,6 +192,7 @@ class Kube(Protocol):
     before_write: Callable[[], None]  # called before every write (the lease check)
 
     async def list_pods(self, namespace: str, selector: str) -> list[PodView]: ...
+    async def pods_named(self, namespace: str, names: Sequence[str]) -> list[PodView]: ...
     async def read_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
     async def claim(
         self,
@@ -241,6 +242,10 @@ class Cluster:
         """The namespace's pods that ``selector`` selects, as a LIST would return them, from
         the namespace's watch (started by the first call: its one LIST)."""
         return await self._pods(namespace).pods(selector)
+
+    async def pods_named(self, namespace: str, names: Sequence[str]) -> list[PodView]:
+        """The pods of these names that exist, from the namespace's watch (no request)."""
+        return await self._pods(namespace).named(names)
 
     def _pods(self, namespace: str) -> PodWatch:
         watch = self._pod_watches.get(namespace)

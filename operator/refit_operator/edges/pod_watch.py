@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -104,6 +104,12 @@ class PodWatch:
             return [self._views[n] for n in self._names]
         match = selector_matcher(selector)
         return [v for n in self._names if match((v := self._views[n]).labels)]
+
+    async def named(self, names: Sequence[str]) -> list[PodView]:
+        """The pods of these names that exist, as the watch has them now."""
+        self.start()
+        await self.synced.wait()
+        return [self._views[n] for n in names if n in self._views]
 
     def put(self, doc: dict[str, Any]) -> None:
         """A pod as some answer showed it: kept if it is newer than the one held."""
