@@ -203,7 +203,8 @@ async def direct_refits(
     out = []
     async with worker_client.session() as http:
         ws = [WorkerClient(s.base_url, http=http, admin_token=s.admin_token,
-                           api_key=s.api_key, timeout=300.0) for s in servers]  # fmt: skip
+                           api_key=s.api_key, timeout=300.0,
+                           keep_rpc_connections=True) for s in servers]  # fmt: skip
         await b_reference(ws[0])  # read once, as the trainer's ConfigMap would carry it
         for i in range(n + 1):
             began = time.perf_counter()

@@ -385,7 +385,10 @@ def floor(n: int, log: Log) -> dict[str, Any]:
 
             async def run() -> tuple[list[OperatorSample], list[dict[str, Any]]]:
                 async with worker_client.session() as http:
-                    ws = [WorkerClient(p.base_url, http=http, timeout=60.0) for p in fleet.pods]
+                    # As the operator calls pods that report CAP_ERRORS_KEEP_CONNECTION.
+                    ws = [WorkerClient(p.base_url, http=http, timeout=60.0,
+                                       keep_rpc_connections=True)
+                          for p in fleet.pods]  # fmt: skip
 
                     async def direct_side(i: int) -> dict[str, Any]:
                         version = f"direct-{i}"
@@ -522,7 +525,8 @@ def vllm_broadcast(n: int, log: Log) -> dict[str, Any]:
             async def run() -> tuple[list[OperatorSample], list[dict[str, Any]]]:
                 async with worker_client.session() as http:
                     ws = [WorkerClient(s.base_url, http=http, admin_token=s.admin_token,
-                                       api_key=s.api_key, timeout=300.0)
+                                       api_key=s.api_key, timeout=300.0,
+                                       keep_rpc_connections=True)
                           for s in servers]  # fmt: skip
                     # Both weight sets' references, read once from their checkpoints (a trainer
                     # computes its own): neither side computes one per refit.

@@ -4,10 +4,12 @@ validation errors, and a failed RPC (whose connection uvicorn closes after the 5
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
 from typing import Any
 
 from aiohttp import web
+from refit_worker import contract
 
 
 def vllm_error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
@@ -47,17 +49,24 @@ def add_lora_failed(error: str) -> web.Response:
     )
 
 
-# uvicorn logs the traceback of a failed RPC and then closes the connection; a request the
-# client sent on it meanwhile is never answered. The simulator keeps that window open.
+# Without the admin guard's own answer (a pod that does not report
+# CAP_ERRORS_KEEP_CONNECTION), uvicorn logs the traceback of a failed RPC and then closes the
+# connection; a request the client sent on it meanwhile is never answered. The simulator
+# keeps that window open.
 RPC_FAILURE_CLOSE_DELAY = 0.05
 doomed: set[Any] = set()  # transports that answer nothing more (the server drops them)
+# The pod the request in hand is for (the server's dispatch sets it for each request).
+SERVING: contextvars.ContextVar[Any] = contextvars.ContextVar("serving", default=None)
 
 
 def rpc_failure(request: web.Request, message: str) -> web.Response:
-    """How vLLM answers a /collective_rpc whose worker method raised: the exception passes
-    through the app, so uvicorn closes the connection after the 500."""
+    """How vLLM answers a /collective_rpc whose worker method raised: the admin guard answers
+    it with vLLM's error body and the connection stays open; without the guard the exception
+    passes through the app, and uvicorn closes the connection after the 500."""
+    pod = SERVING.get()
+    keeps = pod is not None and contract.CAP_ERRORS_KEEP_CONNECTION in pod.reported_capabilities()
     transport = request.transport
-    if transport is not None:
+    if transport is not None and not keeps:
         doomed.add(transport)
 
         def close() -> None:

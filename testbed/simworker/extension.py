@@ -105,10 +105,7 @@ class ExtensionRoutes:
 
     async def on_refit_info(self, request: web.Request, pod: PodState, body: Any, fault: Any):
         def info(pod: PodState) -> dict[str, Any]:
-            caps = pod.capabilities
-            if caps is None:
-                caps = list(contract.REQUIRED_CAPABILITIES)
-                caps += [contract.CAP_ADMIN_GUARD] if pod.admin else []
+            caps = pod.reported_capabilities()
             version = pod.loaded_version
             if fault is not None and fault.kind == "wrong_version":
                 version = str(fault.value or "sim-wrong-version")

@@ -179,6 +179,14 @@ class PodState:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set by the next abort
     drained: asyncio.Condition = field(default_factory=asyncio.Condition)
 
+    def reported_capabilities(self) -> list[str]:
+        """What refit_info reports: as a test set them, else the required ones, and with
+        the admin guard its own (it answers a refused RPC itself: the connection stays)."""
+        if self.capabilities is not None:
+            return list(self.capabilities)
+        guard = [contract.CAP_ADMIN_GUARD, contract.CAP_ERRORS_KEEP_CONNECTION]
+        return [*contract.REQUIRED_CAPABILITIES, *(guard if self.admin else [])]
+
     def fresh(self) -> None:
         """State of a freshly started pod (keeps faults, calls and test-set capabilities)."""
         self.weight_version = self.loaded_version = "default"

@@ -26,7 +26,7 @@ from aiohttp import web
 from refit_worker import contract, fence
 from refit_worker.contract import API_KEY_PREFIXES, needs_admin
 
-from testbed.simworker.errors import doomed, rpc_failure, vllm_error
+from testbed.simworker.errors import SERVING, doomed, rpc_failure, vllm_error
 from testbed.simworker.extension import ExtensionRoutes
 from testbed.simworker.model import SIM_VOCAB
 from testbed.simworker.pod import (
@@ -152,6 +152,7 @@ class SimServer(VllmRoutes, ExtensionRoutes, TransferRoutes):
         if not pod.up or transport in doomed:
             transport.abort()
             return web.Response(status=503)
+        SERVING.set(pod)  # this request's task: rpc_failure answers as this pod does
         pod.transports.add(transport)
         if len(pod.transports) > 64:
             pod.transports = {t for t in pod.transports if not t.is_closing()}

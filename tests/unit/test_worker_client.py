@@ -449,21 +449,37 @@ async def test_a_full_connection_pool_is_a_connect_error(
     assert pod.calls() == ["pause"]  # the second call never reached the pod
 
 
+@pytest.mark.parametrize("keeps", [False, True], ids=["closes", "keeps"])
 async def test_a_call_right_after_a_rejection_is_not_hit_by_the_closed_connection(
-    pod: SimPod, http: aiohttp.ClientSession, root: Path
+    pod: SimPod, root: Path, keeps: bool
 ) -> None:
-    # vLLM closes the connection after a refusing RPC (the simulator does too).
-    c = client(pod, http)
-    for _ in range(20):
-        with pytest.raises(WorkerError) as err:
-            await c.preflight(str(root / "absent"))
-        assert err.value.code == "CheckpointMissing"
-        assert await c.is_paused() is False
+    """Without the guard's own answer, vLLM closes the connection after a refusing RPC (the
+    simulator does too: a pod that does not report CAP_ERRORS_KEEP_CONNECTION), and the
+    client gives each RPC a connection of its own. A pod that reports it keeps the
+    connection, and the client pools RPCs with the rest: one connection for all."""
+    if not keeps:
+        pod.set_state(capabilities=list(contract.REQUIRED_CAPABILITIES))
+    opened: list[str] = []
+
+    async def count(session: Any, context: Any, params: Any) -> None:
+        opened.append("new")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(count)
+    async with worker_client.session([trace]) as http:
+        c = client(pod, http, keep_rpc_connections=keeps)
+        for _ in range(20):
+            with pytest.raises(WorkerError) as err:
+                await c.preflight(str(root / "absent"))
+            assert err.value.code == "CheckpointMissing"
+            assert await c.is_paused() is False
+    assert len(opened) == (1 if keeps else 21), len(opened)
 
 
 async def test_consecutive_requests_to_a_pod_reuse_one_connection(pod: SimPod) -> None:
     """A pass's requests, and the next pass's within the keep-alive, share one pooled
-    connection; an RPC gets one of its own (a refusing RPC's connection is closed by vLLM)."""
+    connection; an RPC gets one of its own unless the pod keeps a refused RPC's connection
+    open (keep_rpc_connections)."""
     opened: list[str] = []
 
     async def count(session: Any, context: Any, params: Any) -> None:
@@ -483,6 +499,11 @@ async def test_consecutive_requests_to_a_pod_reuse_one_connection(pod: SimPod) -
         assert len(opened) == 1
         await c.refit_info()
         await c.world_size()
+        assert len(opened) == 2
+        kept = client(pod, http, keep_rpc_connections=True)
+        assert contract.CAP_ERRORS_KEEP_CONNECTION in (await kept.refit_info()).capabilities
+        await kept.world_size()
+        await kept.refit_info()
         assert len(opened) == 2
 
 

@@ -886,6 +886,38 @@ def test_simulator_answers_the_weight_transfer_routes_like_refit_gloo(
     assert all(o[2] == 401 for o in observed_real if not o[1])  # the guard, every route
 
 
+async def refused_rpcs_on_one_connection(target: Target) -> tuple[int, bool]:
+    """Refused RPCs and admin calls in turn over a pool of one connection, as the operator
+    sends them to a pod that reports CAP_ERRORS_KEEP_CONNECTION: (connections opened,
+    whether it reports it)."""
+    opened: list[str] = []
+
+    async def count(session: Any, context: Any, params: Any) -> None:
+        opened.append("new")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(count)
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as http:
+        c = WorkerClient(target.base_url, http=http, admin_token=target.admin_token,
+                         api_key=target.api_key, keep_rpc_connections=True)  # fmt: skip
+        reports = contract.CAP_ERRORS_KEEP_CONNECTION in (await c.refit_info()).capabilities
+        for _ in range(3):
+            with pytest.raises(WorkerError) as err:
+                await c.preflight(str(target.root / "absent"))
+            assert err.value.code == "CheckpointMissing"
+            assert await c.is_paused() is False
+    return len(opened), reports
+
+
+def test_a_refused_rpc_leaves_the_connection_open(real: Target, sim: Target) -> None:
+    """The admin guard answers a refused RPC itself (vLLM's error body, as the contract
+    rejections above show), so uvicorn keeps the connection: the operator pools RPCs on it.
+    The simulator does the same."""
+    assert asyncio.run(refused_rpcs_on_one_connection(real)) == (1, True)
+    assert asyncio.run(refused_rpcs_on_one_connection(sim)) == (1, True)
+
+
 def test_every_route_the_simulator_serves_was_compared() -> None:
     """Last in the module: what the tests above sent to the real server covers every route
     and query parameter value the simulator serves; the rest is SIM_UNSHOWN's to say."""

@@ -364,3 +364,37 @@ def test_configured_api_key_reads_vllms_flag_then_its_env() -> None:
     assert configured_api_key(["x", "--api-key=b"], {}) == "b"
     assert configured_api_key(["x"], {"VLLM_API_KEY": "e"}) == "e"
     assert configured_api_key(["x"], {}) is None
+
+
+async def raising(scope: Scope, receive: Receive, send: Send) -> None:
+    raise RuntimeError("Call to collective_rpc method failed: RefitRejected: no")
+
+
+async def raising_late(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    raise RuntimeError("mid-answer")
+
+
+async def test_an_admin_request_whose_handler_raises_is_answered_by_the_guard(
+    token_file: Path,
+) -> None:
+    """vLLM's error body for an exception no handler of its own claims, answered here rather
+    than by Starlette's ServerErrorMiddleware: the exception never reaches uvicorn, which
+    would close the connection after the answer (CAP_ERRORS_KEEP_CONNECTION). An answer
+    already under way cannot be replaced: that exception goes on. An open path is not the
+    guard's to answer."""
+    auth = {"Authorization": "Bearer s3cret"}
+    guard = AdminGuard(raising, token_file=str(token_file))
+    transport = httpx.ASGITransport(app=guard)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.post("/collective_rpc", json={"method": "x"}, headers=auth)
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["message"] == "Call to collective_rpc method failed: RefitRejected: no"
+        assert (error["type"], error["code"]) == ("InternalServerError", 500)
+        with pytest.raises(RuntimeError, match="collective_rpc"):
+            await c.get("/health")
+    late = AdminGuard(raising_late, token_file=str(token_file))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=late), base_url="http://t") as c:
+        with pytest.raises(RuntimeError, match="mid-answer"):
+            await c.post("/collective_rpc", json={}, headers=auth)

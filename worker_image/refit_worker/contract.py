@@ -141,6 +141,10 @@ CAP_MLA_WEIGHTS_IN_PLACE = "mla-w-uv-w-uk-t-in-place"
 CAP_MOE_RELAYOUT_ON_RELOAD = "moe-relayout-on-reload"
 CAP_VERIFIED_RELOAD = "verified-reload"
 CAP_ADMIN_GUARD = "admin-guard"
+# The guard answers an admin request whose handler raised (a refused /collective_rpc, a
+# refused transfer route) itself, with vLLM's own error body, so uvicorn keeps the connection
+# open: the operator pools RPC connections only to a pod that reports it.
+CAP_ERRORS_KEEP_CONNECTION = "admin-errors-keep-connection"
 # What an image must report before the operator refits it (unless the spec allows it).
 REQUIRED_CAPABILITIES: tuple[str, ...] = (
     CAP_FLASHINFER_BMM_SCALES,

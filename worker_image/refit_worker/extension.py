@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from refit_worker import checkpoint, guard, peers
 from refit_worker.contract import (
     CAP_ADMIN_GUARD,
+    CAP_ERRORS_KEEP_CONNECTION,
     CAP_VERIFIED_RELOAD,
     PROBE_FILE,
     ContractError,
@@ -258,7 +259,7 @@ class RefitWorkerExtension:
         cfg = self.vllm_config
         caps = [*backports.capabilities(), CAP_VERIFIED_RELOAD]
         if guard.guard_configured():
-            caps.append(CAP_ADMIN_GUARD)
+            caps += [CAP_ADMIN_GUARD, CAP_ERRORS_KEEP_CONNECTION]
         backends = sorted(
             {
                 m.attn_backend.get_name()

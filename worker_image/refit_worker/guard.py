@@ -211,7 +211,10 @@ class AdminGuard:
                 **scope,
                 "headers": with_api_key(list(scope.get("headers") or []), self.api_key),
             }
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await _answering_errors(self.app, scope, receive, send)
 
     async def _vouch(self, receive: Receive) -> tuple[int, dict[str, Any]]:
         """An admitted ``POST /refit/ready``: a pass vouches for this process's weights."""
@@ -261,6 +264,45 @@ class AdminGuard:
         if expected is None or given is None:
             return False
         return hmac.compare_digest(given, expected)
+
+
+async def _answering_errors(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run an admitted admin request; if its handler raises before answering (a worker method
+    that refused through /collective_rpc, a refused transfer route), answer with the error
+    body vLLM's own handler of last resort would send, here. Left to that handler (Starlette's
+    ServerErrorMiddleware, outside this middleware), the exception reaches uvicorn, which
+    closes the connection after the answer: a client that pooled it meets the close on its
+    next request. Answered here, the connection stays open (CAP_ERRORS_KEEP_CONNECTION)."""
+    started = False
+
+    async def tracked(message: Message) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, tracked)
+    except Exception as exc:
+        if started:
+            raise  # the answer is under way: nothing sound to send (uvicorn closes)
+        log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+        status, body = _error_body(exc)
+        await _respond(send, status, body)
+
+
+def _error_body(exc: Exception) -> tuple[int, bytes]:
+    """vLLM's answer to an exception no handler of its own claims (its ``exception_handler``
+    for Exception): its ErrorResponse, with the status that names."""
+    try:
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+    except ImportError:  # a vLLM without that module: the same shape, as vLLM 0.20 writes it
+        doc = {"error": {"message": str(exc), "type": "InternalServerError", "param": None,
+                         "code": 500}}  # fmt: skip
+        return 500, json.dumps(doc).encode()
+    err = create_error_response(exc)
+    return int(err.error.code), json.dumps(err.model_dump()).encode()
 
 
 async def _respond(

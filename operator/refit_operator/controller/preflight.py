@@ -111,10 +111,13 @@ class Preflight:
     def answers(self, t: Tick) -> preflight_cache.FleetAnswers:
         """What earlier preflights of the refit's fleet kept, down to the pods listed now: the
         preflight's, and a late pod's admission (pod_pass), take their answers from it."""
-        fleet = t.view.spec.fleet
-        groups = fleet.groups.model_dump_json() if fleet.groups is not None else ""
-        key = (t.namespace, fleet.selector.canonical(), groups)
-        return self.fleets.of(key, t.state.listing.pods)
+        return self.fleets.of(_fleet_key(t), t.state.listing.pods)
+
+    def of_process(self, t: Tick, pod: PodView) -> preflight_cache.PodAnswers | None:
+        """What the pod's process now answered, if a preflight or admission kept it (no
+        pruning: one lookup)."""
+        kept = self.fleets.peek(_fleet_key(t))
+        return kept.of_process(pod) if kept is not None else None
 
     async def check_reference(
         self, t: Tick, pods: list[PodView], kept: preflight_cache.FleetAnswers
@@ -213,3 +216,9 @@ class Preflight:
             setattr(secrets, attr, value)
         secrets.loaded = True
         return None
+
+
+def _fleet_key(t: Tick) -> preflight_cache.FleetKey:
+    fleet = t.view.spec.fleet
+    groups = fleet.groups.model_dump_json() if fleet.groups is not None else ""
+    return (t.namespace, fleet.selector.canonical(), groups)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from refit_worker.contract import ProbeReference
+from refit_worker.contract import CAP_ERRORS_KEEP_CONNECTION, ProbeReference
 
 from ..core import admission, checksums, decision, groups, history, plan, times
 from ..core.api import (
@@ -69,6 +69,7 @@ class WorkerFactory(Protocol):
         timeout: float,
         fence: int | None,
         before_call: Callable[[], None] | None,
+        keep_rpc_connections: bool = False,
     ) -> WorkerClient: ...
 
 
@@ -513,9 +514,14 @@ class Engine:
         # The one place a pod's client gets the token: never for a pod the Pod object does
         # not vouch for (the decisions call none; this holds if one ever did).
         token = secrets.token if pod.vetted else None
+        # RPCs share the pooled connection where the pod's process said it keeps one open
+        # after a refusal (its refit_info, as the preflight or an admission read it).
+        known = self.preflight.of_process(t, pod)
+        keep = known is not None and CAP_ERRORS_KEEP_CONNECTION in known.info.capabilities
         return self.workers(url, admin_token=token, api_key=secrets.api_key,
                             timeout=float(spec.sequence.step_timeout_seconds),
-                            fence=fence, before_call=self.check)  # fmt: skip
+                            fence=fence, before_call=self.check,
+                            keep_rpc_connections=keep)  # fmt: skip
 
     async def _start(self, t: Tick, d: Decision) -> None:
         view, st, passes = t.view, t.state, t.state.passes

@@ -143,6 +143,10 @@ class Fleets:
             self._fleets.popitem(last=False)
         return fleet
 
+    def peek(self, key: FleetKey) -> FleetAnswers | None:
+        """The fleet's answers as kept, without pruning them (a lookup per pass)."""
+        return self._fleets.get(key)
+
     def __len__(self) -> int:
         return len(self._fleets)
 

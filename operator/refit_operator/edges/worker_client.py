@@ -72,10 +72,10 @@ def session(trace_configs: list[aiohttp.TraceConfig] | None = None) -> aiohttp.C
     connections overall, since every pod runs its own pass at once; per pod, a pass makes one
     request at a time. Proxies from the environment are ignored (trust_env off): pods are
     reached directly at their pod IPs. A pod's connections are pooled (no force_close), so
-    consecutive requests to it, the preflight's and its passes', reuse one connection (but an
-    RPC: see _request); idle ones expire before vLLM closes them
-    (contract.CLIENT_KEEPALIVE_SECONDS). ``trace_configs``: aiohttp's request tracing (the
-    tests count connections with it)."""
+    consecutive requests to it, the preflight's and its passes', reuse one connection (an RPC
+    too where the pod keeps it after a refusal: see _request); idle ones expire before vLLM
+    closes them (contract.CLIENT_KEEPALIVE_SECONDS). ``trace_configs``: aiohttp's request
+    tracing (the tests count connections with it)."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
             limit=0, limit_per_host=4, keepalive_timeout=contract.CLIENT_KEEPALIVE_SECONDS
@@ -114,10 +114,13 @@ class WorkerClient:
         timeout: float = 30.0,
         fence: int | None = None,
         before_call: Callable[[], None] | None = None,
+        keep_rpc_connections: bool = False,
     ) -> None:
         """``fence``: the fencing token sent on every request outside ``/v1`` (0..2**64-1;
         None sends none). ``before_call``: called before every request is sent; what it
-        raises propagates unchanged and the request is not sent."""
+        raises propagates unchanged and the request is not sent. ``keep_rpc_connections``:
+        the pod keeps a connection open after a refused RPC (its refit_info reports
+        contract.CAP_ERRORS_KEEP_CONNECTION), so RPCs share the pooled connection too."""
         self.base_url = base_url.rstrip("/")
         self._http = http
         self._admin_token = admin_token
@@ -125,6 +128,7 @@ class WorkerClient:
         self._timeout = timeout
         self._fence = None if fence is None else format_fence(fence)  # ValueError if invalid
         self._before_call = before_call
+        self._close_after_rpc = not keep_rpc_connections
         self._model: str | None = None
         # The process whose weights the pass probed (GET /refit/ready, read before the
         # probe): the vouch is bound to it. None: not read, or a worker without it.
@@ -152,12 +156,13 @@ class WorkerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if self._fence is not None and not api:
             headers[contract.FENCE_HEADER] = self._fence
-        if path == "/collective_rpc" or path in TRANSFER_PATHS:
-            # A refusing RPC raises through vLLM's app; uvicorn then closes the connection
-            # right after the 500, and a pooled reuse of it races that close (a spurious
-            # "connect" error on the next call). RPCs are rare: give each its own connection.
-            # (Marking the connection not to be pooled once the answer is a 500 comes too
-            # late: aiohttp has pooled it when the short body arrived with the headers.)
+        if self._close_after_rpc and (path == "/collective_rpc" or path in TRANSFER_PATHS):
+            # A pod whose guard does not answer a refusal itself: the refusing RPC raises
+            # through vLLM's app, uvicorn closes the connection right after the 500, and a
+            # pooled reuse of it races that close (a spurious "connect" error on the next
+            # call). Each RPC gets its own connection there. (Marking the connection not to
+            # be pooled once the answer is a 500 comes too late: aiohttp has pooled it when
+            # the short body arrived with the headers.)
             headers["Connection"] = "close"
         where = f"{method} {path}"
         seconds = self._timeout if timeout is None else timeout
