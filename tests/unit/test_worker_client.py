@@ -20,6 +20,7 @@ from refit_worker import contract
 
 from testbed.simworker import SIM_VOCAB, make_sim_checkpoint
 from testbed.simworker.fleet import SimFleet, SimPod
+from tests.fixtures.loopback import connection_counter
 
 ADMIN = "admin-secret"
 API_KEY = "api-secret"
@@ -459,13 +460,7 @@ async def test_a_call_right_after_a_rejection_is_not_hit_by_the_closed_connectio
     connection, and the client pools RPCs with the rest: one connection for all."""
     if not keeps:
         pod.set_state(capabilities=list(contract.REQUIRED_CAPABILITIES))
-    opened: list[str] = []
-
-    async def count(session: Any, context: Any, params: Any) -> None:
-        opened.append("new")
-
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(count)
+    trace, opened = connection_counter()
     async with worker_client.session([trace]) as http:
         c = client(pod, http, keep_rpc_connections=keeps)
         for _ in range(20):
@@ -480,13 +475,7 @@ async def test_consecutive_requests_to_a_pod_reuse_one_connection(pod: SimPod) -
     """A pass's requests, and the next pass's within the keep-alive, share one pooled
     connection; an RPC gets one of its own unless the pod keeps a refused RPC's connection
     open (keep_rpc_connections)."""
-    opened: list[str] = []
-
-    async def count(session: Any, context: Any, params: Any) -> None:
-        opened.append("new")
-
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(count)
+    trace, opened = connection_counter()
     async with worker_client.session([trace]) as http:
         c = client(pod, http)
         for _ in range(2):  # two passes' worth

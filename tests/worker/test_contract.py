@@ -59,6 +59,7 @@ from testbed.simworker.fleet import SimFleet
 from testbed.tiny_adapter import ensure_tiny_adapters
 from testbed.tiny_model import TinyModel
 from testbed.vllm_server import VllmServer, start_vllm_server
+from tests.fixtures.loopback import connection_counter
 
 pytestmark = pytest.mark.vllm
 
@@ -890,13 +891,7 @@ async def refused_rpcs_on_one_connection(target: Target) -> tuple[int, bool]:
     """Refused RPCs and admin calls in turn over a pool of one connection, as the operator
     sends them to a pod that reports CAP_ERRORS_KEEP_CONNECTION: (connections opened,
     whether it reports it)."""
-    opened: list[str] = []
-
-    async def count(session: Any, context: Any, params: Any) -> None:
-        opened.append("new")
-
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(count)
+    trace, opened = connection_counter()
     connector = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as http:
         c = WorkerClient(target.base_url, http=http, admin_token=target.admin_token,
