@@ -84,6 +84,10 @@ _HOLDING_THEN = frozenset(
     "two_installations,watch_coalesce,watch_delay,watch_drop,worker_crash,worker_refusal,"
     "worker_timeout".split(",")
 )
+_FEATURES_WITH_RESTARTS = frozenset(
+    "adapter_bad,adapter_fail,adapter_refits,broadcast_rounds,group_member_restart,"
+    "operator_restart,pod_groups,weights_skew,worker_crash".split(",")
+)
 _ADAPTERS_AMONG_HOLDING = _HOLDING_THEN | {"adapter_bad", "adapter_fail", "adapter_refits",
                                            "weights_skew"}  # fmt: skip
 # Schedules that once found a hole since fixed: CI runs them (tests/explorer).
@@ -114,10 +118,7 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
     # restart reaches no vouch of the leader's process); the last write now judges the group
     # by its members as the pod watch has them (pod_pass._members_now).
     "follower_restart_before_the_last_write": (
-        frozenset(
-            "adapter_bad,adapter_fail,adapter_refits,broadcast_rounds,group_member_restart,"
-            "operator_restart,pod_groups,weights_skew,worker_crash".split(",")
-        ),
+        _FEATURES_WITH_RESTARTS,
         (7565,),
     ),
     # The container of a group's leader restarted while an adapter pass ran on it; the pass
@@ -169,6 +170,11 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
         _HOLDING_THEN,
         (90015,),
     ),
+    # A base pass reloaded the base and so unloaded an adapter; that adapter's refit came to
+    # load it again, its probe failed, and its restore, taking the lost adapter for one the
+    # pod served, failed for want of it: the pod stayed out for good. A pass now starts
+    # serving nothing of an adapter its process lost (pod_pass, gate.adapter_missing).
+    "lost_adapter_refused_again": (_FEATURES_WITH_RESTARTS, (77640,)),
     # Two installations: one's watch had not shown a refit the other had just created, so it
     # took that refit's live claim for a crashed pass's; its base pass drove the pod over the
     # adapter pass and left the staged adapter loaded. A claim of a refit not yet seen is now

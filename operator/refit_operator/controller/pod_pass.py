@@ -19,7 +19,7 @@ from ..core import groups, podflow, times
 from ..core.admission import admission_problem, joins_layout, reach_problem
 from ..core.claim import Claim, claim_fence
 from ..core.decision import PodStart
-from ..core.gate import pass_readiness
+from ..core.gate import adapter_missing, pass_readiness
 from ..core.podflow import Finished, Progress, RunStep, WaitUntil
 from ..core.podview import PodView
 from ..core.preflight_cache import Identity
@@ -74,6 +74,10 @@ async def _run_pass(ctx: PassContext, pod: PodView, start: PodStart) -> Progress
         # A pod whose weights are another fleet's (moved here by its labels) does not keep
         # serving them: it leaves traffic in the pass's first write, and has none to go back to.
         serving = pod.serving if start.keep_serving else ""
+        if serving and adapter_missing(pod, pod.progress):
+            # Lost to a restart or a reload of the base: the process serves nothing of it
+            # (the pass is here to load it again), so a refusal has nothing to put back.
+            serving = ""
         progress = podflow.start(
             ctx.refit_name, ctx.refit_uid, start.version, start.path, times.now(),
             created=ctx.refit_created, rollback=start.rollback, restarts=pod.restarts,
