@@ -27,6 +27,7 @@ starting the simulators and the refit take several minutes on 2 cores.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import resource
@@ -63,6 +64,11 @@ from testbed.simworker.fleet import SimFleet
 
 PY_SPY = Path(sys.executable).with_name("py-spy")
 LABELS = {"app": "bench"}
+# The pods run the admin guard, as a fleet's pods do (its token in a Secret the refit names):
+# the operator then sends the token and fence, and pools RPCs on each pod's connection
+# (CAP_ERRORS_KEEP_CONNECTION), as it does in production.
+ADMIN_TOKEN = "bench-admin-token"
+ADMIN_SECRET = "bench-admin-token"
 GROUP, VERSION, PLURAL = API_GROUP, api.VERSION, api.PLURAL
 STRATEGIES = {
     "AllAtOnce": {"type": "AllAtOnce"},
@@ -217,6 +223,12 @@ class Bench:
                 if e.status != 429 or time.monotonic() > deadline:
                     raise
             time.sleep(0.2)
+
+    def make_admin_secret(self, ns: str) -> None:
+        """The Secret with the pods' admin token that the bench's refits name."""
+        token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
+        body = {"metadata": {"name": ADMIN_SECRET}, "data": {"token": token}}
+        self.core.create_namespaced_secret(ns, body)
 
     def create_refit(self, ns: str, body: dict[str, Any]) -> None:
         self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
@@ -385,6 +397,7 @@ def refit_body(
 ) -> dict[str, Any]:
     """A WeightRefit for the bench fleet (pods labelled LABELS); spec: further spec fields."""
     return build_refit(name, str(checkpoint), version, fleet_selector=LABELS, port=port,
+                       admin_token_secret=ADMIN_SECRET,
                        spec_fields={"strategy": strategy, **spec})  # fmt: skip
 
 
@@ -496,6 +509,7 @@ def run_suite(
                     for strategy in strategies or list(STRATEGIES):
                         # A fresh namespace per run: no earlier refit or pass in the way.
                         ns = bench.cp.create_namespace(f"bench-{n}")
+                        bench.make_admin_secret(ns)
                         bench.make_pods(ns, [p.ip for p in fleet.pods], group_size)
                         try:
                             r = bench.run(ns, fleet, strategy, ckpt_root, timeout=timeout,
@@ -543,7 +557,11 @@ class ShardedSimFleet:
                 port = self.shards[0].port if self.shards else 0
                 self.shards.append(
                     SimFleet(
-                        size, allowed_root=ckpt_root, port=port, start_timeout=max(180, size / 20)
+                        size,
+                        admin_token=ADMIN_TOKEN,
+                        allowed_root=ckpt_root,
+                        port=port,
+                        start_timeout=max(180, size / 20),
                     )
                 )
         except BaseException:
