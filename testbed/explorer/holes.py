@@ -150,6 +150,9 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
         _ADAPTERS_AMONG_HOLDING,
         (20581,),
     ),
+    # The same for a refit that had halted: its pass cut short, and the refits queued behind
+    # its claim. A finished refit's own passes cut short now resume.
+    "halted_pass_cut_short": (_ADAPTERS_AMONG_HOLDING, (100615,)),
     # An adapter refit being deleted (history) had left the index, and the tick that
     # released its finalizer took the base weights' fleet for its own: another adapter
     # refit's pass on the pods looked foreign, and they were withdrawn FleetChanged for good.

@@ -327,3 +327,14 @@ def test_the_target_tries_a_pod_its_own_pass_failed_on_again_a_minute_later():
     later = replace(p0, progress=replace(bad, finished=NOW - RETRY_FAILED_SECONDS))
     d = decide(observe(OLDER, [later], [ref(OLDER)], [OLDER]))
     assert [(x.pod, x.version, x.resume) for x in d.start] == [("p0", "v1", False)]
+
+
+def test_a_halted_refit_finishes_its_own_pass_cut_short_that_another_refit_waits_for():
+    """As a Succeeded refit does: the operator died mid-pass after the refit halted; the
+    pass resumes (it would have finished had the operator lived), and its claim is let go."""
+    running = replace(passed(HALTED), step="probe", outcome="", finished=0.0)
+    p1 = pod("p1", running, APP, claim=Claim("halted", HALTED.uid, 7, "op-dead"), ready=False)
+    newer = refit("newer", NEWEST, spec(APP, "v3"), WeightRefitStatus(phase="Progressing"))
+    d = decide(observe(HALTED, [p1], [ref(HALTED), ref(newer)], [HALTED, newer]))
+    assert [(x.pod, x.version, x.resume) for x in d.start] == [("p1", "v2", True)]
+    assert not d.idle

@@ -198,7 +198,11 @@ def _decide(obs: Observed) -> Decision:
         transition("Succeeded", "Succeeded", f"the target again of {shown}, which no newer "
                    "refit answers for")  # fmt: skip
     elif st.phase in TERMINAL_PHASES and st.phase != "Succeeded":
-        d.idle = True  # a finished refit's record stays as it was written
+        # Its own passes cut short (an operator died mid-pass) finish, as they would have had
+        # it lived: their claims are what the fleet's other refits wait for.
+        d.start = [_resume(n, obs, refit) for n, s in states_for.items()
+                   if s == "active" and n not in obs.in_flight]  # fmt: skip
+        d.idle = not d.start  # a finished refit's record stays as it was written
         d.release_finalizer = refit.deleting
         # Superseded because its pods moved on: it watches the pods it would be the target
         # of, were they back, so that it takes them up at once.
