@@ -199,6 +199,7 @@ def test_refit_body_selects_the_bench_fleet() -> None:
     assert body["spec"]["fleet"] == {
         "selector": {"matchLabels": scale.LABELS, "matchExpressions": []},
         "port": 8000,
+        "adminTokenSecretRef": {"name": scale.ADMIN_SECRET},  # the pods run the guard
     }
     assert body["spec"]["checkpoint"] == {"path": "/ckpt/1", "version": "v1"}
     assert body["spec"]["ttlSecondsAfterFinished"] == 5
