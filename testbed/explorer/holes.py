@@ -116,7 +116,7 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
     # A follower restarted after the group's probe, before the pass's last write, which put
     # the whole group back in traffic from the view the pass began with (the follower's
     # restart reaches no vouch of the leader's process); the last write now judges the group
-    # by its members as the pod watch has them (pod_pass._members_now).
+    # by its members as the pod watch has them (pod_pass._run_now).
     "follower_restart_before_the_last_write": (
         _FEATURES_WITH_RESTARTS,
         (7565,),
@@ -181,7 +181,7 @@ REGRESSIONS: dict[str, tuple[frozenset[str], tuple[int, ...]]] = {
     # Two installations: one's watch had not shown a refit the other had just created, so it
     # took that refit's live claim for a crashed pass's; its base pass drove the pod over the
     # adapter pass and left the staged adapter loaded. A claim of a refit not yet seen is now
-    # read from the API server (reconcile_loop._with_unseen).
+    # read from the API server (reconcile_loop._unseen).
     "claim_of_a_refit_not_yet_seen": (
         _ADAPTERS_AMONG_HOLDING,
         (20236,),
