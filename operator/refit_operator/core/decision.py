@@ -291,6 +291,8 @@ def _names(names: Sequence[str], shown: int = 5) -> str:
 def _retry_due(obs: Observed, names: Sequence[str]) -> set[str]:
     """Those of ``names`` (pods this Succeeded refit's pass failed on) whose pass ended at
     least RETRY_FAILED_SECONDS ago."""
+    if not names:
+        return set()  # the common case: no pass over every pod on a watching tick
     ended = {p.name: p.progress.finished for p in obs.pods if p.progress is not None}
     return {n for n in names if 0 < ended.get(n, 0) <= obs.now - RETRY_FAILED_SECONDS}
 
